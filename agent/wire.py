@@ -1,0 +1,227 @@
+"""The wire format: record kinds, their columns, and the batch encoding.
+
+One definition, two users: the agent encodes, the collector decodes. Stdlib only.
+
+A batch is columnar so that the collector can hand each column to Arrow/DuckDB
+without touching rows in Python:
+
+    offset 0   b"LWB1"                       magic and format version
+           4   u32 little-endian             header length H
+           8   H bytes of UTF-8 JSON          the header
+       8 + H   zero padding to a multiple of 8
+               column buffers, each starting at a multiple of 8
+
+Header:
+
+    {
+      "run_id": str, "rank": int, "incarnation": str, "batch_seq": int,
+      "node": str, "pid": int, "sent_ts": float,
+      "sections": {kind: {"n": rows, "columns": {name: [offset, nbytes]}}},
+      "dicts": {column name: [str, ...]},     # codes of dictionary columns
+      "events": [{"ts", "step", "attempt", "kind", "data": {...}}, ...],
+      "run": {...} | null,                    # run metadata (sent at start)
+      "stats": {"dropped": {kind: n}, "spooled": n, ...}
+    }
+
+Offsets are relative to the start of the column area. A column's dtype is fixed
+by `SCHEMA`, never by the sender; `decode_batch` checks every offset, length and
+dictionary code and raises `WireError` with a reason a person can act on.
+
+`(run_id, rank, incarnation, batch_seq)` identifies a batch: the collector
+stores a batch seen twice once.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from dataclasses import dataclass
+
+MAGIC = b"LWB1"
+CONTENT_TYPE = "application/x-llmwatch-batch"
+MAX_HEADER_BYTES = 4 * 1024 * 1024
+_HDR = struct.Struct("<4sI")
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    name: str
+    fmt: str  # array/memoryview/struct format: d=f64, q=i64, i=i32, h=i16, b=i8
+    dict_encoded: bool = False  # int16 codes into header["dicts"][name]
+
+    @property
+    def itemsize(self) -> int:
+        return struct.calcsize(self.fmt)
+
+    @property
+    def numpy_dtype(self) -> str:
+        return {"d": "<f8", "q": "<i8", "i": "<i4", "h": "<i2", "b": "<i1"}[self.fmt]
+
+
+def _cols(*spec: tuple) -> tuple[Column, ...]:
+    return tuple(Column(*s) for s in spec)
+
+
+# Record kinds. Column order is the order of the agent's record_* arguments.
+STEP = "step"
+COLLECTIVE = "collective"
+SCALAR = "scalar"
+HEARTBEAT = "heartbeat"
+
+SCHEMA: dict[str, tuple[Column, ...]] = {
+    STEP: _cols(
+        ("step", "q"), ("attempt", "i"), ("ts", "d"),
+        ("loss", "d"), ("grad_norm", "d"), ("loss_scale", "d"), ("lr", "d"), ("tokens", "q"),
+        ("step_s", "d"), ("fwd_s", "d"), ("bwd_s", "d"), ("opt_s", "d"), ("data_s", "d"),
+        ("comm_exposed_s", "d"), ("mem_bytes", "q"), ("skipped", "b"),
+    ),
+    COLLECTIVE: _cols(
+        ("step", "q"), ("attempt", "i"), ("seq", "q"), ("group_seq", "q"),
+        ("op", "h", True), ("axis", "h", True), ("group_id", "i"), ("peer", "i"),
+        ("bytes", "q"), ("start_ts", "d"), ("duration_s", "d"), ("wait_s", "d"),
+    ),
+    SCALAR: _cols(
+        ("step", "q"), ("attempt", "i"), ("ts", "d"), ("name", "h", True), ("value", "d"),
+    ),
+    HEARTBEAT: _cols(
+        ("ts", "d"), ("step", "q"), ("phase", "h", True), ("last_seq", "q"),
+    ),
+}
+KINDS = tuple(SCHEMA)
+MAX_DICT_ENTRIES = 32767
+
+
+class WireError(ValueError):
+    """A batch that cannot be decoded. The message says what is wrong."""
+
+
+@dataclass(slots=True)
+class Batch:
+    header: dict
+    # kind -> column name -> memoryview cast to the column's format (zero-copy)
+    columns: dict[str, dict[str, memoryview]]
+
+    def num_rows(self, kind: str) -> int:
+        sec = self.header["sections"].get(kind)
+        return int(sec["n"]) if sec else 0
+
+    @property
+    def key(self) -> tuple[str, int, str, int]:
+        h = self.header
+        return (h["run_id"], h["rank"], h["incarnation"], h["batch_seq"])
+
+
+def _pad8(n: int) -> int:
+    return (-n) % 8
+
+
+def encode_batch(header: dict, sections: dict[str, tuple[int, dict[str, bytes | memoryview]]]) -> bytes:
+    """Encode one batch. `header` holds everything but "sections"; `sections` maps a
+    kind to (rows, {column name: raw little-endian bytes of exactly rows items})."""
+    if sys.byteorder != "little":  # pragma: no cover - every platform we run on is little-endian
+        raise WireError("encode_batch supports little-endian hosts only")
+    layout: dict[str, dict] = {}
+    bufs: list[bytes | memoryview] = []
+    offset = 0
+    for kind, (n, cols) in sections.items():
+        if n == 0:
+            continue
+        spec = SCHEMA[kind]
+        col_layout = {}
+        for col in spec:
+            buf = cols[col.name]
+            nbytes = len(buf) if isinstance(buf, bytes) else buf.nbytes
+            if nbytes != n * col.itemsize:
+                raise WireError(f"{kind}.{col.name}: {nbytes} bytes for {n} rows of {col.fmt}")
+            col_layout[col.name] = [offset, nbytes]
+            bufs.append(buf)
+            pad = _pad8(nbytes)
+            if pad:
+                bufs.append(b"\0" * pad)
+            offset += nbytes + pad
+        layout[kind] = {"n": n, "columns": col_layout}
+    head = dict(header)
+    head["sections"] = layout
+    hj = json.dumps(head, separators=(",", ":"), allow_nan=False).encode()
+    parts = [_HDR.pack(MAGIC, len(hj)), hj, b"\0" * _pad8(_HDR.size + len(hj))]
+    parts.extend(bufs)
+    return b"".join(parts)
+
+
+_REQUIRED = {"run_id": str, "rank": int, "incarnation": str, "batch_seq": int}
+
+
+def decode_batch(data: bytes | memoryview, *, check_codes: bool = True) -> Batch:
+    """Decode and validate a batch without copying its columns.
+
+    `check_codes=False` skips the per-row dictionary-code range check (a Python
+    loop); a caller that checks codes vectorised (the collector, with numpy)
+    must then do it itself, against `len(header["dicts"][name])`."""
+    mv = memoryview(data)
+    if len(mv) < _HDR.size:
+        raise WireError(f"batch too short ({len(mv)} bytes)")
+    magic, hlen = _HDR.unpack_from(mv, 0)
+    if magic != MAGIC:
+        raise WireError(f"bad magic {bytes(magic)!r}: not an llmwatch batch (expected {MAGIC!r})")
+    if hlen > MAX_HEADER_BYTES or _HDR.size + hlen > len(mv):
+        raise WireError(f"header length {hlen} exceeds the batch ({len(mv)} bytes)")
+    try:
+        header = json.loads(bytes(mv[_HDR.size:_HDR.size + hlen]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise WireError(f"header is not valid JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise WireError("header must be a JSON object")
+    for key, typ in _REQUIRED.items():
+        v = header.get(key)
+        if not isinstance(v, typ) or isinstance(v, bool):
+            raise WireError(f"header field {key!r} must be {typ.__name__}")
+    if not header["run_id"] or len(header["run_id"]) > 200:
+        raise WireError("run_id must be 1..200 characters")
+    if header["rank"] < 0 or header["batch_seq"] < 0:
+        raise WireError("rank and batch_seq must be >= 0")
+    base = _HDR.size + hlen + _pad8(_HDR.size + hlen)
+    body = mv[base:]
+    sections = header.get("sections", {})
+    dicts = header.get("dicts", {})
+    if not isinstance(sections, dict) or not isinstance(dicts, dict):
+        raise WireError("sections and dicts must be objects")
+    for name, values in dicts.items():
+        if not isinstance(values, list) or len(values) > MAX_DICT_ENTRIES or not all(isinstance(v, str) for v in values):
+            raise WireError(f"dict {name!r} must be a list of at most {MAX_DICT_ENTRIES} strings")
+    columns: dict[str, dict[str, memoryview]] = {}
+    for kind, sec in sections.items():
+        spec = SCHEMA.get(kind)
+        if spec is None:
+            raise WireError(f"unknown record kind {kind!r} (known: {', '.join(KINDS)})")
+        if not isinstance(sec, dict):
+            raise WireError(f"section {kind!r} must be an object")
+        n = sec.get("n")
+        layout = sec.get("columns")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0 or not isinstance(layout, dict):
+            raise WireError(f"section {kind!r} needs an integer n >= 0 and a columns object")
+        missing = [c.name for c in spec if c.name not in layout]
+        extra = sorted(set(layout) - {c.name for c in spec})
+        if missing or extra:
+            raise WireError(f"section {kind!r}: missing columns {missing}, unknown columns {extra}")
+        cols = {}
+        for col in spec:
+            loc = layout[col.name]
+            if (not isinstance(loc, list) or len(loc) != 2
+                    or not all(isinstance(x, int) and not isinstance(x, bool) for x in loc)):
+                raise WireError(f"{kind}.{col.name}: location must be [offset, nbytes]")
+            off, nbytes = loc
+            if off < 0 or off % 8 or nbytes != n * col.itemsize or off + nbytes > len(body):
+                raise WireError(f"{kind}.{col.name}: bad location [{off}, {nbytes}] for {n} rows in {len(body)} bytes")
+            view = body[off:off + nbytes].cast(col.fmt)
+            if check_codes and col.dict_encoded and n:
+                size = len(dicts.get(col.name, ()))
+                lo, hi = min(view), max(view)
+                if lo < 0 or hi >= size:
+                    raise WireError(f"{kind}.{col.name}: code {hi if hi >= size else lo} outside its dictionary of {size}")
+            cols[col.name] = view
+        columns[kind] = cols
+    for key in ("events",):
+        if key in header and not isinstance(header[key], list):
+            raise WireError(f"{key} must be a list")
+    return Batch(header=header, columns=columns)

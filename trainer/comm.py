@@ -1,0 +1,343 @@
+"""The one instrumented communication layer.
+
+Every collective and point-to-point op of the trainer goes through `Comm`. Each
+op is timed and handed to a `CommSink` as one flat call (no record object, no
+dict): this is where the telemetry's "NCCL timing" comes from.
+
+What is measured, per op:
+
+- `start_ts`  wall-clock time (unix seconds) at which this rank entered the op.
+  Comparable across ranks: the last rank to enter a collective is the one the
+  others waited for.
+- `duration_s` from entering the op to its completion.
+- `wait_s`    time this rank's compute thread was blocked on the op: the whole
+  duration for a synchronous op, only the time inside `wait()` for an async one.
+  Summed per step this is the *exposed* communication time.
+
+On CPU (gloo) times are `time.perf_counter` around the op; an async op's
+completion time comes from its future's callback. On CUDA (nccl) the host does
+not block, so times come from CUDA events recorded on the current stream
+before the op and after `wait()`; they are resolved without a sync at the next
+step boundary (`end_step`), when the events have long completed.
+
+`seq` counts this rank's ops (monotonic, reported in heartbeats: a hung rank's
+`seq` falls behind its peers'). `group_seq` counts ops per process group and is
+identical on every member of the group, so one collective can be matched
+across ranks by `(axis, group_id, group_seq)`. `group_id` is the lowest global
+rank in the group.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from trainer.parallel_dims import Axis, ParallelDims
+
+
+class CommSink(Protocol):
+    """Receives one call per completed op. Must be cheap and must not raise."""
+
+    def collective(
+        self,
+        step: int,
+        seq: int,
+        group_seq: int,
+        op: str,
+        axis: str,
+        group_id: int,
+        peer: int,
+        nbytes: int,
+        start_ts: float,
+        duration_s: float,
+        wait_s: float,
+    ) -> None: ...
+
+
+class NullSink:
+    """The default sink: drops every record."""
+
+    def collective(self, step, seq, group_seq, op, axis, group_id, peer, nbytes, start_ts, duration_s, wait_s) -> None:
+        return None
+
+
+@dataclass(slots=True)
+class CommStepStats:
+    """Totals of one step, read by the loop at the step boundary."""
+
+    num_ops: int = 0
+    nbytes: int = 0
+    wait_s: float = 0.0  # exposed communication
+    last_seq: int = -1
+
+
+class _Clock:
+    """Maps `perf_counter` readings to unix time with one offset taken at start."""
+
+    __slots__ = ("offset",)
+
+    def __init__(self) -> None:
+        self.offset = time.time() - time.perf_counter()
+
+    def wall(self, perf: float) -> float:
+        return self.offset + perf
+
+
+class Handle:
+    """An in-flight async op. `wait()` blocks, records the timing and returns."""
+
+    __slots__ = ("_comm", "_work", "_op", "_axis", "_group_id", "_peer", "_nbytes", "_t0", "_done", "_seq", "_gseq", "_step", "_ev0", "_waited")
+
+    def __init__(self, comm: "Comm", work, op: str, axis: str, group_id: int, peer: int, nbytes: int, seq: int, gseq: int) -> None:
+        self._comm = comm
+        self._work = work
+        self._op = op
+        self._axis = axis
+        self._group_id = group_id
+        self._peer = peer
+        self._nbytes = nbytes
+        self._seq = seq
+        self._gseq = gseq
+        self._step = comm.step
+        self._t0 = time.perf_counter()
+        self._done: list[float] = []
+        self._ev0 = None
+        self._waited = False
+        if comm.use_cuda_events:
+            self._ev0 = torch.cuda.Event(enable_timing=True)
+            self._ev0.record()
+        else:
+            # Gloo completes the future on its own thread; the callback stamps the
+            # true completion time even when the op finishes long before wait().
+            try:
+                work.get_future().add_done_callback(lambda _f, d=self._done: d.append(time.perf_counter()))
+            except (RuntimeError, AttributeError):  # some work objects have no future
+                pass
+
+    def wait(self) -> None:
+        if self._waited:
+            return
+        self._waited = True
+        comm = self._comm
+        if self._ev0 is not None:
+            w0 = torch.cuda.Event(enable_timing=True)
+            w0.record()
+            self._work.wait()
+            w1 = torch.cuda.Event(enable_timing=True)
+            w1.record()
+            comm._pending_cuda.append((self._step, self._seq, self._gseq, self._op, self._axis, self._group_id, self._peer, self._nbytes, self._t0, self._ev0, w0, w1))
+            return
+        w0 = time.perf_counter()
+        self._work.wait()
+        w1 = time.perf_counter()
+        done = self._done[0] if self._done else w1
+        comm._emit(self._step, self._seq, self._gseq, self._op, self._axis, self._group_id, self._peer, self._nbytes, self._t0, max(done, self._t0) - self._t0, w1 - w0)
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+
+class _NoopHandle:
+    __slots__ = ()
+
+    def wait(self) -> None:
+        return None
+
+    def is_completed(self) -> bool:
+        return True
+
+
+NOOP_HANDLE = _NoopHandle()
+
+
+class Comm:
+    """Instrumented collectives over the groups of a `ParallelDims`.
+
+    Ops on a group of size 1 are skipped entirely (no record): the single-process
+    run and a dp=1 axis pay nothing.
+    """
+
+    def __init__(self, dims: ParallelDims, *, device: torch.device, sink: CommSink | None = None) -> None:
+        self.dims = dims
+        self.device = device
+        self.sink: CommSink = sink or NullSink()
+        self.use_cuda_events = device.type == "cuda"
+        self.step = 0
+        self._seq = -1
+        self._gseq: dict[Axis, int] = {}
+        self._groups: dict[Axis, object] = {}
+        self._group_ids: dict[Axis, int] = {}
+        self._sizes: dict[Axis, int] = {}
+        self._clock = _Clock()
+        self._stats = CommStepStats()
+        self._pending_cuda: list[tuple] = []
+        for axis in Axis:
+            try:
+                members = dims.ranks_in(axis)
+            except RuntimeError:
+                continue
+            self._sizes[axis] = len(members)
+            self._group_ids[axis] = members[0]
+            self._gseq[axis] = -1
+        # the (a, b) pair's p2p ops are counted per peer pair: group_seq stays
+        # identical on both ends because both ends issue the same sequence.
+        self._p2p_seq: dict[int, int] = {}
+
+    # -- bookkeeping -------------------------------------------------------
+    def set_sink(self, sink: CommSink | None) -> None:
+        self.sink = sink or NullSink()
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+
+    def end_step(self) -> CommStepStats:
+        """Resolve finished CUDA timings and return (and reset) the step's totals."""
+        if self._pending_cuda:
+            self._resolve_cuda()
+        stats = self._stats
+        stats.last_seq = self._seq
+        self._stats = CommStepStats()
+        return stats
+
+    @property
+    def last_seq(self) -> int:
+        return self._seq
+
+    def size(self, axis: Axis) -> int:
+        return self._sizes.get(axis, 1)
+
+    def group(self, axis: Axis):
+        g = self._groups.get(axis)
+        if g is None:
+            g = self._groups[axis] = self.dims.group(axis)
+        return g
+
+    def _next(self, axis: Axis) -> tuple[int, int]:
+        self._seq += 1
+        self._gseq[axis] += 1
+        return self._seq, self._gseq[axis]
+
+    def _emit(self, step, seq, gseq, op, axis, group_id, peer, nbytes, t0, duration_s, wait_s) -> None:
+        st = self._stats
+        st.num_ops += 1
+        st.nbytes += nbytes
+        st.wait_s += wait_s
+        self.sink.collective(step, seq, gseq, op, axis, group_id, peer, nbytes, self._clock.wall(t0), duration_s, wait_s)
+
+    def _resolve_cuda(self) -> None:
+        keep = []
+        for rec in self._pending_cuda:
+            step, seq, gseq, op, axis, gid, peer, nbytes, t0, ev0, w0, w1 = rec
+            if not w1.query():
+                keep.append(rec)
+                continue
+            duration_s = ev0.elapsed_time(w1) / 1e3
+            wait_s = w0.elapsed_time(w1) / 1e3
+            self._emit(step, seq, gseq, op, axis.value if isinstance(axis, Axis) else axis, gid, peer, nbytes, t0, duration_s, wait_s)
+        self._pending_cuda = keep
+
+    def _run(self, op: str, axis: Axis, nbytes: int, peer: int, fn, async_op: bool):
+        seq, gseq = self._next(axis)
+        return self._timed(op, axis.value, self._group_ids[axis], peer, nbytes, seq, gseq, fn, async_op)
+
+    def _timed(self, op, axis_name, group_id, peer, nbytes, seq, gseq, fn, async_op):
+        if async_op:
+            work = fn(True)
+            return Handle(self, work, op, axis_name, group_id, peer, nbytes, seq, gseq)
+        if self.use_cuda_events:
+            h = Handle(self, fn(True), op, axis_name, group_id, peer, nbytes, seq, gseq)
+            h.wait()
+            return None
+        t0 = time.perf_counter()
+        fn(False)
+        dt = time.perf_counter() - t0
+        self._emit(self.step, seq, gseq, op, axis_name, group_id, peer, nbytes, t0, dt, dt)
+        return None
+
+    # -- collectives -------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, axis: Axis, *, op=dist.ReduceOp.SUM, async_op: bool = False):
+        if self.size(axis) == 1:
+            return NOOP_HANDLE if async_op else None
+        group = self.group(axis)
+        return self._run("all_reduce", axis, tensor.numel() * tensor.element_size(), -1,
+                         lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a), async_op)
+
+    def all_gather(self, output: torch.Tensor, tensor: torch.Tensor, axis: Axis, *, async_op: bool = False):
+        """Gather `tensor` from every member into `output` (concatenated on dim 0)."""
+        if self.size(axis) == 1:
+            output.copy_(tensor)
+            return NOOP_HANDLE if async_op else None
+        group = self.group(axis)
+        return self._run("all_gather", axis, output.numel() * output.element_size(), -1,
+                         lambda a: dist.all_gather_into_tensor(output, tensor, group=group, async_op=a), async_op)
+
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, axis: Axis, *, op=dist.ReduceOp.SUM, async_op: bool = False):
+        """Reduce `tensor` over the group and keep this member's dim-0 chunk in `output`."""
+        if self.size(axis) == 1:
+            output.copy_(tensor)
+            return NOOP_HANDLE if async_op else None
+        group = self.group(axis)
+        return self._run("reduce_scatter", axis, tensor.numel() * tensor.element_size(), -1,
+                         lambda a: dist.reduce_scatter_tensor(output, tensor, op=op, group=group, async_op=a), async_op)
+
+    def broadcast(self, tensor: torch.Tensor, axis: Axis, *, src_group_rank: int = 0, async_op: bool = False):
+        if self.size(axis) == 1:
+            return NOOP_HANDLE if async_op else None
+        group = self.group(axis)
+        src = self.dims.ranks_in(axis)[src_group_rank]
+        return self._run("broadcast", axis, tensor.numel() * tensor.element_size(), src,
+                         lambda a: dist.broadcast(tensor, src=src, group=group, async_op=a), async_op)
+
+    def barrier(self, axis: Axis = Axis.WORLD) -> None:
+        if self.size(axis) == 1:
+            return
+        group = self.group(axis)
+        self._run("barrier", axis, 0, -1, lambda a: dist.barrier(group=group, async_op=a), False)
+
+    # -- point to point (pipeline) ------------------------------------------
+    def _p2p_next(self, peer: int) -> tuple[int, int]:
+        self._seq += 1
+        n = self._p2p_seq.get(peer, -1) + 1
+        self._p2p_seq[peer] = n
+        return self._seq, n
+
+    def isend(self, tensor: torch.Tensor, peer: int) -> Handle:
+        seq, gseq = self._p2p_next(peer)
+        return self._timed("send", Axis.PP.value, min(self.dims.rank, peer), peer, tensor.numel() * tensor.element_size(),
+                           seq, gseq, lambda a: dist.isend(tensor, dst=peer), True)
+
+    def irecv(self, tensor: torch.Tensor, peer: int) -> Handle:
+        seq, gseq = self._p2p_next(peer)
+        return self._timed("recv", Axis.PP.value, min(self.dims.rank, peer), peer, tensor.numel() * tensor.element_size(),
+                           seq, gseq, lambda a: dist.irecv(tensor, src=peer), True)
+
+    def batch_p2p(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> list[Handle]:
+        """Post all receives and sends at once and return their handles.
+
+        Goes through `batch_isend_irecv`, so the order in which two stages post
+        their halves can never deadlock (NCCL needs this; gloo accepts it)."""
+        ops, meta = [], []
+        for tensor, peer in recvs:
+            ops.append(dist.P2POp(dist.irecv, tensor, peer))
+            meta.append(("recv", tensor, peer))
+        for tensor, peer in sends:
+            ops.append(dist.P2POp(dist.isend, tensor, peer))
+            meta.append(("send", tensor, peer))
+        if not ops:
+            return []
+        works = dist.batch_isend_irecv(ops)
+        handles = []
+        for (op, tensor, peer), work in zip(meta, works):
+            seq, gseq = self._p2p_next(peer)
+            handles.append(Handle(self, work, op, Axis.PP.value, min(self.dims.rank, peer), peer,
+                                  tensor.numel() * tensor.element_size(), seq, gseq))
+        return handles
+
+
+def wait_all(handles) -> None:
+    for h in handles:
+        h.wait()

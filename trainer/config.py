@@ -1,0 +1,218 @@
+"""Configuration: one dataclass per component, composed into `JobConfig`.
+
+The CLI (`trainer.cli`) maps flags onto these; a JSON file may back them. Every
+check that can be made before a rank starts lives in `JobConfig.validate()`, so a
+bad layout exits with a one-line reason instead of a hang in `init_process_group`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+VOCAB_PAD_MULTIPLE = 64  # padded vocab must split evenly over any tp degree we allow
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run. The message is one line, meant for a user."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    layers: int = 4
+    d_model: int = 128
+    heads: int = 4
+    seq_len: int = 128
+    mlp_ratio: int = 4
+    vocab_size: int = 320  # byte tokenizer (256 + specials) padded to VOCAB_PAD_MULTIPLE
+    dropout: float = 0.0
+    init_std: float = 0.02
+
+    def validate(self) -> None:
+        if self.layers < 1 or self.d_model < 1 or self.heads < 1 or self.seq_len < 2:
+            raise ConfigError("--layers, --d-model, --heads must be >= 1 and --seq-len >= 2")
+        if self.d_model % self.heads:
+            raise ConfigError(f"--d-model {self.d_model} is not divisible by --heads {self.heads}")
+        if self.vocab_size % VOCAB_PAD_MULTIPLE:
+            raise ConfigError(f"vocab_size {self.vocab_size} must be a multiple of {VOCAB_PAD_MULTIPLE}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout {self.dropout} must be in [0, 1)")
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    sp: bool = False
+    nodes: int = 1
+    micro_batch_size: int = 4  # per data-parallel replica
+    micro_batches: int = 2  # per data-parallel replica, per optimizer step
+    bucket_mb: float = 1.0  # DP gradient bucket size
+    backend: str = "auto"  # auto | gloo | nccl
+    timeout_s: float = 300.0  # process-group timeout: a hang turns into an error after this
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def validate(self, model: ModelConfig, world_size: int | None = None) -> None:
+        for name in ("dp", "tp", "pp", "nodes", "micro_batch_size", "micro_batches"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        if world_size is not None and world_size != self.world_size:
+            raise ConfigError(
+                f"dp*pp*tp = {self.dp}*{self.pp}*{self.tp} = {self.world_size} "
+                f"does not match the world size {world_size}"
+            )
+        if model.heads % self.tp:
+            raise ConfigError(f"--heads {model.heads} is not divisible by --tp {self.tp}")
+        if (model.d_model * model.mlp_ratio) % self.tp:
+            raise ConfigError(f"MLP width {model.d_model * model.mlp_ratio} is not divisible by --tp {self.tp}")
+        if model.vocab_size % self.tp:
+            raise ConfigError(f"vocab size {model.vocab_size} is not divisible by --tp {self.tp}")
+        if model.layers < self.pp:
+            raise ConfigError(f"--layers {model.layers} is fewer than --pp {self.pp} pipeline stages")
+        if self.sp and self.tp == 1:
+            raise ConfigError("--sp needs --tp > 1 (sequence parallel splits the TP regions)")
+        if self.world_size % self.nodes:
+            raise ConfigError(f"world size {self.world_size} does not split evenly over --nodes {self.nodes}")
+        ranks_per_node = self.world_size // self.nodes
+        if ranks_per_node % self.tp:
+            raise ConfigError(
+                f"{ranks_per_node} ranks per node cannot hold a whole TP group of {self.tp}: "
+                "a TP group must not span nodes"
+            )
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ConfigError(f"unknown backend {self.backend!r} (auto, gloo, nccl)")
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+
+
+@dataclass(kw_only=True, slots=True)
+class PrecisionConfig:
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 200
+    min_scale: float = 1.0
+
+    def validate(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    domains: tuple[str, ...] = ("code", "math")
+    min_sample_tokens: int = 16
+    group_window: int = 64  # length grouping: sort within windows of this many micro-batches
+    prefetch: int = 2  # steps prepared ahead by the prefetch thread
+    eval_samples: int = 32  # held-out samples per domain
+    cache_dir: str | None = None  # where the built corpus is cached (default: ~/.cache/llmwatch)
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    dir: str | None = None
+    every: int = 0  # steps; 0 = never
+    persist_dir: str | None = None
+    keep: int = 3
+    resume: bool = False
+
+
+@dataclass(kw_only=True, slots=True)
+class TelemetryConfig:
+    enabled: bool = False
+    collector_url: str | None = None  # None with enabled=True: the launcher starts an embedded collector
+    token: str | None = None
+    flush_interval_s: float = 0.2
+    heartbeat_interval_s: float = 1.0
+    spool_bytes: int = 256 * 1024 * 1024
+    otlp_endpoint: str | None = None
+    prometheus_port: int | None = None  # rank r listens on prometheus_port + local rank
+
+
+@dataclass(kw_only=True, slots=True)
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    steps: int = 50
+    seed: int = 1234
+    eval_every: int = 0
+    log_every: int = 1
+    metrics_jsonl: str | None = None
+    run_id: str | None = None
+    run_dir: str | None = None
+    inject: tuple[str, ...] = ()
+
+    def validate(self, world_size: int | None = None) -> None:
+        if self.steps < 1:
+            raise ConfigError("--steps must be >= 1")
+        self.model.validate()
+        self.parallel.validate(self.model, world_size)
+        self.precision.validate()
+        if self.parallel.sp and self.model.seq_len % self.parallel.tp:
+            raise ConfigError(f"--seq-len {self.model.seq_len} is not divisible by --tp {self.parallel.tp} (needed by --sp)")
+        if self.ckpt.every and not self.ckpt.dir:
+            raise ConfigError("--ckpt-every needs --ckpt-dir")
+        if self.ckpt.resume and not self.ckpt.dir:
+            raise ConfigError("--resume needs --ckpt-dir")
+        # Imported here so that parsing specs never needs torch.
+        from trainer.faults import parse_injections
+
+        parse_injections(self.inject, world_size=self.parallel.world_size)
+
+    # -- (de)serialisation: the launcher hands the config to its ranks as JSON --
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "JobConfig":
+        parts = {
+            "model": ModelConfig,
+            "parallel": ParallelConfig,
+            "optim": OptimConfig,
+            "precision": PrecisionConfig,
+            "data": DataConfig,
+            "ckpt": CheckpointConfig,
+            "telemetry": TelemetryConfig,
+        }
+        kwargs: dict[str, Any] = {}
+        for key, value in d.items():
+            if key in parts:
+                sub = dict(value)
+                if "domains" in sub:
+                    sub["domains"] = tuple(sub["domains"])
+                kwargs[key] = parts[key](**sub)
+            elif key == "inject":
+                kwargs[key] = tuple(value)
+            else:
+                kwargs[key] = value
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, text: str) -> "JobConfig":
+        return cls.from_dict(json.loads(text))

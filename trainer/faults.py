@@ -1,0 +1,217 @@
+"""Fault injection for demos and tests.
+
+    --inject nan@step=40,rank=2[,mode=data|transient]
+    --inject spike@step=60
+    --inject straggler@rank=3,from=30,factor=1.5[,to=80]
+    --inject hang@rank=1,step=80
+    --inject crash@rank=1,step=80
+
+Every fault really happens: a NaN propagates through the forward and backward
+passes, a spike is a batch of random bytes, a straggler's compute really takes
+`factor` times as long, a hung rank stops entering collectives, a crashed rank's
+process exits.
+
+Data-tied faults (`spike`, `nan` with `mode=data`) are attached to the *samples*
+of the step where they first fire, not to the step number: replaying that batch
+reproduces them, and a rollback that skips the window makes them go away. That is
+the difference the root-cause logic tests for (data vs hardware).
+
+The ground truth goes to `<run dir>/injections.jsonl`. Nothing in the product
+reads it; only tests and offline scoring do. The injector keeps its own state
+(which windows are poisoned, which one-shot faults fired) in
+`<run dir>/.faults-state.json` so that it survives a restart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.config import ConfigError
+
+_KEYS: dict[str, dict[str, type]] = {
+    "nan": {"step": int, "rank": int, "mode": str},
+    "spike": {"step": int},
+    "straggler": {"rank": int, "from": int, "factor": float, "to": int},
+    "hang": {"rank": int, "step": int},
+    "crash": {"rank": int, "step": int},
+}
+_REQUIRED = {
+    "nan": ("step", "rank"),
+    "spike": ("step",),
+    "straggler": ("rank", "from", "factor"),
+    "hang": ("rank", "step"),
+    "crash": ("rank", "step"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Injection:
+    kind: str
+    step: int = -1  # nan, spike, hang, crash; `from` for straggler
+    rank: int = -1  # -1: every rank (spike)
+    mode: str = "data"  # nan: data | transient
+    factor: float = 1.0  # straggler
+    to_step: int = 1 << 62  # straggler: last affected step
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}@step={self.step},rank={self.rank}"
+
+
+def parse_injection(spec: str, *, world_size: int | None = None) -> Injection:
+    kind, sep, rest = spec.partition("@")
+    kind = kind.strip()
+    if kind not in _KEYS:
+        raise ConfigError(f"--inject {spec!r}: unknown kind {kind!r} (known: {', '.join(_KEYS)})")
+    if not sep and _REQUIRED[kind]:
+        raise ConfigError(f"--inject {spec!r}: needs {', '.join(k + '=' for k in _REQUIRED[kind])}")
+    values: dict[str, object] = {}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, raw = item.partition("=")
+        if not eq or key not in _KEYS[kind]:
+            raise ConfigError(f"--inject {spec!r}: bad field {item!r} (fields of {kind}: {', '.join(_KEYS[kind])})")
+        try:
+            values[key] = _KEYS[kind][key](raw)
+        except ValueError:
+            raise ConfigError(f"--inject {spec!r}: {key}={raw!r} is not a {_KEYS[kind][key].__name__}") from None
+    missing = [k for k in _REQUIRED[kind] if k not in values]
+    if missing:
+        raise ConfigError(f"--inject {spec!r}: missing {', '.join(missing)}")
+    rank = int(values.get("rank", -1))
+    if world_size is not None and rank >= world_size:
+        raise ConfigError(f"--inject {spec!r}: rank {rank} outside world of {world_size}")
+    mode = str(values.get("mode", "data"))
+    if mode not in ("data", "transient"):
+        raise ConfigError(f"--inject {spec!r}: mode must be data or transient")
+    factor = float(values.get("factor", 1.0))
+    if kind == "straggler" and factor < 1.0:
+        raise ConfigError(f"--inject {spec!r}: factor must be >= 1")
+    step = int(values.get("from", values.get("step", -1)))
+    if step < 0:
+        raise ConfigError(f"--inject {spec!r}: step must be >= 0")
+    return Injection(kind=kind, step=step, rank=rank, mode=mode, factor=factor,
+                     to_step=int(values.get("to", 1 << 62)))
+
+
+def parse_injections(specs, *, world_size: int | None = None) -> list[Injection]:
+    return [parse_injection(s, world_size=world_size) for s in specs]
+
+
+@dataclass(frozen=True, slots=True)
+class StepFaults:
+    """What the engine must do to this rank in this step."""
+
+    nan: bool = False  # poison this rank's activations (first micro-batch)
+    slowdown: float = 1.0  # compute takes this many times as long
+    spike: bool = False  # the batch was replaced by random bytes (already applied)
+
+
+NO_FAULTS = StepFaults()
+
+
+class FaultInjector:
+    """Decides, per step and rank, which faults fire; writes the ground truth."""
+
+    def __init__(self, injections: list[Injection], *, rank: int, node: int, run_dir: str | os.PathLike | None,
+                 clock=time.time) -> None:
+        self.injections = injections
+        self.rank = rank
+        self.node = node
+        self.clock = clock
+        self.run_dir = Path(run_dir) if run_dir else None
+        self._state = {"windows": {}, "fired": []}  # windows: injection name -> [epoch, lo, hi]
+        if self.run_dir is not None and self._state_path.exists():
+            try:
+                self._state = json.loads(self._state_path.read_text())
+            except (OSError, json.JSONDecodeError):
+                pass
+
+    @property
+    def _state_path(self) -> Path:
+        assert self.run_dir is not None
+        return self.run_dir / f".faults-state-rank{self.rank}.json"
+
+    def __bool__(self) -> bool:
+        return bool(self.injections)
+
+    def _save_state(self) -> None:
+        if self.run_dir is None:
+            return
+        tmp = self._state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self._state))
+        os.replace(tmp, self._state_path)
+
+    def _truth(self, inj: Injection, step: int, attempt: int, **extra) -> None:
+        if self.run_dir is None:
+            return
+        row = {"kind": inj.kind, "rank": self.rank if inj.rank >= 0 else -1, "node": self.node, "step": step,
+               "attempt": attempt, "ts": self.clock(), "spec": inj.name, **extra}
+        if inj.kind == "nan":
+            row["mode"] = inj.mode
+        if inj.kind == "straggler":
+            row["factor"] = inj.factor
+        with open(self.run_dir / "injections.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _mine(self, inj: Injection) -> bool:
+        return inj.rank < 0 or inj.rank == self.rank
+
+    def _in_window(self, inj: Injection, window: tuple[int, int, int]) -> bool:
+        w = self._state["windows"].get(inj.name)
+        if w is None:
+            return False
+        epoch, lo, hi = window
+        return w[0] == epoch and lo < w[2] and w[1] < hi
+
+    def step_faults(self, step: int, attempt: int, window: tuple[int, int, int]) -> StepFaults:
+        """Faults of this step. `window` is (epoch, first sample, end sample) of the
+        step's global batch: data-tied faults follow those samples."""
+        if not self.injections:
+            return NO_FAULTS
+        nan = spike = False
+        slowdown = 1.0
+        for inj in self.injections:
+            if inj.kind in ("nan", "spike"):
+                data_tied = inj.kind == "spike" or inj.mode == "data"
+                first = step == inj.step and inj.name not in self._state["windows"] and inj.name not in self._state["fired"]
+                if first:
+                    if data_tied:
+                        self._state["windows"][inj.name] = list(window)
+                    else:
+                        self._state["fired"].append(inj.name)
+                    self._save_state()
+                fires = first or (data_tied and self._in_window(inj, window))
+                if fires and self._mine(inj):
+                    self._truth(inj, step, attempt, samples=list(window), replay=not first)
+                    if inj.kind == "nan":
+                        nan = True
+                    else:
+                        spike = True
+            elif inj.kind == "straggler" and self._mine(inj) and inj.step <= step <= inj.to_step:
+                if inj.name not in self._state["fired"]:
+                    self._state["fired"].append(inj.name)
+                    self._save_state()
+                    self._truth(inj, step, attempt)
+                slowdown = max(slowdown, inj.factor)
+        return StepFaults(nan=nan, slowdown=slowdown, spike=spike)
+
+    def before_step(self, step: int, attempt: int) -> None:
+        """One-shot process faults: hang or crash this rank at the start of `step`."""
+        for inj in self.injections:
+            if inj.kind not in ("hang", "crash") or inj.step != step or not self._mine(inj):
+                continue
+            if inj.name in self._state["fired"]:
+                continue
+            self._state["fired"].append(inj.name)
+            self._save_state()
+            self._truth(inj, step, attempt, pid=os.getpid())
+            if inj.kind == "crash":
+                os._exit(17)
+            while True:  # hang: stop entering collectives, keep the process (and its heartbeats) alive
+                time.sleep(3600)
