@@ -1,0 +1,120 @@
+"""`trainer` command line: flags -> `JobConfig` -> launch.
+
+The flag names are a contract (tests, the demo, the compose files and the
+healing actions use them). `--config FILE` loads a JSON `JobConfig`; flags given
+on the command line override it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from trainer.config import ConfigError, JobConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="trainer",
+        description="Hybrid-parallel (dp x pp x tp, +sp) GPT trainer with telemetry and fault injection.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        argument_default=argparse.SUPPRESS,
+    )
+    p.add_argument("--config", type=Path, help="JSON file with a JobConfig; flags override it")
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--dp", type=int, help="data-parallel degree (default 1)")
+    g.add_argument("--tp", type=int, help="tensor-parallel degree (default 1)")
+    g.add_argument("--pp", type=int, help="pipeline-parallel stages (default 1)")
+    g.add_argument("--sp", action="store_true", help="sequence parallel over the TP group")
+    g.add_argument("--nodes", type=int, help="simulated nodes the ranks are placed on (default 1)")
+    g.add_argument("--backend", choices=("auto", "gloo", "nccl"), help="process-group backend")
+    g = p.add_argument_group("model")
+    g.add_argument("--layers", type=int)
+    g.add_argument("--d-model", type=int)
+    g.add_argument("--heads", type=int)
+    g.add_argument("--seq-len", type=int)
+    g = p.add_argument_group("batch and schedule")
+    g.add_argument("--micro-batch-size", type=int, help="samples per micro-batch, per dp replica")
+    g.add_argument("--micro-batches", type=int, help="micro-batches per step, per dp replica")
+    g.add_argument("--steps", type=int)
+    g.add_argument("--lr", type=float)
+    g.add_argument("--warmup-steps", type=int)
+    g.add_argument("--grad-clip", type=float)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--precision", choices=("fp32", "bf16", "fp16"))
+    g.add_argument("--eval-every", type=int, help="held-out loss per domain every N steps (0: never)")
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--ckpt-dir")
+    g.add_argument("--ckpt-every", type=int)
+    g.add_argument("--ckpt-persist-dir")
+    g.add_argument("--ckpt-keep", type=int)
+    g.add_argument("--resume", action="store_true", help="restore the newest verified checkpoint")
+    g = p.add_argument_group("run and output")
+    g.add_argument("--run-id")
+    g.add_argument("--run-dir", help="where the run writes its files (default runs/<run id>)")
+    g.add_argument("--metrics-jsonl", help="rank 0 writes one JSON object per step here")
+    g.add_argument("--inject", action="append", metavar="KIND@k=v,...",
+                   help="fault injection: nan@step=S,rank=R[,mode=data|transient] | spike@step=S | "
+                        "straggler@rank=R,from=S,factor=F | hang@rank=R,step=S | crash@rank=R,step=S")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = p.add_argument_group("telemetry")
+    g.add_argument("--telemetry", action="store_true", help="record telemetry in every rank")
+    g.add_argument("--collector", metavar="URL", help="ship to a running collector (default: start an embedded one)")
+    g.add_argument("--token", help="collector bearer token (or env LLMWATCH_TOKEN)")
+    g.add_argument("--otlp-endpoint", help="also export step-phase spans over OTLP/HTTP to this endpoint")
+    g.add_argument("--prometheus-port", type=int, help="serve live gauges on this port (+ local rank)")
+    g.add_argument("--keep-collector", action="store_true",
+                   help="leave the embedded collector running after training (Ctrl-C stops it)")
+    return p
+
+
+# flag -> (component, field)
+_MAP = {
+    "dp": ("parallel", "dp"), "tp": ("parallel", "tp"), "pp": ("parallel", "pp"), "sp": ("parallel", "sp"),
+    "nodes": ("parallel", "nodes"), "backend": ("parallel", "backend"),
+    "micro_batch_size": ("parallel", "micro_batch_size"), "micro_batches": ("parallel", "micro_batches"),
+    "layers": ("model", "layers"), "d_model": ("model", "d_model"), "heads": ("model", "heads"),
+    "seq_len": ("model", "seq_len"),
+    "lr": ("optim", "lr"), "warmup_steps": ("optim", "warmup_steps"), "grad_clip": ("optim", "grad_clip"),
+    "precision": ("precision", "precision"),
+    "ckpt_dir": ("ckpt", "dir"), "ckpt_every": ("ckpt", "every"), "ckpt_persist_dir": ("ckpt", "persist_dir"),
+    "ckpt_keep": ("ckpt", "keep"), "resume": ("ckpt", "resume"),
+    "telemetry": ("telemetry", "enabled"), "collector": ("telemetry", "collector_url"),
+    "token": ("telemetry", "token"), "otlp_endpoint": ("telemetry", "otlp_endpoint"),
+    "prometheus_port": ("telemetry", "prometheus_port"),
+}
+_TOP = ("steps", "seed", "eval_every", "metrics_jsonl", "run_id", "run_dir")
+
+
+def config_from_args(args: argparse.Namespace) -> JobConfig:
+    base = json.loads(args.config.read_text()) if getattr(args, "config", None) else {}
+    cfg = JobConfig.from_dict(base)
+    for key, value in vars(args).items():
+        if key in _MAP:
+            part, name = _MAP[key]
+            setattr(getattr(cfg, part), name, value)
+        elif key in _TOP:
+            setattr(cfg, key, value)
+        elif key == "inject":
+            cfg.inject = tuple(cfg.inject) + tuple(value)
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+        cfg.validate()
+    except (ConfigError, OSError, json.JSONDecodeError, TypeError) as e:
+        print(f"trainer: error: {e}", file=sys.stderr)
+        return 2
+    from trainer.launch import launch
+
+    return launch(cfg, progress=not getattr(args, "no_progress", False),
+                  keep_collector=getattr(args, "keep_collector", False))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
