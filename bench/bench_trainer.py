@@ -1,0 +1,87 @@
+"""Trainer throughput: layouts side by side, and telemetry on vs off.
+
+    python bench/bench_trainer.py [--steps 30] [--repeats 3] [--only layouts|telemetry]
+
+Every figure is the median tokens/s of steps after a warm-up, read from the
+run's metrics.jsonl, and every comparison is a ratio between runs made in this
+same invocation (absolute numbers on a shared 2-core machine are noise). The
+telemetry comparison interleaves on/off runs so drift hits both equally.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ["--layers", "4", "--d-model", "128", "--heads", "4", "--seq-len", "128", "--micro-batch-size", "4",
+         "--precision", "bf16", "--no-progress"]
+WARMUP = 5
+
+
+def run(args: list[str], steps: int, workdir: Path) -> float:
+    run_dir = Path(tempfile.mkdtemp(dir=workdir))
+    metrics = run_dir / "metrics.jsonl"
+    cmd = [sys.executable, "-m", "trainer", "--run-dir", str(run_dir), "--metrics-jsonl", str(metrics),
+           "--steps", str(steps), *MODEL, *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    if proc.returncode != 0:
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    return statistics.median(r["tokens_per_s"] for r in rows[WARMUP:])
+
+
+def layouts(steps: int, repeats: int, workdir: Path) -> None:
+    cases = {
+        "1 process (M=4)": ["--micro-batches", "4"],
+        "dp2 (M=2)": ["--dp", "2", "--micro-batches", "2"],
+        "tp2 (M=4)": ["--tp", "2", "--micro-batches", "4"],
+        "tp2+sp (M=4)": ["--tp", "2", "--sp", "--micro-batches", "4"],
+        "pp2 (M=4)": ["--pp", "2", "--micro-batches", "4"],
+        "dp2 x tp2 (M=2)": ["--dp", "2", "--tp", "2", "--micro-batches", "2"],
+    }
+    results = {name: [] for name in cases}
+    for _ in range(repeats):
+        for name, args in cases.items():
+            results[name].append(run(args, steps, workdir))
+    base = statistics.median(results["1 process (M=4)"])
+    print(f"{'layout':<20} {'tokens/s':>10} {'vs 1 process':>13}")
+    for name, vals in results.items():
+        med = statistics.median(vals)
+        print(f"{name:<20} {med:>10,.0f} {med / base:>12.2f}x")
+
+
+def telemetry(steps: int, repeats: int, workdir: Path) -> None:
+    layout = ["--dp", "2", "--micro-batches", "2"]
+    off, on = [], []
+    for _ in range(repeats):
+        off.append(run(layout, steps, workdir))
+        on.append(run(layout + ["--telemetry"], steps, workdir))
+    m_off, m_on = statistics.median(off), statistics.median(on)
+    print(f"telemetry off: {m_off:,.0f} tokens/s  {['%.0f' % x for x in off]}")
+    print(f"telemetry on:  {m_on:,.0f} tokens/s  {['%.0f' % x for x in on]}")
+    print(f"ratio on/off:  {m_on / m_off:.3f}   (goal >= 0.99)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--only", choices=("layouts", "telemetry"))
+    a = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        if a.only in (None, "layouts"):
+            layouts(a.steps, a.repeats, Path(tmp))
+        if a.only in (None, "telemetry"):
+            telemetry(a.steps, a.repeats, Path(tmp))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,310 @@
+"""From corpus to batches: epoch order with length grouping, an exact position, a
+prefetch thread, held-out eval batches, and the poisoned batch of the spike fault.
+
+Order of epoch `e` (the same on every rank, whatever dp is):
+
+1. a permutation of the training sample ids seeded by (seed, e);
+2. consecutive windows of `group_window * micro_batch_size` samples are sorted by
+   length and cut into micro-batches, whose order inside the window is shuffled
+   (seeded), so a micro-batch holds samples of similar length (little padding)
+   while the steps still see a mix of lengths.
+
+Micro-batch k of the epoch is samples [k*mbs, (k+1)*mbs) of that order. A step's
+global batch is the next `dp * micro_batches` micro-batches; dp rank d takes the
+d-th run of `micro_batches` of them. So a single process with
+`dp * micro_batches` micro-batches sees the same samples in the same step.
+`DataPosition(epoch, index)` counts the samples of the epoch consumed before a
+step; an epoch ends when fewer than a global batch remain (that tail is dropped)
+and the next one starts at index 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+
+import numpy as np
+import torch
+
+from trainer.batch import IGNORE_INDEX, DataPosition, MicroBatch, StepBatch
+from trainer.corpus import Corpus, build_corpus
+from trainer.tokenizer import PAD
+
+__all__ = ["Corpus", "DataLoader", "build_corpus", "collate", "epoch_order", "eval_batches", "poison", "step_window"]
+
+
+def epoch_order(corpus: Corpus, *, seed: int, epoch: int, micro_batch_size: int, group_window: int) -> np.ndarray:
+    """Training sample ids of `epoch` in the order they are served. ~20 ms for
+    200k samples; the loader keeps the current epoch's order."""
+    mbs = micro_batch_size
+    perm = np.random.default_rng([seed, epoch]).permutation(corpus.train_ids)
+    shuffle_rng = np.random.default_rng([seed, epoch, 1])
+    window = group_window * mbs
+    out = np.empty_like(perm)
+    for w0 in range(0, len(perm), window):
+        chunk = perm[w0:w0 + window]
+        chunk = chunk[np.argsort(corpus.lengths[chunk], kind="stable")]
+        num_full = len(chunk) // mbs
+        full = chunk[:num_full * mbs].reshape(num_full, mbs)[shuffle_rng.permutation(num_full)]
+        out[w0:w0 + num_full * mbs] = full.ravel()
+        out[w0 + num_full * mbs:w0 + len(chunk)] = chunk[num_full * mbs:]  # last window's remainder
+    return out
+
+
+def step_window(position: DataPosition, n_samples: int) -> tuple[int, int, int]:
+    """(epoch, first sample index, end sample index) of the step that starts at
+    `position` and takes `n_samples` (the global batch): what data-tied faults and
+    a rollback's skip are expressed in."""
+    return (position.epoch, position.index, position.index + n_samples)
+
+
+def collate(corpus: Corpus, ids, *, pad_multiple: int = 1, rows: int | None = None) -> MicroBatch:
+    """One micro-batch of samples `ids`, right-padded to the longest rounded up to
+    `pad_multiple`: inputs = tokens[:-1] (PAD after), targets = tokens[1:]
+    (IGNORE_INDEX after). `rows` > len(ids) adds rows that carry no loss."""
+    ids = [int(i) for i in ids]
+    num_targets = [int(corpus.lengths[i]) - 1 for i in ids]
+    width = -(-max(num_targets, default=1) // pad_multiple) * pad_multiple
+    rows = len(ids) if rows is None else rows
+    inputs = np.full((rows, width), PAD, np.int64)
+    targets = np.full((rows, width), IGNORE_INDEX, np.int64)
+    for r, (i, n) in enumerate(zip(ids, num_targets)):
+        tokens = corpus.sample(i)
+        inputs[r, :n] = tokens[:-1]
+        targets[r, :n] = tokens[1:]
+    return MicroBatch(inputs=torch.from_numpy(inputs), targets=torch.from_numpy(targets),
+                      num_tokens=sum(num_targets), sample_ids=tuple(ids))
+
+
+def eval_batches(corpus: Corpus, domain: str, *, micro_batch_size: int, pad_multiple: int = 1) -> list[MicroBatch]:
+    """The held-out samples of `domain` as micro-batches, identical on every rank.
+
+    Sorted by length (least padding). Every micro-batch has `micro_batch_size`
+    rows, so engines that fix the batch dimension (pipeline send/recv) need no
+    special case: the last one is filled with rows that carry no loss."""
+    ids = corpus.eval_ids[domain]
+    ids = ids[np.argsort(corpus.lengths[ids], kind="stable")]
+    return [collate(corpus, ids[k:k + micro_batch_size], pad_multiple=pad_multiple, rows=micro_batch_size)
+            for k in range(0, len(ids), micro_batch_size)]
+
+
+def poison(batch: StepBatch, seed: int) -> StepBatch:
+    """`batch` with every sample's tokens replaced by uniformly random bytes drawn
+    from a generator seeded by (seed, step): the loss and the gradient norm really
+    jump. Shapes, lengths, padding and token counts stay; the input tensors are not
+    modified (a copy is returned)."""
+    rng = np.random.default_rng([seed, batch.step])
+    poisoned = []
+    for mb in batch.micro_batches:
+        inputs, targets = mb.inputs.clone(), mb.targets.clone()
+        for r, n in enumerate((targets != IGNORE_INDEX).sum(dim=1).tolist()):
+            if n:
+                noise = torch.from_numpy(rng.integers(0, 256, n + 1))
+                inputs[r, :n] = noise[:-1]
+                targets[r, :n] = noise[1:]
+        poisoned.append(dataclasses.replace(mb, inputs=inputs, targets=targets))
+    return dataclasses.replace(batch, micro_batches=poisoned, meta={**batch.meta, "poisoned": True})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Failure:
+    error: Exception
+
+
+class DataLoader:
+    """StepBatches for one dp rank, prepared by a background thread.
+
+    `prefetch` steps are prepared ahead into a bounded queue (0: prepared inline
+    in `next()`). `wait_s` is how long the last `next()` blocked: the step's data
+    time. An exception in the thread is re-raised by `next()` (and by every call
+    after). `seek()` drops the prepared steps and restarts at a position: resume
+    and rollback. Preparing a step of 8 micro-batches of 4x128 costs ~0.2 ms."""
+
+    def __init__(self, corpus: Corpus, *, seq_len: int, micro_batch_size: int, micro_batches: int, dp_size: int,
+                 dp_rank: int, seed: int, position: DataPosition, group_window: int, prefetch: int,
+                 pad_multiple: int = 1, start_step: int = 0) -> None:
+        if min(micro_batch_size, micro_batches, dp_size, group_window, pad_multiple) < 1 or prefetch < 0:
+            raise ValueError("micro_batch_size, micro_batches, dp_size, group_window, pad_multiple must be >= 1, "
+                             "prefetch >= 0")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} outside dp_size {dp_size}")
+        if seq_len % pad_multiple:
+            raise ValueError(f"seq_len {seq_len} is not a multiple of pad_multiple {pad_multiple}")
+        if corpus.seq_len > seq_len:
+            raise ValueError(f"corpus built for seq_len {corpus.seq_len}, longer than the model's {seq_len}")
+        self.corpus = corpus
+        self.micro_batch_size = micro_batch_size
+        self.micro_batches = micro_batches
+        self.dp_size = dp_size
+        self.dp_rank = dp_rank
+        self.seed = seed
+        self.group_window = group_window
+        self.prefetch = prefetch
+        self.pad_multiple = pad_multiple
+        self.samples_per_step = dp_size * micro_batches * micro_batch_size  # the global batch
+        if len(corpus.train_ids) < self.samples_per_step:
+            raise ValueError(f"{len(corpus.train_ids)} training samples are fewer than one global batch "
+                             f"of {self.samples_per_step}")
+        self.wait_s = 0.0
+        self._order_cache: tuple[int, np.ndarray] | None = None
+        self._thread: threading.Thread | None = None
+        self._queue: queue.Queue | None = None
+        self._stop = threading.Event()
+        self._error: Exception | None = None
+        self._closed = False
+        self._start(self.normalize(position), start_step)
+
+    # -- positions ---------------------------------------------------------
+    @property
+    def position(self) -> DataPosition:
+        """Where the next step served by `next()` starts."""
+        return self._position
+
+    @property
+    def step(self) -> int:
+        """The step number the next `next()` returns."""
+        return self._step
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.corpus.train_ids) // self.samples_per_step
+
+    def normalize(self, position: DataPosition) -> DataPosition:
+        """`position`, or the start of the next epoch when fewer than a global
+        batch remain in this one."""
+        if position.index < 0 or position.index % self.micro_batch_size:
+            raise ValueError(f"{position}: index must be a non-negative multiple of "
+                             f"micro_batch_size {self.micro_batch_size}")
+        if position.index + self.samples_per_step > len(self.corpus.train_ids):
+            return DataPosition(position.epoch + 1, 0)
+        return position
+
+    def seek(self, position: DataPosition, step: int) -> None:
+        """Serve from `position` with step number `step` next; prepared steps are dropped."""
+        self._check_open()
+        self._stop_thread()
+        self._start(self.normalize(position), step)
+
+    def skip_samples(self, n: int) -> DataPosition:
+        """Move the next step `n` samples further (rounded up to whole micro-batches;
+        past the epoch's last full global batch means the next epoch's start) and
+        return the new position. The step number does not change."""
+        if n < 0:
+            raise ValueError(f"cannot skip {n} samples")
+        n = -(-n // self.micro_batch_size) * self.micro_batch_size
+        new = self.normalize(DataPosition(self._position.epoch, self._position.index + n))
+        self.seek(new, self._step)
+        return new
+
+    # -- serving -----------------------------------------------------------
+    def next(self) -> StepBatch:
+        self._check_open()
+        if self._error is not None:
+            raise self._error
+        t0 = time.perf_counter()
+        if self._thread is None:
+            batch = self._make_step(self._position, self._step)
+        else:
+            batch = self._get()
+        self.wait_s = time.perf_counter() - t0
+        self._position, self._step = batch.next_position, batch.step + 1
+        return batch
+
+    def close(self) -> None:
+        """Stop and join the prefetch thread. Idempotent; fine with steps left unread."""
+        if not self._closed:
+            self._stop_thread()
+            self._closed = True
+
+    def __enter__(self) -> "DataLoader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- internals ---------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("DataLoader is closed")
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if self._order_cache is None or self._order_cache[0] != epoch:
+            order = epoch_order(self.corpus, seed=self.seed, epoch=epoch,
+                                micro_batch_size=self.micro_batch_size, group_window=self.group_window)
+            self._order_cache = (epoch, order)
+        return self._order_cache[1]
+
+    def _make_step(self, position: DataPosition, step: int) -> StepBatch:
+        order = self._order(position.epoch)
+        lo, hi = position.index, position.index + self.samples_per_step
+        mbs = self.micro_batch_size
+        mine = lo + self.dp_rank * self.micro_batches * mbs
+        micro = [collate(self.corpus, order[mine + k * mbs:mine + (k + 1) * mbs], pad_multiple=self.pad_multiple)
+                 for k in range(self.micro_batches)]
+        # Every rank knows every sample's length: the global token count needs no collective.
+        global_num_tokens = int((self.corpus.lengths[order[lo:hi]] - 1).sum())
+        num_padded = sum(mb.inputs.numel() - mb.num_tokens for mb in micro)
+        return StepBatch(step=step, micro_batches=micro, global_num_tokens=global_num_tokens, position=position,
+                         next_position=self.normalize(DataPosition(position.epoch, hi)),
+                         meta={"window": (position.epoch, lo, hi), "num_pad_tokens": num_padded})
+
+    def _start(self, position: DataPosition, step: int) -> None:
+        self._position, self._step = position, step
+        self._error = None
+        if self.prefetch == 0:
+            return
+        self._stop = threading.Event()
+        self._queue = queue.Queue(maxsize=self.prefetch)
+        self._thread = threading.Thread(target=self._produce, args=(position, step, self._queue, self._stop),
+                                        name=f"data-prefetch-dp{self.dp_rank}", daemon=True)
+        self._thread.start()
+
+    def _produce(self, position: DataPosition, step: int, q: queue.Queue, stop: threading.Event) -> None:
+        try:
+            while not stop.is_set():
+                batch = self._make_step(position, step)
+                if not self._put(q, batch, stop):
+                    return
+                position, step = batch.next_position, step + 1
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, raised by next()
+            self._put(q, _Failure(exc), stop)
+
+    @staticmethod
+    def _put(q: queue.Queue, item, stop: threading.Event) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _get(self) -> StepBatch:
+        assert self._queue is not None and self._thread is not None
+        while True:
+            try:
+                item = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    raise RuntimeError("the data prefetch thread exited without a batch") from None
+                continue
+            if isinstance(item, _Failure):
+                self._error = item.error
+                raise item.error
+            return item
+
+    def _stop_thread(self) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        assert self._queue is not None
+        while True:  # unblock a producer waiting on a full queue, drop prepared steps
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        self._thread.join()
+        self._thread = None
+        self._queue = None
