@@ -58,7 +58,8 @@ def _save(ck: Checkpointer, dims: ParallelDims, comm: Comm, root: str) -> dict:
     for step in (1, 2):
         # every rank passes its (replicated) model state; only dp rank 0 writes it
         ck.save(step, model_state=model_state(dims.tp_rank, step), optim_state=optim_state(dims.tp_rank, step),
-                rank_state={"rank": dims.rank, "coords": dims.coords}, meta={"step": step, "mesh": {"dp": dims.dp, "tp": dims.tp}})
+                rank_state={"rank": dims.rank, "coords": dims.coords},
+                meta={"step": step, "mesh": {"dp": dims.dp, "tp": dims.tp}})
     assert ck.wait(60)
     return {"records": [[r.step, r.num_shards, r.finalized] for r in ck.poll()]}
 
@@ -132,4 +133,8 @@ def test_dp2_save_reloads_at_dp4(tmp_path):
         assert res["first"]["meta"] == {"step": 2, "mesh": {"dp": 2, "tp": 1}}
     # dp ranks 0 and 1 existed before and get their rank state back; the new replicas reseed
     assert [res["first"]["rank_state"] for res in loaded] == [
-        {"rank": 0, "coords": {"dp": 0, "tp": 0, "pp": 0}}, {"rank": 1, "coords": {"dp": 1, "tp": 0, "pp": 0}}, None, None]
+        {"rank": 0, "coords": {"dp": 0, "tp": 0, "pp": 0}},
+        {"rank": 1, "coords": {"dp": 1, "tp": 0, "pp": 0}},
+        None,
+        None,
+    ]
