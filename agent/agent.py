@@ -1,0 +1,422 @@
+"""The agent inside every rank: the record API plus the flusher thread behind it.
+
+The training thread only ever runs the `Recorder` stores (agent/ring.py) and
+a few cheap setters. Everything else happens on one daemon thread, the
+flusher, every `flush_interval_s`:
+
+    heartbeat row (when due) -> swap buffers -> encode one wire batch
+    -> bridges (OTel spans, Prometheus gauges) -> POST, or spool -> replay spool
+
+Nothing here raises into the host program: failures are logged once on the
+"llmwatch.agent" logger and counted in `stats()`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import operator
+import os
+import re
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from agent import wire
+from agent.ring import EVENT, STATS_KINDS, BufferSet, Recorder
+from agent.spool import Spool, SpoolBusy
+from agent.transport import HttpClient, Shipper, ShipStats
+
+log = logging.getLogger("llmwatch.agent")
+
+
+@dataclass(kw_only=True, slots=True)
+class AgentConfig:
+    url: str | None = None  # collector base URL; None: nothing is sent (bridges only)
+    token: str | None = None
+    flush_interval_s: float = 0.2
+    heartbeat_interval_s: float = 1.0
+    spool_dir: str | None = None  # default: <tmp>/llmwatch-spool/<run_id>/rank<rank>
+    spool_bytes: int = 256 * 1024 * 1024
+    capacity: int = 65536  # rows per kind per buffer (two buffers)
+    otlp_endpoint: str | None = None  # e.g. http://127.0.0.1:4318; spans go to <endpoint>/v1/traces
+    prometheus_port: int | None = None  # 0 picks a free port (see stats()["prometheus_port"])
+    timeout_s: float = 2.0  # per HTTP request
+    retry_min_s: float = 0.5  # probe backoff while the collector is away
+    retry_max_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.flush_interval_s <= 0 or self.heartbeat_interval_s <= 0 or self.timeout_s <= 0:
+            raise ValueError("flush_interval_s, heartbeat_interval_s and timeout_s must be > 0")
+        if self.capacity < 1 or self.spool_bytes < 1:
+            raise ValueError("capacity and spool_bytes must be >= 1")
+        if not 0 < self.retry_min_s <= self.retry_max_s:
+            raise ValueError("need 0 < retry_min_s <= retry_max_s")
+        if self.prometheus_port is not None and not 0 <= self.prometheus_port <= 65535:
+            raise ValueError(f"prometheus_port {self.prometheus_port} is not a TCP port")
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """A control command from the collector, read at a step boundary."""
+
+    id: str
+    kind: str
+    args: dict = field(default_factory=dict)
+    issued_ts: float = 0.0
+
+
+def json_safe(value, depth: int = 0):
+    """A copy of `value` that `json.dumps(allow_nan=False)` accepts: non-finite
+    floats become "nan"/"inf"/"-inf", unknown objects their str()."""
+    if value is None or type(value) in (bool, str, int):
+        return value
+    if isinstance(value, float):  # numpy float64 too
+        return float(value) if math.isfinite(value) else repr(float(value))
+    if isinstance(value, str):  # a str enum: its plain value
+        return str.__str__(value)
+    if isinstance(value, dict) and depth < 32:
+        return {str(k): json_safe(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)) and depth < 32:
+        return [json_safe(v, depth + 1) for v in value]
+    try:
+        return operator.index(value)  # bool/int subclasses, numpy integers
+    except TypeError:
+        return str(value)
+
+
+def default_spool_dir(run_id: str, rank: int) -> str:
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", run_id)[:100] or "run"
+    return os.path.join(tempfile.gettempdir(), "llmwatch-spool", safe, f"rank{rank}")
+
+
+class Agent(Recorder):
+    """Telemetry of one rank. See the package docstring for an example."""
+
+    def __init__(self, config: AgentConfig, run_id: str, rank: int, node: str = "", coords: dict | None = None,
+                 world_size: int = 1, run_info: dict | None = None, clock: Callable[[], float] = time.time) -> None:
+        super().__init__(config.capacity, clock)
+        self.config = config
+        self.run_id = str(run_id)
+        self.rank = int(rank)
+        self.node = node or socket.gethostname()
+        self.coords = json_safe(dict(coords or {}))
+        self.world_size = int(world_size)
+        self.incarnation = uuid.uuid4().hex
+        self._run_info = json_safe(run_info) if run_info is not None else None
+        self._batch_seq = 0
+        self._seq_source: Callable[[], int] | None = None
+        self._mailbox: deque[Command] = deque()
+        self._seen_commands: set[str] = set()
+        self._recorded = {k: 0 for k in STATS_KINDS}
+        self._buffer_dropped = {k: 0 for k in STATS_KINDS}
+        self._shipper: Shipper | None = None
+        self._bridges: list = []
+        self._opened = False
+        self._thread: threading.Thread | None = None
+        self._wake = threading.Event()
+        self._stopping = False
+        self._close_deadline = 0.0
+        self._cv = threading.Condition()
+        self._flush_requested = 0
+        self._flush_done = 0
+        self._flush_ok = False
+        self._flush_budget_s = 1.0
+        self._io_lock = threading.Lock()  # one cycle at a time (flusher, or inline when there is none)
+        self._next_hb = 0.0
+        self._closed = False
+        self._logged: set[str] = set()
+        self._last_error = ""
+
+    # -- lifecycle ---------------------------------------------------------
+    def start(self) -> None:
+        """Open the spool, bridges and the flusher thread. Idempotent."""
+        if self._thread is not None or self._closed:
+            return
+        try:
+            with self._io_lock:
+                self._open()
+            self._thread = threading.Thread(target=self._run, name=f"llmwatch-agent-flusher-rank{self.rank}",
+                                            daemon=True)
+            self._thread.start()
+            atexit.register(self.close)
+        except Exception as e:  # noqa: BLE001 - without a flusher, flush()/close() still ship inline
+            self._log_once("start", "llmwatch agent: cannot start the flusher: %r", e)
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Ship everything recorded so far now, replaying the spool too. True when
+        all of it (and the spool) reached the collector within `timeout_s`."""
+        try:
+            if self._closed:
+                return False
+            if self._thread is None or not self._thread.is_alive():
+                return self._cycle_guarded(force=True, budget_s=timeout_s)
+            with self._cv:
+                self._flush_requested += 1
+                self._flush_budget_s = timeout_s
+                target = self._flush_requested
+                self._wake.set()
+                done = self._cv.wait_for(lambda: self._flush_done >= target, timeout_s)
+                return done and self._flush_ok
+        except Exception as e:  # noqa: BLE001 - never raise into training
+            self._log_once("flush", "llmwatch agent: flush failed: %r", e)
+            return False
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Final flush, spool what cannot be sent, stop the threads. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            atexit.unregister(self.close)
+            thread = self._thread
+            if thread is not None and thread.is_alive():
+                self._close_deadline = time.monotonic() + timeout_s
+                self._stopping = True
+                self._wake.set()
+                thread.join(timeout_s + 0.5)
+                if thread.is_alive():
+                    log.warning("llmwatch agent: flusher still busy after %.1f s; leaving it to finish", timeout_s)
+            else:
+                self._cycle_guarded(force=True, budget_s=timeout_s)
+                self._release()
+        except Exception as e:  # noqa: BLE001
+            self._log_once("close", "llmwatch agent: close failed: %r", e)
+
+    # -- cheap API for the training thread -----------------------------------
+    def event(self, kind: str, step: int = -1, **data) -> None:
+        """Something that happened (checkpoint saved, restart...). Rare: builds a dict."""
+        try:
+            self._add_event({"ts": self._clock(), "step": int(step), "attempt": int(self.attempt), "kind": str(kind),
+                            "data": json_safe(data)})
+        except Exception as e:  # noqa: BLE001
+            self._log_once("event", "llmwatch agent: dropped event %r: %r", kind, e)
+
+    def bind_seq_source(self, fn: Callable[[], int]) -> None:
+        """`fn()` gives the last collective sequence number this rank ENTERED; the
+        heartbeat reports it (a hung rank's number falls behind its peers')."""
+        self._seq_source = fn
+
+    def set_attempt(self, n: int) -> None:
+        self.attempt = int(n)
+
+    def commands(self) -> list[Command]:
+        """Drain the mailbox: commands received since the last call, oldest first."""
+        out = []
+        while self._mailbox:
+            try:
+                out.append(self._mailbox.popleft())
+            except IndexError:
+                break
+        return out
+
+    def ack(self, command_id: str, status: str, detail: str = "") -> None:
+        """Tell the collector what became of a command (an event "command_ack")."""
+        self.event("command_ack", step=self._hb_step, command_id=str(command_id), status=str(status),
+                   detail=str(detail))
+
+    def stats(self) -> dict:
+        """Counters since this Agent was created (rows per kind, batches, last error)."""
+        ship = self._shipper.stats if self._shipper is not None else ShipStats()
+        active = self._active
+        spool = self._shipper.spool if self._shipper is not None else None
+        recorded = dict(self._recorded)
+        for buf in active.kinds():
+            recorded[buf.kind] += buf.n
+        recorded[EVENT] += len(active.events)
+        prom = next((b.port for b in self._bridges if hasattr(b, "port")), None)
+        return {
+            "run_id": self.run_id, "rank": self.rank, "incarnation": self.incarnation,
+            "recorded": recorded, "sent": dict(ship.sent), "spooled": dict(ship.spooled),
+            "replayed": dict(ship.replayed), "rejected": dict(ship.rejected),
+            "dropped": {k: self._buffer_dropped[k] + ship.dropped.get(k, 0) for k in STATS_KINDS},
+            "batches": {"encoded": self._batch_seq, "sent": ship.num_batches_sent,
+                        "spooled": ship.num_batches_spooled, "replayed": ship.num_batches_replayed,
+                        "rejected": ship.num_batches_rejected, "dropped": ship.num_batches_dropped},
+            "spool_bytes": spool.disk_bytes if spool is not None else 0,
+            "spool_corrupt": spool.num_corrupt if spool is not None else 0,
+            "commands_received": len(self._seen_commands),
+            "last_error": ship.last_error or self._last_error,
+            "prometheus_port": prom,
+        }
+
+    # -- flusher -------------------------------------------------------------
+    def _open(self) -> None:
+        if self._opened:
+            return
+        self._opened = True
+        cfg = self.config
+        if cfg.url:
+            try:
+                client = HttpClient(cfg.url, cfg.token, cfg.timeout_s)
+            except ValueError as e:
+                client = None
+                self._log_once("url", "llmwatch agent: %s; nothing will be sent", e)
+            self._shipper = Shipper(client, self._open_spool(), self._on_response, retry_min_s=cfg.retry_min_s,
+                                    retry_max_s=cfg.retry_max_s)
+        if cfg.otlp_endpoint or cfg.prometheus_port is not None:
+            from agent import bridges  # lazy: the SDKs load only when a bridge is asked for
+
+            self._bridges = bridges.open_bridges(cfg, {"run_id": self.run_id, "rank": self.rank, "node": self.node})
+
+    def _open_spool(self) -> Spool | None:
+        directory = self.config.spool_dir or default_spool_dir(self.run_id, self.rank)
+        try:
+            try:
+                return Spool(directory, self.config.spool_bytes)
+            except SpoolBusy:
+                # Another live agent spools for this (run, rank): use a private directory.
+                private = os.path.join(directory, f"incarnation-{self.incarnation}")
+                log.warning("llmwatch agent: spool %s is in use; spooling to %s", directory, private)
+                return Spool(private, self.config.spool_bytes)
+        except OSError as e:
+            self._log_once("spool", "llmwatch agent: cannot open spool %s (%s); unsendable batches will be dropped",
+                           directory, e)
+            return None
+
+    def _run(self) -> None:
+        interval = self.config.flush_interval_s
+        next_flush = time.monotonic()
+        while True:
+            self._wake.wait(max(0.0, min(next_flush, self._next_hb) - time.monotonic()))
+            self._wake.clear()
+            stopping = self._stopping
+            with self._cv:
+                target = self._flush_requested
+            now = time.monotonic()
+            forced = stopping or target > self._flush_done
+            if not forced and now < next_flush and now < self._next_hb:
+                continue
+            next_flush = now + interval
+            budget_s = max(0.0, self._close_deadline - now - 0.1) if stopping else (
+                self._flush_budget_s if forced else 1.0)
+            ok = self._cycle_guarded(force=forced, budget_s=budget_s)
+            with self._cv:
+                self._flush_done = target
+                self._flush_ok = ok
+                self._cv.notify_all()
+            if stopping:
+                break
+        self._release()
+
+    def _cycle_guarded(self, *, force: bool, budget_s: float) -> bool:
+        with self._io_lock:
+            try:
+                self._open()
+                return self._cycle(force, budget_s)
+            except Exception as e:  # noqa: BLE001 - the flusher must survive anything
+                self._last_error = f"{type(e).__name__}: {e}"
+                self._log_once("cycle", "llmwatch agent: flush cycle failed: %r", e)
+                return False
+
+    def _cycle(self, force: bool, budget_s: float) -> bool:
+        if time.monotonic() >= self._next_hb:
+            self._next_hb = time.monotonic() + self.config.heartbeat_interval_s
+            self._heartbeat()
+        drained = self._swap()
+        try:
+            rows = self._account(drained)
+            has_rows = any(rows.values())
+            payload = self._encode(drained, rows) if self._shipper is not None and has_rows else None
+            self._feed_bridges(drained)
+        finally:
+            self._recycle(drained)
+        if self._shipper is None:
+            return True
+        if payload is not None:
+            fate = self._shipper.ship(payload, rows)
+        else:
+            fate = "dropped" if has_rows else "sent"  # an encoding failure, or nothing to send
+        return self._shipper.pump(force=force, budget_s=budget_s) and fate in ("sent", "spooled")
+
+    def _heartbeat(self) -> None:
+        last_seq = -1
+        if self._seq_source is not None:
+            try:
+                last_seq = int(self._seq_source())
+            except Exception as e:  # noqa: BLE001
+                self._log_once("seq", "llmwatch agent: the seq source failed: %r", e)
+        self._record_heartbeat(self._clock(), self._hb_step, self._phase, last_seq)
+
+    def _account(self, bufs: BufferSet) -> dict[str, int]:
+        rows = bufs.num_rows()
+        rows[EVENT] = len(bufs.events)
+        for kind, n in rows.items():
+            self._recorded[kind] += n
+        for buf in bufs.kinds():
+            self._buffer_dropped[buf.kind] += buf.num_dropped
+        self._buffer_dropped[EVENT] += bufs.num_events_dropped
+        return rows
+
+    def _encode(self, bufs: BufferSet, rows: dict[str, int]) -> bytes | None:
+        ship = self._shipper.stats
+        dropped = {k: self._buffer_dropped[k] + ship.dropped[k] for k in STATS_KINDS}
+        header = {
+            "run_id": self.run_id, "rank": self.rank, "incarnation": self.incarnation,
+            "batch_seq": self._batch_seq, "node": self.node, "pid": os.getpid(), "coords": self.coords,
+            "world_size": self.world_size, "sent_ts": self._clock(), "dicts": self._dict_snapshot(bufs),
+            "events": bufs.events, "run": self._run_info if self._batch_seq == 0 else None,
+            "stats": {"dropped": dropped, "spooled": ship.num_batches_spooled,
+                      "replayed": ship.num_batches_replayed, "rejected": ship.num_batches_rejected,
+                      "recorded": dict(self._recorded)},
+        }
+        sections = {b.kind: (b.n, b.views()) for b in bufs.kinds() if b.n}
+        try:
+            payload = wire.encode_batch(header, sections)
+        except (wire.WireError, ValueError, TypeError) as e:
+            for kind, n in rows.items():
+                self._buffer_dropped[kind] += n
+            self._log_once("encode", "llmwatch agent: cannot encode a batch (%r); its rows are dropped", e)
+            return None
+        self._batch_seq += 1
+        return payload
+
+    def _feed_bridges(self, bufs: BufferSet) -> None:
+        if not self._bridges:
+            return
+        stats = self.stats()
+        for bridge in self._bridges:
+            try:
+                bridge.on_drain(bufs, stats)
+            except Exception as e:  # noqa: BLE001
+                self._log_once(f"bridge-{type(bridge).__name__}", "llmwatch agent: %s failed: %r",
+                               type(bridge).__name__, e)
+
+    def _on_response(self, body: dict) -> None:
+        for c in body.get("commands") or ():
+            if not isinstance(c, dict) or c.get("id") is None:
+                continue
+            cid = str(c["id"])
+            if cid in self._seen_commands:
+                continue
+            self._seen_commands.add(cid)
+            args = c.get("args")
+            try:
+                issued_ts = float(c.get("issued_ts") or 0.0)
+            except (TypeError, ValueError):
+                issued_ts = 0.0
+            self._mailbox.append(Command(cid, str(c.get("kind", "")), args if isinstance(args, dict) else {},
+                                         issued_ts))
+
+    def _release(self) -> None:
+        for bridge in self._bridges:
+            try:
+                bridge.close()
+            except Exception as e:  # noqa: BLE001
+                self._log_once("bridge-close", "llmwatch agent: closing %s failed: %r", type(bridge).__name__, e)
+        if self._shipper is not None:
+            try:
+                self._shipper.close()
+            except OSError as e:
+                self._log_once("ship-close", "llmwatch agent: closing the transport failed: %r", e)
+
+    def _log_once(self, key: str, msg: str, *args) -> None:
+        if key not in self._logged:
+            self._logged.add(key)
+            log.warning(msg, *args)

@@ -1,0 +1,60 @@
+"""`NoopAgent`: the agent's methods, doing nothing.
+
+The trainer uses it when telemetry is off, so call sites stay unconditional
+(like nanoGPT's DummyWandb). Every method costs one Python call and returns.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from agent.agent import Command
+
+
+class NoopAgent:
+    """Same public methods as `Agent`; records nothing, sends nothing, never raises."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.attempt = 0
+        self.incarnation = ""
+
+    def start(self) -> None:
+        return None
+
+    def record_step(self, step, loss, grad_norm, loss_scale, lr, tokens, step_s, fwd_s, bwd_s, opt_s, data_s,
+                    comm_exposed_s, mem_bytes, skipped) -> None:
+        return None
+
+    def collective(self, step, seq, group_seq, op, axis, group_id, peer, nbytes, start_ts, duration_s,
+                   wait_s) -> None:
+        return None
+
+    def record_scalar(self, step, name, value) -> None:
+        return None
+
+    def event(self, kind: str, step: int = -1, **data) -> None:
+        return None
+
+    def set_phase(self, phase: str, step: int) -> None:
+        return None
+
+    def bind_seq_source(self, fn: Callable[[], int]) -> None:
+        return None
+
+    def set_attempt(self, n: int) -> None:
+        self.attempt = int(n)
+
+    def commands(self) -> list[Command]:
+        return []
+
+    def ack(self, command_id: str, status: str, detail: str = "") -> None:
+        return None
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        return True
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        return None
+
+    def stats(self) -> dict:
+        return {"enabled": False}

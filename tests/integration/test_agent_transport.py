@@ -1,0 +1,358 @@
+"""The agent against a small real HTTP server on 127.0.0.1 that decodes batches.
+
+The server stands in for the collector (written elsewhere): it decodes every
+POST with `wire.decode_batch`, stores each batch key once (and counts repeats),
+answers with the collector's response shape, and can reject, stall or carry
+commands. Intervals are 0.05 s so the suite stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import statistics
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from agent import Agent, AgentConfig, wire
+
+pytestmark = pytest.mark.integration
+
+
+class FakeCollector:
+    def __init__(self, port: int = 0) -> None:
+        self.batches: list[wire.Batch] = []  # distinct batches in arrival order
+        self.keys: set[tuple] = set()
+        self.num_duplicates = 0
+        self.num_posts = 0
+        self.num_in_flight = 0
+        self.max_in_flight = 0
+        self.reject = False
+        self.stall_s = 0.0
+        self.num_stalls_left = -1  # how many requests still stall; -1: all while stall_s is set
+        self.commands: list[dict] = []
+        self.spans: list = []  # (name, span_id, parent_span_id, resource attributes)
+        self.lock = threading.Lock()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                if self.path == "/v1/traces":
+                    outer._traces(body)
+                    return self._reply(200, b"", "application/x-protobuf")
+                with outer.lock:
+                    outer.num_posts += 1
+                    outer.num_in_flight += 1
+                    outer.max_in_flight = max(outer.max_in_flight, outer.num_in_flight)
+                try:
+                    with outer.lock:
+                        stall = outer.stall_s if outer.num_stalls_left != 0 else 0.0
+                        outer.num_stalls_left -= 1 if outer.num_stalls_left > 0 else 0
+                    if stall:
+                        time.sleep(stall)
+                    if outer.reject:
+                        return self._reply(400, b'{"detail":"rejected by the test"}')
+                    assert self.headers["Content-Type"] == wire.CONTENT_TYPE
+                    assert self.headers["Authorization"] == "Bearer tok"
+                    batch = wire.decode_batch(body)
+                    with outer.lock:
+                        if batch.key in outer.keys:
+                            outer.num_duplicates += 1
+                        else:
+                            outer.keys.add(batch.key)
+                            outer.batches.append(batch)
+                        commands = list(outer.commands)
+                    rows = sum(batch.num_rows(k) for k in wire.KINDS)
+                    self._reply(200, json.dumps({"accepted": rows, "duplicate": False, "commands": commands}).encode())
+                finally:
+                    with outer.lock:
+                        outer.num_in_flight -= 1
+
+            def _reply(self, code: int, data: bytes, ctype: str = "application/json"):
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread.start()
+
+    def _traces(self, body: bytes) -> None:
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+        req = ExportTraceServiceRequest.FromString(body)
+        for rs in req.resource_spans:
+            attrs = {a.key: (a.value.string_value or a.value.int_value) for a in rs.resource.attributes}
+            for ss in rs.scope_spans:
+                for span in ss.spans:
+                    with self.lock:
+                        self.spans.append((span.name, span.span_id, span.parent_span_id, attrs,
+                                           span.start_time_unix_nano, span.end_time_unix_nano))
+
+    def rows(self, kind: str) -> list[dict]:
+        out = []
+        with self.lock:
+            batches = list(self.batches)
+        for b in batches:
+            cols = b.columns.get(kind)
+            if cols:
+                out.extend(dict(zip(cols, vals)) for vals in zip(*(list(v) for v in cols.values())))
+        return out
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(url: str, tmp_path, **kw) -> AgentConfig:
+    base = dict(url=url, token="tok", flush_interval_s=0.05, heartbeat_interval_s=0.05, spool_dir=str(tmp_path),
+                capacity=4096, timeout_s=1.0, retry_min_s=0.05, retry_max_s=0.2)
+    base.update(kw)
+    return AgentConfig(**base)
+
+
+def _wait_for(cond, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+def _step(agent: Agent, step: int) -> None:
+    agent.record_step(step, 1.0 / (step + 1), 0.5, 1.0, 1e-3, 1024, 0.01, 0.003, 0.004, 0.001, 0.001, 0.001, 10, False)
+
+
+@pytest.fixture
+def collector():
+    server = FakeCollector()
+    yield server
+    server.close()
+
+
+def test_normal_flush_delivers_every_row_exactly_once(collector, tmp_path):
+    agent = Agent(_config(collector.url, tmp_path), run_id="run1", rank=2, node="n0", coords={"dp": 2},
+                  world_size=4, run_info={"config": {"steps": 200}})
+    agent.start()
+    for step in range(200):
+        _step(agent, step)
+        for seq in range(3):
+            agent.collective(step, 3 * step + seq, step, "all_reduce", "dp", 0, -1, 4096, time.time(), 1e-4, 1e-5)
+        if step % 20 == 0:
+            agent.record_scalar(step, "eval/loss", step / 10)
+            time.sleep(0.02)  # let several flushes happen
+    agent.event("run_finished", step=199, status="completed")
+    assert agent.flush(5.0)
+    agent.close()
+    assert [r["step"] for r in collector.rows("step")] == list(range(200))
+    assert [r["loss"] for r in collector.rows("step")] == [1.0 / (s + 1) for s in range(200)]
+    assert [r["seq"] for r in collector.rows("collective")] == list(range(600))
+    assert [r["value"] for r in collector.rows("scalar")] == [s / 10 for s in range(0, 200, 20)]
+    seqs = [b.header["batch_seq"] for b in collector.batches]
+    assert len(seqs) > 2 and seqs == list(range(len(seqs))) and collector.num_duplicates == 0
+    assert collector.batches[0].header["run"] == {"config": {"steps": 200}}
+    assert all(b.header["run"] is None for b in collector.batches[1:])
+    events = [e for b in collector.batches for e in b.header["events"]]
+    assert [e["kind"] for e in events] == ["run_finished"]
+    stats = agent.stats()
+    assert stats["sent"]["step"] == 200 and stats["sent"]["collective"] == 600
+    assert sum(stats["dropped"].values()) == 0 and stats["batches"]["spooled"] == 0
+
+
+def test_absent_collector_spools_then_everything_is_replayed_in_order(tmp_path):
+    port = _free_port()
+    agent = Agent(_config(f"http://127.0.0.1:{port}", tmp_path), run_id="run2", rank=0)
+    agent.start()
+    for step in range(60):
+        _step(agent, step)
+        time.sleep(0.005)
+    assert _wait_for(lambda: agent.stats()["batches"]["spooled"] >= 3)
+    server = FakeCollector(port)  # the collector appears on the same port
+    try:
+        for step in range(60, 120):
+            _step(agent, step)
+            time.sleep(0.002)
+        assert _wait_for(lambda: len(server.rows("step")) == 120), len(server.rows("step"))
+        agent.close()
+        assert [r["step"] for r in server.rows("step")] == list(range(120))  # none lost, none twice, in order
+        seqs = [b.header["batch_seq"] for b in server.batches]
+        assert seqs == sorted(seqs) == list(range(len(seqs)))
+        stats = agent.stats()
+        assert stats["replayed"]["step"] > 0 and stats["replayed"]["step"] + stats["sent"]["step"] == 120
+        assert stats["batches"]["replayed"] == stats["batches"]["spooled"] and stats["spool_bytes"] == 0
+        print(f"duplicates seen by the server after retries: {server.num_duplicates}")
+    finally:
+        server.close()
+
+
+def test_a_timed_out_post_is_spooled_and_replayed_and_the_server_dedupes_it(collector, tmp_path):
+    collector.stall_s, collector.num_stalls_left = 0.6, 1  # the first POST outlives the agent's timeout
+    agent = Agent(_config(collector.url, tmp_path, timeout_s=0.2), run_id="run2b", rank=0)
+    agent.start()
+    for step in range(20):
+        _step(agent, step)
+    assert _wait_for(lambda: agent.stats()["batches"]["spooled"] >= 1)
+    for step in range(20, 40):
+        _step(agent, step)
+    assert agent.flush(5.0)
+    assert _wait_for(lambda: collector.num_in_flight == 0)  # the stalled handler finished too
+    agent.close()
+    assert [r["step"] for r in collector.rows("step")] == list(range(40))
+    assert collector.num_duplicates == 1  # stored by the stalled request and again by the replay
+
+
+def test_restarted_rank_replays_what_its_crashed_incarnation_spooled(tmp_path):
+    port = _free_port()
+    first = Agent(_config(f"http://127.0.0.1:{port}", tmp_path), run_id="run3", rank=1)
+    for step in range(10):
+        _step(first, step)
+    first.flush(1.0)  # no server: spooled
+    first.close()
+    server = FakeCollector(port)
+    try:
+        second = Agent(_config(server.url, tmp_path), run_id="run3", rank=1)
+        second.start()
+        _step(second, 10)
+        assert second.flush(5.0)
+        second.close()
+        assert [r["step"] for r in server.rows("step")] == list(range(11))
+        assert [b.header["incarnation"] for b in server.batches][0] == first.incarnation
+        assert server.batches[-1].header["incarnation"] == second.incarnation
+    finally:
+        server.close()
+
+
+def test_rejected_batch_is_dropped_counted_and_the_agent_keeps_going(collector, tmp_path, caplog):
+    collector.reject = True
+    agent = Agent(_config(collector.url, tmp_path), run_id="run4", rank=0)
+    agent.start()
+    with caplog.at_level(logging.WARNING, logger="llmwatch.agent"):
+        for step in range(5):
+            _step(agent, step)
+            assert not agent.flush(5.0)
+    stats = agent.stats()
+    assert stats["rejected"]["step"] == 5 and stats["batches"]["rejected"] >= 5
+    assert "HTTP 400" in stats["last_error"] and stats["batches"]["spooled"] == 0
+    assert sum("rejected a batch" in r.getMessage() for r in caplog.records) == 1  # logged once
+    collector.reject = False
+    for step in range(5, 10):
+        _step(agent, step)
+    assert agent.flush(5.0)
+    agent.close()
+    assert [r["step"] for r in collector.rows("step")] == list(range(5, 10))
+
+
+def test_commands_land_in_the_mailbox_once_and_acks_come_back(collector, tmp_path):
+    collector.commands = [{"id": "c1", "kind": "rollback", "args": {"to_step": 3}, "issued_ts": 12.5}]
+    agent = Agent(_config(collector.url, tmp_path), run_id="run5", rank=0)
+    agent.start()
+    for step in range(3):  # every response repeats the command
+        _step(agent, step)
+        assert agent.flush(5.0)
+    (cmd,) = agent.commands()
+    assert (cmd.id, cmd.kind, cmd.args, cmd.issued_ts) == ("c1", "rollback", {"to_step": 3}, 12.5)
+    assert collector.num_posts >= 3 and agent.commands() == []
+    agent.ack("c1", "done", "at step 3")
+    assert agent.flush(5.0)
+    agent.close()
+    acks = [e for b in collector.batches for e in b.header["events"] if e["kind"] == "command_ack"]
+    assert [a["data"] for a in acks] == [{"command_id": "c1", "status": "done", "detail": "at step 3"}]
+
+
+def test_record_never_blocks_while_the_collector_stalls(collector, tmp_path):
+    collector.stall_s = 2.0
+    agent = Agent(_config(collector.url, tmp_path, timeout_s=5.0), run_id="run6", rank=0)
+    agent.start()
+    assert _wait_for(lambda: collector.num_in_flight > 0, 5.0)  # the flusher is stuck in a POST
+    durations = []
+    end = time.monotonic() + 1.0
+    step = 0
+    while time.monotonic() < end:
+        t0 = time.perf_counter()
+        _step(agent, step)
+        durations.append(time.perf_counter() - t0)
+        step += 1
+        if step % 100 == 0:
+            time.sleep(0.001)
+    assert collector.num_in_flight > 0  # still stalled while we recorded
+    median_us = statistics.median(durations) * 1e6
+    print(f"record_step during a stall: {len(durations)} calls, median {median_us:.2f} us, "
+          f"max {max(durations) * 1e3:.2f} ms")
+    assert median_us < 50 and max(durations) < 0.5
+    collector.stall_s = 0.0
+    agent.close(timeout_s=8.0)
+
+
+def test_heartbeats_continue_while_the_training_thread_sleeps(collector, tmp_path):
+    agent = Agent(_config(collector.url, tmp_path), run_id="run7", rank=0)
+    agent.bind_seq_source(lambda: 41)
+    agent.start()
+    agent.set_phase("backward", 7)
+    time.sleep(0.6)  # a "hung" training thread records nothing
+    agent.close()
+    hbs = collector.rows("heartbeat")
+    phases = [b.header["dicts"]["phase"] for b in collector.batches if b.num_rows("heartbeat")]
+    assert len(hbs) >= 5
+    late = hbs[-4:]
+    assert all(h["step"] == 7 and h["last_seq"] == 41 for h in late)
+    assert all(phases[-1][h["phase"]] == "backward" for h in late)
+    ts = [h["ts"] for h in hbs]
+    assert ts == sorted(ts)
+
+
+def test_prometheus_bridge_serves_gauges_on_a_free_port(collector, tmp_path):
+    agent = Agent(_config(collector.url, tmp_path, prometheus_port=0), run_id="run8", rank=3, node="n1")
+    agent.start()
+    agent.record_step(42, 2.5, 0.75, 128.0, 1e-3, 2048, 0.5, 0.1, 0.2, 0.1, 0.05, 0.05, 1000, False)
+    assert agent.flush(5.0)
+    port = agent.stats()["prometheus_port"]
+    assert port
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    agent.close()
+    labels = '{node="n1",rank="3",run_id="run8"}'
+    for line in (f"llmwatch_step{labels} 42.0", f"llmwatch_loss{labels} 2.5", f"llmwatch_grad_norm{labels} 0.75",
+                 f"llmwatch_loss_scale{labels} 128.0", f"llmwatch_tokens_per_s{labels} 4096.0",
+                 f"llmwatch_step_seconds{labels} 0.5", f"llmwatch_agent_dropped_total{labels} 0.0"):
+        assert line in text.splitlines(), line
+
+
+def test_otel_bridge_exports_step_phase_spans_over_otlp_http(collector, tmp_path):
+    agent = Agent(_config(collector.url, tmp_path, otlp_endpoint=collector.url), run_id="run9", rank=1, node="n2")
+    agent.start()
+    ts0 = time.time()
+    for step in range(2):
+        agent.record_step(step, 2.0, 1.0, 1.0, 1e-3, 1024, 0.5, 0.1, 0.2, 0.1, 0.05, 0.05, 1, False)
+    agent.close()  # shuts the tracer provider down, which exports what it holds
+    names = sorted(s[0] for s in collector.spans)
+    assert names == sorted(["step", "forward", "backward", "communication", "optimizer"] * 2)
+    steps = {s[1]: s for s in collector.spans if s[0] == "step"}
+    for name, _, parent, attrs, start_ns, end_ns in collector.spans:
+        assert attrs["run_id"] == "run9" and attrs["rank"] == 1 and attrs["node"] == "n2"
+        if name != "step":
+            step_span = steps[parent]
+            assert step_span[4] <= start_ns <= end_ns <= step_span[5]
+    for _, _, _, _, start_ns, end_ns in steps.values():
+        assert abs((end_ns - start_ns) / 1e9 - 0.5) < 1e-6 and end_ns / 1e9 >= ts0

@@ -1,0 +1,130 @@
+"""A batch from the agent decodes with wire.decode_batch to exactly what was recorded.
+
+The collector is absent (a closed port on 127.0.0.1), so each flush spools its
+batch; the test reads the spool back. No thread is started: flush() runs the
+cycle inline."""
+
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from agent import Agent, AgentConfig, wire
+from agent.spool import Spool
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1_700_000_000.0
+
+    def __call__(self):
+        self.t += 0.5
+        return self.t
+
+
+@pytest.fixture
+def spooled(tmp_path):
+    cfg = AgentConfig(url=f"http://127.0.0.1:{_closed_port()}", spool_dir=str(tmp_path), capacity=64,
+                      timeout_s=0.5)
+    agent = Agent(cfg, run_id="r1", rank=3, node="node1", coords={"dp": 1, "tp": 0, "pp": 1}, world_size=8,
+                  run_info={"config": {"lr": 3e-4}, "nan": float("nan")}, clock=Clock())
+
+    def batches():
+        agent.close()
+        spool = Spool(str(tmp_path), max_bytes=1 << 30)
+        out = []
+        while (payload := spool.peek()) is not None:
+            out.append(wire.decode_batch(payload))
+            spool.pop()
+        spool.close()
+        return out
+
+    return agent, batches
+
+
+def _rows(batch, kind):
+    cols = batch.columns[kind]
+    return [dict(zip(cols, vals)) for vals in zip(*(list(v) for v in cols.values()))]
+
+
+def test_batch_decodes_to_exactly_the_recorded_values(spooled):
+    agent, batches = spooled
+    agent.set_attempt(1)
+    agent.set_phase("backward", 11)
+    agent.bind_seq_source(lambda: 77)
+    agent.record_step(10, 2.75, 0.5, 1024.0, 1e-4, 8192, 0.25, 0.1, 0.1, 0.02, 0.01, 0.005, 2**40, False)
+    agent.record_step(11, float("nan"), float("inf"), 512.0, 1e-4, 8192, 0.3, 0.1, 0.15, 0.02, 0.01, 0.0, 7, True)
+    agent.collective(11, 5, 2, "reduce_scatter", "dp", 1, -1, 4096, 1.5, 0.01, 0.002)
+    agent.collective(11, 6, 0, "send", "pp", 2, 3, 64, 1.6, 0.02, 0.0)
+    agent.record_scalar(11, "eval/code_loss", 3.25)
+    agent.event("checkpoint_saved", step=11, path=Path("/ckpt/11"), num_shards=np.int64(4), loss=float("nan"))
+    assert agent.flush(1.0) is False  # nothing answers: spooled
+    (batch,) = batches()
+
+    h = batch.header
+    assert (h["run_id"], h["rank"], h["batch_seq"], h["node"], h["world_size"]) == ("r1", 3, 0, "node1", 8)
+    assert h["incarnation"] == agent.incarnation and len(h["incarnation"]) == 32
+    assert h["coords"] == {"dp": 1, "tp": 0, "pp": 1}
+    assert h["run"] == {"config": {"lr": 3e-4}, "nan": "nan"}
+    assert isinstance(h["pid"], int) and h["sent_ts"] > 1_700_000_000.0
+    steps = _rows(batch, "step")
+    assert len(steps) == 2
+    assert steps[0] == {"step": 10, "attempt": 1, "ts": steps[0]["ts"], "loss": 2.75, "grad_norm": 0.5,
+                        "loss_scale": 1024.0, "lr": 1e-4, "tokens": 8192, "step_s": 0.25, "fwd_s": 0.1,
+                        "bwd_s": 0.1, "opt_s": 0.02, "data_s": 0.01, "comm_exposed_s": 0.005, "mem_bytes": 2**40,
+                        "skipped": 0}
+    assert np.isnan(steps[1]["loss"]) and steps[1]["grad_norm"] == float("inf") and steps[1]["skipped"] == 1
+    assert steps[0]["ts"] < steps[1]["ts"]
+    dicts = h["dicts"]
+    colls = _rows(batch, "collective")
+    assert [(dicts["op"][c["op"]], dicts["axis"][c["axis"]], c["seq"], c["group_seq"], c["group_id"], c["peer"],
+             c["bytes"], c["start_ts"], c["duration_s"], c["wait_s"]) for c in colls] == [
+        ("reduce_scatter", "dp", 5, 2, 1, -1, 4096, 1.5, 0.01, 0.002), ("send", "pp", 6, 0, 2, 3, 64, 1.6, 0.02, 0.0)]
+    (scalar,) = _rows(batch, "scalar")
+    assert (scalar["step"], scalar["attempt"], dicts["name"][scalar["name"]], scalar["value"]) == (
+        11, 1, "eval/code_loss", 3.25)
+    (hb,) = _rows(batch, "heartbeat")
+    assert (hb["step"], dicts["phase"][hb["phase"]], hb["last_seq"]) == (11, "backward", 77)
+    (ev,) = h["events"]
+    assert ev["kind"] == "checkpoint_saved" and ev["step"] == 11 and ev["attempt"] == 1
+    assert ev["data"] == {"path": "/ckpt/11", "num_shards": 4, "loss": "nan"}
+    assert h["stats"]["recorded"] == {"step": 2, "collective": 2, "scalar": 1, "heartbeat": 1, "event": 1}
+
+
+def test_batches_are_numbered_and_only_the_first_carries_the_run(spooled):
+    agent, batches = spooled
+    for step in range(3):
+        agent.record_scalar(step, "x", float(step))
+        agent.flush(1.0)
+    got = batches()
+    assert [b.header["batch_seq"] for b in got] == [0, 1, 2]
+    assert got[0].header["run"] is not None and got[1].header["run"] is None
+    assert {b.header["incarnation"] for b in got} == {agent.incarnation}
+    assert [list(b.columns["scalar"]["value"]) for b in got] == [[0.0], [1.0], [2.0]]
+
+
+def test_buffer_drops_are_reported_in_the_next_header_and_in_stats(tmp_path):
+    cfg = AgentConfig(url=f"http://127.0.0.1:{_closed_port()}", spool_dir=str(tmp_path), capacity=2, timeout_s=0.5)
+    agent = Agent(cfg, run_id="r1", rank=0)
+    for step in range(5):
+        agent.record_scalar(step, "x", 1.0)
+    agent.flush(1.0)
+    agent.record_scalar(5, "x", 1.0)
+    agent.flush(1.0)
+    stats = agent.stats()
+    agent.close()
+    assert stats["dropped"]["scalar"] == 3 and stats["recorded"]["scalar"] == 3
+    assert stats["spooled"]["scalar"] == 3 and stats["batches"]["spooled"] == 2
+    spool = Spool(str(tmp_path), max_bytes=1 << 30)
+    spool.peek()
+    spool.pop()
+    second = wire.decode_batch(spool.peek())
+    spool.close()
+    assert second.header["stats"]["dropped"]["scalar"] == 3

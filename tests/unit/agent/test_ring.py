@@ -1,0 +1,119 @@
+"""The hot-path buffers: stores, swap, drops, dictionary encoding, slow path."""
+
+import enum
+import math
+
+import pytest
+
+from agent import wire
+from agent.ring import BufferSet, Codes, Recorder
+
+STEP_ARGS = (7, 2.5, 1.25, 65536.0, 3e-4, 4096, 0.5, 0.1, 0.2, 0.05, 0.01, 0.02, 123456789, True)
+
+
+def _row(buf, i):
+    return {c.name: col[i] for c, col in zip(wire.SCHEMA[buf.kind], buf.cols)}
+
+
+def test_record_step_stores_every_column_in_schema_order():
+    rec = Recorder(capacity=4, clock=lambda: 1000.5)
+    rec.attempt = 2
+    rec.record_step(*STEP_ARGS)
+    buf = rec._step_buf
+    assert buf.n == 1
+    assert _row(buf, 0) == {
+        "step": 7, "attempt": 2, "ts": 1000.5, "loss": 2.5, "grad_norm": 1.25, "loss_scale": 65536.0,
+        "lr": 3e-4, "tokens": 4096, "step_s": 0.5, "fwd_s": 0.1, "bwd_s": 0.2, "opt_s": 0.05, "data_s": 0.01,
+        "comm_exposed_s": 0.02, "mem_bytes": 123456789, "skipped": 1,
+    }
+
+
+def test_collective_and_scalar_dictionary_encode_strings():
+    rec = Recorder(capacity=8, clock=lambda: 5.0)
+    rec.collective(1, 0, 0, "all_reduce", "dp", 0, -1, 1024, 10.0, 0.25, 0.125)
+    rec.collective(1, 1, 0, "all_gather", "tp", 2, -1, 2048, 11.0, 0.5, 0.0)
+    rec.collective(1, 2, 1, "all_reduce", "dp", 0, -1, 1024, 12.0, 0.25, 0.125)
+    rec.record_scalar(3, "eval/loss", 1.5)
+    rec.record_scalar(4, "eval/loss", 1.25)
+    coll = rec._coll_buf
+    op = coll.column("op")
+    axis = coll.column("axis")
+    assert list(op[:3]) == [0, 1, 0] and list(axis[:3]) == [0, 1, 0]
+    assert rec._codes["op"].values == ["all_reduce", "all_gather"]
+    assert rec._codes["axis"].values == ["dp", "tp"]
+    assert _row(coll, 1) == {"step": 1, "attempt": 0, "seq": 1, "group_seq": 0, "op": 1, "axis": 1, "group_id": 2,
+                             "peer": -1, "bytes": 2048, "start_ts": 11.0, "duration_s": 0.5, "wait_s": 0.0}
+    assert list(rec._scalar_buf.column("name")[:2]) == [0, 0]
+    assert list(rec._scalar_buf.column("value")[:2]) == [1.5, 1.25]
+
+
+def test_codes_take_the_plain_value_of_str_enums_and_overflow_raises():
+    class Axis(str, enum.Enum):
+        DP = "dp"
+
+    codes = Codes()
+    assert codes[Axis.DP] == 0 and codes["dp"] == 0 and codes["tp"] == 1
+    assert codes.values == ["dp", "tp"] and all(type(v) is str for v in codes.values)
+    for i in range(wire.MAX_DICT_ENTRIES - 2):
+        codes[f"s{i}"]
+    with pytest.raises(OverflowError):
+        codes["one too many"]
+
+
+def test_full_buffer_drops_and_counts_without_raising():
+    rec = Recorder(capacity=3)
+    for step in range(5):
+        rec.record_step(step, *STEP_ARGS[1:])
+        rec.record_scalar(step, "x", 1.0)
+    assert rec._step_buf.n == 3 and rec._step_buf.num_dropped == 2
+    assert rec._scalar_buf.n == 3 and rec._scalar_buf.num_dropped == 2
+    assert list(rec._step_buf.column("step")) == [0, 1, 2]
+
+
+def test_swap_hands_over_the_filled_set_and_installs_an_empty_one():
+    rec = Recorder(capacity=4)
+    rec.record_step(1, *STEP_ARGS[1:])
+    rec.collective(1, 0, 0, "send", "pp", 0, 1, 8, 1.0, 0.1, 0.1)
+    drained = rec._swap()
+    assert drained.num_rows() == {"step": 1, "collective": 1, "scalar": 0, "heartbeat": 0}
+    assert drained.dict_sizes == {"op": 1, "axis": 1, "name": 0, "phase": 0}
+    assert rec._step_buf is not drained.step and rec._step_buf.n == 0
+    rec.record_step(2, *STEP_ARGS[1:])
+    assert drained.step.n == 1 and list(drained.step.views()["step"]) == [1]
+    assert rec._dict_snapshot(drained) == {"op": ["send"], "axis": ["pp"], "name": [], "phase": []}
+    rec._recycle(drained)
+    assert drained.is_empty() and rec._swap().step.n == 1  # the spare is reused for the next swap
+    assert rec._step_buf is drained.step
+
+
+def test_views_are_zero_copy_and_sized_to_the_filled_rows():
+    bufs = BufferSet(capacity=10)
+    bufs.step.n = 3
+    views = bufs.step.views()
+    assert [c.name for c in wire.SCHEMA["step"]] == list(views)
+    assert all(v.nbytes == 3 * c.itemsize for c, v in zip(wire.SCHEMA["step"], views.values()))
+
+
+def test_slow_path_coerces_what_the_arrays_refuse_and_drops_the_rest():
+    rec = Recorder(capacity=4)
+    # tokens as a float, loss None, mem_bytes as a float: coerced
+    rec.record_step(1, None, 1.0, 1.0, 1e-3, 4096.0, 0.5, 0.1, 0.1, 0.1, 0.1, 0.1, 1e9, False)
+    row = _row(rec._step_buf, 0)
+    assert math.isnan(row["loss"]) and row["tokens"] == 4096 and row["mem_bytes"] == 10**9
+    rec.record_step(2, "not a number", *STEP_ARGS[2:])  # cannot be stored: dropped, counted, no raise
+    rec.collective(1, 0, 0, ["unhashable"], "dp", 0, -1, 8, 1.0, 0.1, 0.1)
+    assert rec._step_buf.n == 1 and rec._step_buf.num_dropped == 1
+    assert rec._coll_buf.n == 0 and rec._coll_buf.num_dropped == 1
+    rec.record_step(3, *STEP_ARGS[1:])  # the half-written row of the failed record is overwritten
+    assert rec._step_buf.n == 2 and list(rec._step_buf.column("step")[:2]) == [1, 3]
+
+
+def test_heartbeat_and_events_go_into_the_active_set():
+    rec = Recorder(capacity=2)
+    rec.set_phase("forward", 9)
+    rec._record_heartbeat(1.0, rec._hb_step, rec._phase, 41)
+    rec._add_event({"kind": "x"})
+    drained = rec._swap()
+    assert _row(drained.heartbeat, 0) == {"ts": 1.0, "step": 9, "phase": 0, "last_seq": 41}
+    assert rec._dict_snapshot(drained)["phase"] == ["forward"]
+    assert drained.events == [{"kind": "x"}]
