@@ -1,0 +1,111 @@
+"""Data parallelism: flat gradient buckets all-reduced from backward hooks.
+
+Every parameter's `.grad` is a view into one flat fp32 buffer per bucket
+(DDP's `gradient_as_bucket_view`): autograd accumulates the micro-batches into
+it in place, a bucket is one collective, and the optimizer, clipping and the
+norm can work on a few flat tensors. Buckets are filled in reverse
+registration order (roughly the order backward produces grads) up to
+`bucket_mb` each.
+
+During the LAST micro-batch's backward, `register_post_accumulate_grad_hook`
+counts the parameters of each bucket as their grads land; a complete bucket is
+all-reduced over `Axis.DP` at once with `async_op=True`, so the transfer runs
+while backward computes the earlier layers. Buckets are launched strictly in
+bucket order (a finished later bucket waits for the earlier ones), so every DP
+rank issues the same collectives in the same order. `finish()` launches what is
+left and waits for all of them.
+
+The reduction is a SUM: each micro-batch loss is already divided by the global
+token count. With dp == 1 no hook is registered and nothing is launched: the
+buffers cost only the memory the grads take anyway.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from trainer.comm import Comm, Handle
+from trainer.parallel_dims import Axis
+
+FP32_BYTES = 4
+
+
+class GradBuckets:
+    def __init__(self, params: list[nn.Parameter], comm: Comm, *, bucket_mb: float, device: torch.device) -> None:
+        self.comm = comm
+        self.overlap = comm.size(Axis.DP) > 1
+        cap_elems = max(1, int(bucket_mb * 2**20) // FP32_BYTES)
+        groups: list[list[nn.Parameter]] = []
+        size = cap_elems
+        for param in reversed(params):
+            if size + param.numel() > cap_elems and (not groups or groups[-1]):
+                groups.append([])
+                size = 0
+            groups[-1].append(param)
+            size += param.numel()
+        self.buffers: list[torch.Tensor] = []
+        self._views: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self._bucket_of: dict[int, int] = {}
+        self._sizes = [len(group) for group in groups]
+        for index, group in enumerate(groups):
+            buffer = torch.zeros(sum(p.numel() for p in group), dtype=torch.float32, device=device)
+            offset = 0
+            for param in group:
+                view = buffer[offset:offset + param.numel()].view_as(param)
+                param.grad = view
+                self._views.append((param, view))
+                self._bucket_of[id(param)] = index
+                offset += param.numel()
+            self.buffers.append(buffer)
+        self._armed = False
+        self._pending: list[int] = []
+        self._seen: set[int] = set()
+        self._next_launch = 0
+        self._handles: list[Handle] = []
+        if self.overlap:
+            for param, _ in self._views:
+                param.register_post_accumulate_grad_hook(self._on_grad)
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.buffers)
+
+    def zero_grad(self) -> None:
+        for buffer in self.buffers:
+            buffer.zero_()
+        for param, view in self._views:  # someone may have set .grad = None
+            if param.grad is not view:
+                param.grad = view
+
+    def arm(self) -> None:
+        """Call right before the step's last backward: from now on complete buckets launch."""
+        if not self.overlap:
+            return
+        self._armed = True
+        self._pending = list(self._sizes)
+        self._seen.clear()
+        self._next_launch = 0
+        self._handles = []
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        if not self._armed or id(param) in self._seen:
+            return
+        self._seen.add(id(param))
+        self._pending[self._bucket_of[id(param)]] -= 1
+        self._launch_ready()
+
+    def _launch_ready(self, force: bool = False) -> None:
+        while self._next_launch < len(self.buffers) and (force or self._pending[self._next_launch] == 0):
+            self._handles.append(self.comm.all_reduce(self.buffers[self._next_launch], Axis.DP, async_op=True))
+            self._next_launch += 1
+
+    def finish(self) -> None:
+        """Launch the buckets whose params got no grad in the last backward, then wait for all."""
+        if not self._armed:
+            return
+        self._launch_ready(force=True)
+        for handle in self._handles:
+            handle.wait()
+        self._handles = []
+        self._armed = False
