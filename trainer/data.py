@@ -91,9 +91,11 @@ def eval_batches(corpus: Corpus, domain: str, *, micro_batch_size: int, pad_mult
 
 
 def poison(batch: StepBatch, seed: int) -> StepBatch:
-    """`batch` with every sample's tokens replaced by uniformly random bytes drawn
-    from a generator seeded by (seed, step): the loss and the gradient norm really
-    jump. Shapes, lengths, padding and token counts stay; the input tensors are not
+    """`batch` with every sample replaced by one random non-ASCII byte (0x80-0xFF)
+    repeated, drawn from a generator seeded by (seed, step): a corrupted shard of
+    the kind real pipelines produce. The corpus is almost all ASCII, so a model
+    that has trained a little gives that byte a tiny probability, and every token
+    pushes the gradient the same way: the loss and the gradient norm really jump. Shapes, lengths, padding and token counts stay; the input tensors are not
     modified (a copy is returned)."""
     rng = np.random.default_rng([seed, batch.step])
     poisoned = []
@@ -101,7 +103,7 @@ def poison(batch: StepBatch, seed: int) -> StepBatch:
         inputs, targets = mb.inputs.clone(), mb.targets.clone()
         for r, n in enumerate((targets != IGNORE_INDEX).sum(dim=1).tolist()):
             if n:
-                noise = torch.from_numpy(rng.integers(0, 256, n + 1))
+                noise = torch.full((n + 1,), int(rng.integers(128, 256)), dtype=inputs.dtype)
                 inputs[r, :n] = noise[:-1]
                 targets[r, :n] = noise[1:]
         poisoned.append(dataclasses.replace(mb, inputs=inputs, targets=targets))

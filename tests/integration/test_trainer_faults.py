@@ -15,12 +15,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def test_spike_raises_loss_and_grad_norm(tmp_path):
-    r = run_trainer(tmp_path / "run", "--steps", "12", "--lr", "1e-2", "--inject", "spike@step=10")
+    r = run_trainer(tmp_path / "run", "--steps", "22", "--inject", "spike@step=20")
     assert r.returncode == 0, r.stderr[-3000:]
     m = {x["step"]: x for x in r.metrics()}
-    assert m[10]["loss"] > 1.3 * m[9]["loss"]
-    assert m[10]["grad_norm"] > 2 * m[9]["grad_norm"]
-    assert [i["step"] for i in r.injections()] == [10]
+    assert m[20]["loss"] > 1.3 * m[19]["loss"]
+    assert m[20]["grad_norm"] > 2 * m[19]["grad_norm"]
+    assert [i["step"] for i in r.injections()] == [20]
 
 
 def test_fp16_nan_skips_the_step_and_halves_the_scale(tmp_path):
