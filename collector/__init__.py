@@ -1,0 +1,12 @@
+"""The collector: ingest, DuckDB storage, control commands, read-only SQL, metrics.
+
+Public face: `Settings`, `Storage` (open a database, queue writes, query),
+`create_app` (the ASGI app around a Storage), and `commands.issue`.
+The CLI is `collector serve` / `collector sql` (collector/cli.py).
+"""
+
+from collector.settings import Settings
+from collector.storage import Storage
+from collector.server import create_app
+
+__all__ = ["Settings", "Storage", "create_app"]

@@ -38,6 +38,10 @@ import torch.distributed as dist
 
 from trainer.parallel_dims import Axis, ParallelDims
 
+# torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class CommSink(Protocol):
     """Receives one call per completed op. Must be cheap and must not raise."""
@@ -273,7 +277,7 @@ class Comm:
             return NOOP_HANDLE if async_op else None
         group = self.group(axis)
         return self._run("all_gather", axis, output.numel() * output.element_size(), -1,
-                         lambda a: dist.all_gather_into_tensor(output, tensor, group=group, async_op=a), async_op)
+                         lambda a: _all_gather_flat(output, tensor, group=group, async_op=a), async_op)
 
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, axis: Axis, *, op=dist.ReduceOp.SUM, async_op: bool = False):
         """Reduce `tensor` over the group and keep this member's dim-0 chunk in `output`."""
@@ -282,7 +286,7 @@ class Comm:
             return NOOP_HANDLE if async_op else None
         group = self.group(axis)
         return self._run("reduce_scatter", axis, tensor.numel() * tensor.element_size(), -1,
-                         lambda a: dist.reduce_scatter_tensor(output, tensor, op=op, group=group, async_op=a), async_op)
+                         lambda a: _reduce_scatter_flat(output, tensor, op=op, group=group, async_op=a), async_op)
 
     def broadcast(self, tensor: torch.Tensor, axis: Axis, *, src_group_rank: int = 0, async_op: bool = False):
         if self.size(axis) == 1:
