@@ -116,6 +116,8 @@ class Agent(Recorder):
         self._seen_commands: set[str] = set()
         self._recorded = {k: 0 for k in STATS_KINDS}
         self._buffer_dropped = {k: 0 for k in STATS_KINDS}
+        self._drops_reported = {k: 0 for k in STATS_KINDS}
+        self._drops_in_flight = self._drops_reported
         self._shipper: Shipper | None = None
         self._bridges: list = []
         self._opened = False
@@ -331,6 +333,8 @@ class Agent(Recorder):
             return True
         if payload is not None:
             fate = self._shipper.ship(payload, rows)
+            if fate in ("sent", "spooled"):  # its drop counts reached (or will reach) the collector
+                self._drops_reported = self._drops_in_flight
         else:
             fate = "dropped" if has_rows else "sent"  # an encoding failure, or nothing to send
         return self._shipper.pump(force=force, budget_s=budget_s) and fate in ("sent", "spooled")
@@ -356,7 +360,12 @@ class Agent(Recorder):
 
     def _encode(self, bufs: BufferSet, rows: dict[str, int]) -> bytes | None:
         ship = self._shipper.stats
-        dropped = {k: self._buffer_dropped[k] + ship.dropped[k] for k in STATS_KINDS}
+        # stats.dropped carries the drops not yet carried by a batch that was sent or
+        # spooled: the collector adds them up, and a batch that is itself lost hands its
+        # counts on to the next one.
+        totals = {k: self._buffer_dropped[k] + ship.dropped[k] for k in STATS_KINDS}
+        dropped = {k: totals[k] - self._drops_reported[k] for k in STATS_KINDS}
+        self._drops_in_flight = totals
         header = {
             "run_id": self.run_id, "rank": self.rank, "incarnation": self.incarnation,
             "batch_seq": self._batch_seq, "node": self.node, "pid": os.getpid(), "coords": self.coords,

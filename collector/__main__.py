@@ -1,0 +1,7 @@
+"""`python -m collector` == the `collector` console script."""
+
+import sys
+
+from collector.cli import main
+
+sys.exit(main())

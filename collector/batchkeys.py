@@ -1,0 +1,75 @@
+"""Which batches are already stored: an in-memory mirror of the `batches` table.
+
+Checking a group's keys against the table with a join costs a scan that grows
+with the table; the writer is the only process that adds keys, so it can keep
+the set in memory instead. Per (run_id, rank, incarnation) the stored
+batch_seqs are kept as sorted, disjoint, inclusive intervals: an agent numbers
+its batches 0, 1, 2, ... so the usual case is one interval per sender, and a
+replayed spool only fills gaps. Loading is one gaps-and-islands query.
+The table's primary key stays the last line of defence.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import duckdb
+
+Sender = tuple[str, int, str]
+
+_ISLANDS_SQL = """
+    SELECT run_id, rank, incarnation, min(batch_seq) AS lo, max(batch_seq) AS hi
+    FROM (SELECT run_id, rank, incarnation, batch_seq,
+                 batch_seq - row_number() OVER (PARTITION BY run_id, rank, incarnation ORDER BY batch_seq) AS island
+          FROM batches)
+    GROUP BY run_id, rank, incarnation, island
+    ORDER BY run_id, rank, incarnation, lo
+"""
+
+
+class BatchKeys:
+    """Set of stored batch keys. Not thread-safe: the writer thread owns it."""
+
+    def __init__(self) -> None:
+        self._starts: dict[Sender, list[int]] = {}
+        self._ends: dict[Sender, list[int]] = {}
+
+    @classmethod
+    def load(cls, con: duckdb.DuckDBPyConnection) -> "BatchKeys":
+        keys = cls()
+        for run_id, rank, incarnation, lo, hi in con.execute(_ISLANDS_SQL).fetchall():
+            sender = (run_id, rank, incarnation)
+            keys._starts.setdefault(sender, []).append(lo)
+            keys._ends.setdefault(sender, []).append(hi)
+        return keys
+
+    def __contains__(self, key: tuple[str, int, str, int]) -> bool:
+        starts = self._starts.get(key[:3])
+        if not starts:
+            return False
+        seq = key[3]
+        i = bisect.bisect_right(starts, seq) - 1
+        return i >= 0 and seq <= self._ends[key[:3]][i]
+
+    def add(self, key: tuple[str, int, str, int]) -> None:
+        sender, seq = key[:3], key[3]
+        starts = self._starts.setdefault(sender, [])
+        ends = self._ends.setdefault(sender, [])
+        if ends and ends[-1] == seq - 1:  # the common case: the next batch in order
+            ends[-1] = seq
+            return
+        i = bisect.bisect_right(starts, seq)
+        if i > 0 and ends[i - 1] >= seq:
+            return  # already present
+        joins_left = i > 0 and ends[i - 1] == seq - 1
+        joins_right = i < len(starts) and starts[i] == seq + 1
+        if joins_left and joins_right:
+            ends[i - 1] = ends[i]
+            del starts[i], ends[i]
+        elif joins_left:
+            ends[i - 1] = seq
+        elif joins_right:
+            starts[i] = seq
+        else:
+            starts.insert(i, seq)
+            ends.insert(i, seq)

@@ -1,0 +1,132 @@
+"""Prometheus exposition: the collector's own health and each live run's gauges.
+
+Everything lives in one `CollectorRegistry` per collector (not the global one),
+so tests and several collectors in one process do not collide. Counters are
+bumped by the writer after each commit; run gauges are kept in memory from the
+committed step rows (per rank: the row with the highest step of its latest
+batch) and aggregated only when Prometheus scrapes. Open incidents are counted
+from the `incidents` table at scrape time.
+
+The exposition holds no data rows, only aggregates, which is why GET /metrics
+needs no token (like /healthz).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from agent import wire
+from collector.decode import DecodedBatch
+
+
+class RunGauges:
+    """Latest per-rank step figures of each run, updated by the writer thread."""
+
+    def __init__(self, live_s: float, clock: Callable[[], float] = time.time) -> None:
+        self.live_s = live_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        # run_id -> rank -> (step, loss, tokens, step_s); run_id -> last update ts
+        self._ranks: dict[str, dict[int, tuple[int, float, int, float]]] = {}
+        self._seen: dict[str, float] = {}
+        self._tp_pp: dict[str, int] = {}
+
+    def observe(self, batch: DecodedBatch) -> None:
+        sec = batch.sections.get(wire.STEP)
+        now = self._clock()
+        with self._lock:
+            self._seen[batch.run_id] = now
+            if batch.run is not None and batch.run.mesh:
+                mesh = batch.run.mesh
+                tp, pp = mesh.get("tp", 1), mesh.get("pp", 1)
+                if isinstance(tp, int) and isinstance(pp, int) and tp > 0 and pp > 0:
+                    self._tp_pp[batch.run_id] = tp * pp
+            if sec is None:
+                return
+            v = sec.views
+            i = int(np.argmax(sec.array("step"))) if sec.n > 1 else 0
+            self._ranks.setdefault(batch.run_id, {})[batch.rank] = (
+                v["step"][i], v["loss"][i], v["tokens"][i], v["step_s"][i])
+
+    def snapshot(self) -> dict[str, tuple[int, float, float]]:
+        """run_id -> (latest step, mean loss at it, tokens/s) for runs seen within live_s.
+
+        tokens/s: the `tokens` of every rank at the latest step, summed, divided by
+        the slowest of their step_s and by tp*pp (ranks of one data-parallel
+        replica report the same tokens) when the run's mesh is known."""
+        horizon = self._clock() - self.live_s
+        out = {}
+        with self._lock:
+            for run_id in [r for r, ts in self._seen.items() if ts < horizon]:
+                self._seen.pop(run_id)
+                self._ranks.pop(run_id, None)
+                self._tp_pp.pop(run_id, None)
+            for run_id in self._seen:
+                rows = list(self._ranks.get(run_id, {}).values())
+                if not rows:
+                    continue
+                step = max(r[0] for r in rows)
+                at = [r for r in rows if r[0] == step]
+                loss = sum(r[1] for r in at) / len(at)
+                slowest_s = max(r[3] for r in at)
+                tokens = sum(r[2] for r in at) / self._tp_pp.get(run_id, 1)
+                out[run_id] = (step, loss, tokens / slowest_s if slowest_s > 0 else 0.0)
+        return out
+
+
+class _RunCollector:
+    """Custom collector: builds the per-run gauge families at scrape time."""
+
+    def __init__(self, gauges: RunGauges, open_incidents: Callable[[], dict[str, int]]) -> None:
+        self._gauges = gauges
+        self._open_incidents = open_incidents
+
+    def collect(self):
+        step = GaugeMetricFamily("llmwatch_run_step", "Latest step reported by any rank", labels=["run_id"])
+        loss = GaugeMetricFamily("llmwatch_run_loss", "Mean loss over the ranks at the latest step", labels=["run_id"])
+        tps = GaugeMetricFamily("llmwatch_run_tokens_per_s", "Tokens per second at the latest step", labels=["run_id"])
+        inc = GaugeMetricFamily("llmwatch_run_open_incidents", "Incidents with status open", labels=["run_id"])
+        snap = self._gauges.snapshot()
+        for run_id, (s, l, t) in snap.items():
+            step.add_metric([run_id], s)
+            loss.add_metric([run_id], l)
+            tps.add_metric([run_id], t)
+        counts = self._open_incidents()
+        for run_id in sorted(set(snap) | set(counts)):
+            inc.add_metric([run_id], counts.get(run_id, 0))
+        yield from (step, loss, tps, inc)
+
+
+class CollectorMetrics:
+    """The collector's registry and its instruments."""
+
+    def __init__(self, *, live_run_s: float = 600.0, clock: Callable[[], float] = time.time) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.rows_ingested = Counter("llmwatch_collector_rows_ingested", "Rows committed, by table", ["table"], registry=r)
+        self.batches = Counter("llmwatch_collector_batches", "Batches committed (duplicates excluded)", registry=r)
+        self.duplicate_batches = Counter("llmwatch_collector_duplicate_batches", "Batches acknowledged as already stored", registry=r)
+        self.rejects = Counter("llmwatch_collector_rejects", "Requests refused, by reason", ["reason"], registry=r)
+        self.queue_depth = Gauge("llmwatch_collector_write_queue_depth", "Write jobs waiting for the writer thread", registry=r)
+        self.commit_seconds = Histogram(
+            "llmwatch_collector_commit_seconds", "Duration of one group commit", registry=r,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0))
+        self.group_size = Histogram(
+            "llmwatch_collector_group_requests", "Requests per group commit", registry=r,
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096))
+        self.runs = RunGauges(live_run_s, clock)
+
+    def watch_queue(self, depth: Callable[[], int]) -> None:
+        self.queue_depth.set_function(depth)
+
+    def watch_incidents(self, open_incidents: Callable[[], dict[str, int]]) -> None:
+        self.registry.register(_RunCollector(self.runs, open_incidents))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,106 @@
+"""What every route shares: bearer auth, bounded body reading, JSON answers.
+
+Errors are always `{"error": reason}` with a 4xx (or 503 for back-pressure).
+JSON bodies keep NaN and Infinity as the literals Python's json module reads
+(a NaN loss is data here, not something to hide); use format=arrow on /v1/sql
+for strict typed output.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import decimal
+import hmac
+import json
+import uuid
+import zlib
+from typing import Any
+
+from fastapi import HTTPException, Request
+from starlette.responses import Response
+
+from collector.metrics import CollectorMetrics
+
+JSON_TYPE = "application/json"
+
+
+def _default(v: Any) -> Any:
+    if isinstance(v, (dt.datetime, dt.date, dt.time)):
+        return v.isoformat()
+    if isinstance(v, dt.timedelta):
+        return v.total_seconds()
+    if isinstance(v, decimal.Decimal):
+        return float(v)
+    if isinstance(v, uuid.UUID):
+        return str(v)
+    if isinstance(v, (bytes, bytearray, memoryview)):
+        return base64.b64encode(bytes(v)).decode()
+    if isinstance(v, (set, frozenset)):
+        return sorted(v)
+    return str(v)
+
+
+def dumps(content: Any) -> bytes:
+    return json.dumps(content, separators=(",", ":"), ensure_ascii=False, default=_default).encode("utf-8")
+
+
+def json_response(content: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(dumps(content), status_code=status, media_type=JSON_TYPE, headers=headers)
+
+
+def error_response(status: int, reason: str, headers: dict[str, str] | None = None) -> Response:
+    return json_response({"error": reason}, status, headers)
+
+
+def token_ok(authorization: bytes | str | None, token: str) -> bool:
+    """Constant-time check of an `Authorization: Bearer <token>` header."""
+    if not authorization:
+        return False
+    if isinstance(authorization, str):
+        authorization = authorization.encode("latin-1", "replace")
+    scheme, _, given = authorization.partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), token.encode())
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+async def read_limited(request: Request, max_bytes: int) -> bytes:
+    """The request body, refusing past `max_bytes` (declared or actual)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise BodyTooLarge
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise BodyTooLarge
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def decompress(body: bytes, encoding: str | None, max_bytes: int) -> bytes:
+    """gzip/deflate bodies (OTLP exporters may compress), bounded by `max_bytes`."""
+    if not encoding or encoding == "identity":
+        return body
+    if encoding not in ("gzip", "deflate"):
+        raise ValueError(f"Content-Encoding {encoding!r} is not supported (gzip, deflate)")
+    d = zlib.decompressobj(wbits=47 if encoding == "gzip" else 15)  # 47: gzip or zlib header
+    try:
+        out = d.decompress(body, max_bytes + 1)
+    except zlib.error as e:
+        raise ValueError(f"body is not valid {encoding}: {e}") from None
+    if len(out) > max_bytes:
+        raise BodyTooLarge
+    return out
+
+
+def require_token(request: Request) -> None:
+    """FastAPI dependency: 401 unless the bearer token matches."""
+    state = request.app.state
+    if not token_ok(request.headers.get("authorization"), state.settings.token):
+        metrics: CollectorMetrics = state.storage.metrics
+        metrics.rejects.labels("unauthorized").inc()
+        raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})

@@ -1,0 +1,139 @@
+"""POST /v1/ingest (native batches) and POST /v1/metrics (OTLP/HTTP metrics).
+
+/v1/ingest is the hot path, so it is a plain ASGI callable (no request object,
+no dependency injection): check the token and the size, read the body, decode
+it on the event loop (vectorised, microseconds), hand it to the writer and
+await the commit. The answer carries the pending commands of the sender's
+run and rank.
+
+Refusals: 401 token, 413 size (declared or read), 415 content type, 400 framing,
+422 content, 503 write queue full (Retry-After) or storage unavailable. A body
+that is too large is read and discarded up to twice the limit before the 413
+goes out, so an ordinary client (one that sends its whole body before reading)
+sees the reason instead of a reset connection.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from agent import wire
+from collector import otlp
+from collector.decode import BatchRejected, decode
+from collector.routes.common import BodyTooLarge, decompress, dumps, error_response, read_limited, require_token, token_ok
+from collector.storage import Storage
+from collector.writer import QueueFull, StorageError
+
+_REASONS = {400: "bad_batch", 401: "unauthorized", 413: "too_large", 415: "content_type", 422: "invalid", 503: "busy"}
+_BATCH_TYPES = (wire.CONTENT_TYPE.encode(), b"application/octet-stream")
+
+
+class _Disconnected(Exception):
+    pass
+
+
+class IngestEndpoint:
+    """ASGI app for POST /v1/ingest."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self.settings = storage.settings
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            status, content, extra = await self._handle(scope, receive)
+        except StorageError as e:
+            status, content, extra = e.status, dumps({"error": str(e)}), []
+            self.storage.metrics.rejects.labels("storage").inc()
+        else:
+            if status != 200:
+                self.storage.metrics.rejects.labels(_REASONS[status]).inc()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(content)).encode()), *extra]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": content})
+
+    async def _handle(self, scope: Scope, receive: Receive) -> tuple[int, bytes, list]:
+        authorization = content_type = content_length = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                authorization = value
+            elif name == b"content-type":
+                content_type = value
+            elif name == b"content-length":
+                content_length = value
+        limit = self.settings.max_batch_bytes
+        if not token_ok(authorization, self.settings.token):
+            return 401, dumps({"error": "missing or wrong bearer token"}), [(b"www-authenticate", b"Bearer")]
+        if content_type is not None and content_type.split(b";")[0].strip().lower() not in _BATCH_TYPES:
+            return 415, dumps({"error": f"Content-Type must be {wire.CONTENT_TYPE}"}), []
+        declared = int(content_length) if content_length is not None and content_length.isdigit() else None
+        if declared is not None and declared > 2 * limit:
+            return 413, dumps({"error": f"body of {declared} bytes exceeds the limit of {limit}"}), [(b"connection", b"close")]
+        try:
+            body = await self._read(receive, limit)
+        except BodyTooLarge:
+            return 413, dumps({"error": f"body exceeds the limit of {limit} bytes"}), [(b"connection", b"close")]
+        except _Disconnected:
+            return 400, dumps({"error": "client disconnected"}), []
+        try:
+            batch = decode(body)
+            outcome = await self.storage.ingest(batch)
+        except BatchRejected as e:
+            return e.status, dumps({"error": str(e)}), []
+        except QueueFull as e:
+            return 503, dumps({"error": f"busy, retry later: {e}"}), [(b"retry-after", b"1")]
+        return 200, dumps({"accepted": outcome.accepted, "duplicate": outcome.duplicate,
+                           "commands": outcome.commands}), []
+
+    @staticmethod
+    async def _read(receive: Receive, limit: int) -> bytes:
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _Disconnected
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            more = message.get("more_body", False)
+            if size > limit:
+                while more and size <= 2 * limit:  # drain so the client can read our 413
+                    message = await receive()
+                    size += len(message.get("body", b""))
+                    more = message.get("more_body", False) and message["type"] != "http.disconnect"
+                raise BodyTooLarge
+            chunks.append(chunk)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+router = APIRouter()
+
+
+@router.post("/v1/metrics", dependencies=[Depends(require_token)])
+async def otlp_metrics(request: Request) -> Response:
+    """OTLP/HTTP metrics export (protobuf or JSON); every data point -> scalars."""
+    storage: Storage = request.app.state.storage
+    limit = storage.settings.max_batch_bytes
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type not in (otlp.PROTOBUF, otlp.JSON):
+        storage.metrics.rejects.labels("content_type").inc()
+        return error_response(415, f"Content-Type must be {otlp.PROTOBUF} or {otlp.JSON}")
+    try:
+        body = decompress(await read_limited(request, limit), request.headers.get("content-encoding"), limit)
+        table = await run_in_threadpool(lambda: otlp.scalars_table(otlp.parse_request(body, content_type)))
+    except BodyTooLarge:
+        storage.metrics.rejects.labels("too_large").inc()
+        return error_response(413, f"body exceeds the limit of {limit} bytes")
+    except ValueError as e:  # OtlpError, bad compression
+        storage.metrics.rejects.labels("bad_otlp").inc()
+        return error_response(400, str(e))
+    if table.num_rows:
+        try:
+            await storage.ingest_tables({"scalars": table})
+        except QueueFull as e:
+            return error_response(503, f"busy, retry later: {e}", {"retry-after": "1"})
+        except StorageError as e:
+            return error_response(e.status, str(e))
+    return Response(otlp.response_body(content_type), media_type=content_type)

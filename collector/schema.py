@@ -1,0 +1,252 @@
+"""The DuckDB schema: tables, views and the migrations that create them.
+
+Table and column names are a contract (DESIGN.md section 5, docs/schema.md, the
+SQL cookbook). Times are unix seconds (UTC) in DOUBLE columns named `*_ts`;
+durations are seconds named `*_s`; sizes are bytes. JSON columns hold objects
+that vary by record (config, evidence, event data).
+
+`MIGRATIONS` is an append-only list: version N's statements run once, in one
+transaction, and `schema_version` records it. Opening a database applies what is
+missing, so opening twice (or opening an old file) is safe.
+"""
+
+from __future__ import annotations
+
+import time
+
+import duckdb
+
+_TABLES_V1 = [
+    """CREATE TABLE runs (
+        run_id VARCHAR PRIMARY KEY,
+        created_ts DOUBLE NOT NULL,
+        updated_ts DOUBLE NOT NULL,
+        status VARCHAR NOT NULL DEFAULT 'running',
+        config JSON,
+        mesh JSON,
+        world_size INTEGER,
+        code_version VARCHAR,
+        data_version VARCHAR,
+        node_map JSON,
+        started_ts DOUBLE
+    )""",
+    """CREATE TABLE ranks (
+        run_id VARCHAR NOT NULL,
+        rank INTEGER NOT NULL,
+        node VARCHAR,
+        dp INTEGER,
+        tp INTEGER,
+        pp INTEGER,
+        pid BIGINT,
+        incarnation VARCHAR,
+        first_seen_ts DOUBLE NOT NULL,
+        last_seen_ts DOUBLE NOT NULL,
+        agent_drops BIGINT NOT NULL DEFAULT 0,
+        PRIMARY KEY (run_id, rank)
+    )""",
+    """CREATE TABLE steps (
+        run_id VARCHAR NOT NULL,
+        attempt INTEGER NOT NULL,
+        step BIGINT NOT NULL,
+        rank INTEGER NOT NULL,
+        ts DOUBLE,
+        loss DOUBLE,
+        grad_norm DOUBLE,
+        loss_scale DOUBLE,
+        lr DOUBLE,
+        tokens BIGINT,
+        step_s DOUBLE,
+        fwd_s DOUBLE,
+        bwd_s DOUBLE,
+        opt_s DOUBLE,
+        data_s DOUBLE,
+        comm_exposed_s DOUBLE,
+        mem_bytes BIGINT,
+        skipped BOOLEAN,
+        node VARCHAR
+    )""",
+    """CREATE TABLE collectives (
+        run_id VARCHAR NOT NULL,
+        attempt INTEGER NOT NULL,
+        step BIGINT NOT NULL,
+        rank INTEGER NOT NULL,
+        seq BIGINT,
+        group_seq BIGINT,
+        op VARCHAR,
+        axis VARCHAR,
+        group_id INTEGER,
+        peer INTEGER,
+        bytes BIGINT,
+        start_ts DOUBLE,
+        duration_s DOUBLE,
+        wait_s DOUBLE
+    )""",
+    """CREATE TABLE scalars (
+        run_id VARCHAR NOT NULL,
+        attempt INTEGER NOT NULL,
+        step BIGINT NOT NULL,
+        rank INTEGER NOT NULL,
+        ts DOUBLE,
+        name VARCHAR NOT NULL,
+        value DOUBLE,
+        attrs JSON
+    )""",
+    """CREATE TABLE heartbeats (
+        run_id VARCHAR NOT NULL,
+        rank INTEGER NOT NULL,
+        ts DOUBLE NOT NULL,
+        node VARCHAR,
+        pid BIGINT,
+        phase VARCHAR,
+        step BIGINT,
+        last_seq BIGINT
+    )""",
+    """CREATE TABLE events (
+        run_id VARCHAR NOT NULL,
+        rank INTEGER NOT NULL,
+        ts DOUBLE NOT NULL,
+        step BIGINT,
+        attempt INTEGER,
+        kind VARCHAR NOT NULL,
+        data JSON
+    )""",
+    """CREATE TABLE incidents (
+        id BIGINT PRIMARY KEY,
+        run_id VARCHAR NOT NULL,
+        kind VARCHAR NOT NULL,
+        severity VARCHAR NOT NULL,
+        rank INTEGER,
+        node VARCHAR,
+        step_from BIGINT,
+        step_to BIGINT,
+        opened_ts DOUBLE NOT NULL,
+        updated_ts DOUBLE NOT NULL,
+        closed_ts DOUBLE,
+        status VARCHAR NOT NULL DEFAULT 'open',
+        evidence JSON,
+        root_cause VARCHAR,
+        confidence DOUBLE
+    )""",
+    """CREATE TABLE actions (
+        id BIGINT PRIMARY KEY,
+        run_id VARCHAR NOT NULL,
+        incident_id BIGINT,
+        kind VARCHAR NOT NULL,
+        status VARCHAR NOT NULL,
+        dry_run BOOLEAN NOT NULL DEFAULT false,
+        requested_ts DOUBLE NOT NULL,
+        finished_ts DOUBLE,
+        detail JSON
+    )""",
+    """CREATE TABLE checkpoints (
+        run_id VARCHAR NOT NULL,
+        step BIGINT NOT NULL,
+        attempt INTEGER NOT NULL,
+        path VARCHAR,
+        num_shards INTEGER,
+        bytes BIGINT,
+        checksums JSON,
+        verified BOOLEAN NOT NULL DEFAULT false,
+        write_s DOUBLE,
+        ts DOUBLE NOT NULL,
+        num_ranks INTEGER NOT NULL DEFAULT 1,
+        PRIMARY KEY (run_id, step, attempt)
+    )""",
+    """CREATE TABLE nodes (
+        run_id VARCHAR NOT NULL,
+        node VARCHAR NOT NULL,
+        ranks JSON,
+        status VARCHAR NOT NULL DEFAULT 'healthy',
+        reason VARCHAR,
+        updated_ts DOUBLE NOT NULL,
+        PRIMARY KEY (run_id, node)
+    )""",
+    """CREATE TABLE commands (
+        id BIGINT PRIMARY KEY,
+        run_id VARCHAR NOT NULL,
+        kind VARCHAR NOT NULL,
+        args JSON,
+        ranks JSON,
+        issued_ts DOUBLE NOT NULL,
+        status VARCHAR NOT NULL,
+        delivered JSON,
+        acks JSON,
+        updated_ts DOUBLE NOT NULL
+    )""",
+    """CREATE TABLE batches (
+        run_id VARCHAR NOT NULL,
+        rank INTEGER NOT NULL,
+        incarnation VARCHAR NOT NULL,
+        batch_seq BIGINT NOT NULL,
+        received_ts DOUBLE NOT NULL,
+        rows BIGINT NOT NULL,
+        PRIMARY KEY (run_id, rank, incarnation, batch_seq)
+    )""",
+]
+
+_VIEWS_V1 = [
+    # The effective curve: after a rollback the same (run, step, rank) exists once per
+    # attempt; only the highest attempt counts. Written as a join against the (few)
+    # rows of later attempts rather than a window over every row: ~70x faster on 10M rows.
+    """CREATE OR REPLACE VIEW steps_effective AS
+        WITH latest AS (SELECT run_id, step, rank, max(attempt) AS attempt FROM steps WHERE attempt > 0
+                        GROUP BY run_id, step, rank)
+        SELECT s.* FROM steps s LEFT JOIN latest l USING (run_id, step, rank)
+        WHERE l.attempt IS NULL OR s.attempt = l.attempt""",
+    """CREATE OR REPLACE VIEW steps_history AS
+        WITH latest AS (SELECT run_id, step, rank, max(attempt) AS attempt FROM steps WHERE attempt > 0
+                        GROUP BY run_id, step, rank)
+        SELECT s.*, l.attempt IS NULL OR s.attempt = l.attempt AS effective
+        FROM steps s LEFT JOIN latest l USING (run_id, step, rank)""",
+    """CREATE OR REPLACE VIEW step_summary AS
+        SELECT run_id, attempt, step,
+               count(*) AS num_ranks,
+               median(step_s) AS median_step_s,
+               max(step_s) AS max_step_s,
+               min(step_s) AS min_step_s,
+               arg_max(rank, step_s) AS slowest_rank,
+               avg(loss) AS loss_mean,
+               sum(tokens) AS tokens,
+               max(ts) AS ts
+        FROM steps GROUP BY run_id, attempt, step""",
+    """CREATE OR REPLACE VIEW collective_summary AS
+        SELECT run_id, attempt, step, op, axis,
+               count(*) AS num_ops,
+               sum(bytes) AS bytes,
+               avg(duration_s) AS mean_duration_s,
+               max(duration_s) AS max_duration_s,
+               avg(wait_s) AS mean_wait_s,
+               max(wait_s) AS max_wait_s,
+               sum(wait_s) AS total_wait_s
+        FROM collectives GROUP BY run_id, attempt, step, op, axis""",
+]
+
+MIGRATIONS: list[tuple[int, list[str]]] = [
+    (1, _TABLES_V1 + _VIEWS_V1),
+]
+
+def current_version(con: duckdb.DuckDBPyConnection) -> int:
+    con.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL, applied_ts DOUBLE NOT NULL)")
+    (version,), = con.execute("SELECT max(version) FROM schema_version").fetchall()
+    return 0 if version is None else int(version)
+
+
+def migrate(con: duckdb.DuckDBPyConnection, migrations: list[tuple[int, list[str]]] = MIGRATIONS) -> list[int]:
+    """Apply every migration newer than the database's version, each in its own
+    transaction. Returns the versions applied (empty when already current)."""
+    have = current_version(con)
+    applied = []
+    for version, statements in sorted(migrations):
+        if version <= have:
+            continue
+        con.execute("BEGIN TRANSACTION")
+        try:
+            for sql in statements:
+                con.execute(sql)
+            con.execute("INSERT INTO schema_version VALUES (?, ?)", [version, time.time()])
+            con.execute("COMMIT")
+        except Exception:
+            con.execute("ROLLBACK")
+            raise
+        applied.append(version)
+    return applied

@@ -1,0 +1,36 @@
+"""The collector's configuration: one dataclass, filled by the CLI or by a caller."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+MiB = 1 << 20
+
+
+@dataclass(kw_only=True, slots=True)
+class Settings:
+    db_path: Path
+    host: str = "127.0.0.1"
+    port: int = 8428
+    token: str = ""
+    max_batch_bytes: int = 32 * MiB  # one request body (413 above)
+    # Group commit: the writer takes queued requests until either budget is reached.
+    group_max_rows: int = 2_000_000
+    group_max_bytes: int = 256 * MiB
+    # ... and, while a group is smaller than group_min_rows and requests keep arriving
+    # (no gap longer than group_gap_s), waits up to group_linger_s for more.
+    group_min_rows: int = 131_072
+    group_linger_s: float = 0.05
+    group_gap_s: float = 0.005
+    # Back-pressure: requests beyond this many queued bytes get 503 + Retry-After.
+    queue_max_bytes: int = 512 * MiB
+    sql_timeout_s: float = 10.0
+    sql_max_rows: int = 10_000
+    sql_max_concurrent: int = 4
+    command_ttl_s: float = 3600.0
+    live_run_s: float = 600.0  # a run without data this long leaves the /metrics gauges
+    # DuckDB: worker threads, memory cap of its buffer pool, WAL size that triggers a checkpoint.
+    duckdb_threads: int = 2
+    duckdb_memory_limit: str = "2GB"
+    duckdb_checkpoint_threshold: str = "64MB"

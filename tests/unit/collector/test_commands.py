@@ -1,0 +1,94 @@
+"""Commands: delivered once per target rank, acked, expired; and through storage + ingest."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent import wire
+from collector.commands import Command, CommandBook, issue, list_for_run, validate_request
+from collector.decode import CommandAck, decode
+from tests.unit.collector.collector_batches import make_batch, steps_section
+
+
+def book_with(*cmds: Command, ttl_s: float = 100.0) -> CommandBook:
+    book = CommandBook(ttl_s)
+    for c in cmds:
+        book.add(c)
+    return book
+
+
+def test_delivered_once_per_target_rank():
+    book = book_with(Command(id=1, run_id="r", kind="skip", args={"n": 2}, ranks=[0, 1], issued_ts=0.0))
+    plan = book.plan([("r", 0), ("r", 0), ("r", 2), ("other", 1)], [], now=1.0)
+    assert plan.deliveries == [[{"id": 1, "kind": "skip", "args": {"n": 2}, "issued_ts": 0.0}], [], [], []]
+    assert plan.changed[1].status == "pending"  # rank 1 still to go
+    book.apply(plan, 1.0)
+    plan = book.plan([("r", 0), ("r", 1)], [], now=2.0)
+    assert [len(d) for d in plan.deliveries] == [0, 1]
+    assert plan.changed[1].status == "delivered"
+
+
+def test_unapplied_plan_changes_nothing():
+    book = book_with(Command(id=1, run_id="r", kind="stop", args={}, ranks=None, issued_ts=0.0))
+    book.plan([("r", 0)], [], now=1.0)  # e.g. the transaction rolled back
+    assert len(book.plan([("r", 0)], [], now=1.0).deliveries[0]) == 1
+    assert book.get("r", 1).delivered == []
+
+
+def test_acks_settle_the_status():
+    book = book_with(Command(id=1, run_id="r", kind="rollback", args={}, ranks=[0, 1], issued_ts=0.0))
+    book.apply(book.plan([("r", 0), ("r", 1)], [], now=1.0), 1.0)
+    plan = book.plan([], [("r", 0, 2.0, CommandAck(command_id=1, status="ok"))], now=2.0)
+    assert plan.changed[1].status == "delivered"
+    book.apply(plan, 2.0)
+    plan = book.plan([], [("r", 1, 3.0, CommandAck(command_id=1, status="ok", detail={"step": 7}))], now=3.0)
+    assert plan.changed[1].status == "acked"
+    assert plan.changed[1].acks[1] == {"status": "ok", "detail": {"step": 7}, "ts": 3.0}
+    failed = book_with(Command(id=2, run_id="r", kind="rerun", args={}, ranks=[0], issued_ts=0.0))
+    failed.apply(failed.plan([("r", 0)], [], now=1.0), 1.0)
+    plan = failed.plan([], [("r", 0, 2.0, CommandAck(command_id=2, status="failed", detail="oom"))], now=2.0)
+    assert plan.changed[2].status == "failed"
+    assert book.plan([], [("r", 0, 2.0, CommandAck(command_id=99, status="ok"))], now=2.0).changed == {}
+
+
+def test_every_rank_of_unknown_size_and_expiry():
+    book = book_with(Command(id=1, run_id="r", kind="stop", args={}, ranks=None, issued_ts=0.0),
+                     Command(id=2, run_id="r", kind="skip", args={}, ranks=[5], issued_ts=0.0), ttl_s=10.0)
+    plan = book.plan([("r", 3)], [], now=1.0)
+    assert [c["id"] for c in plan.deliveries[0]] == [1]
+    assert plan.changed[1].status == "delivered"
+    book.apply(plan, 1.0)
+    plan = book.plan([("r", 4)], [], now=11.0)
+    assert plan.deliveries == [[]]
+    assert plan.changed[2].status == "expired"
+    book.apply(plan, 11.0)
+    assert book.get("r", 1) is None and book.get("r", 2) is None  # forgotten after the ttl
+
+
+@pytest.mark.parametrize("kind, args, ranks", [
+    ("Rollback", {}, None), ("", {}, None), ("skip", [], None), ("skip", {}, []), ("skip", {}, [-1]),
+    ("skip", {}, [True]), ("skip", {}, "0"),
+])
+def test_bad_requests(kind, args, ranks):
+    with pytest.raises(ValueError):
+        validate_request(kind, args, ranks)
+
+
+def test_issue_deliver_ack_through_storage(storage):
+    run = {"world_size": 2}
+    assert storage.ingest_blocking(decode(make_batch(rank=0, run=run))).commands == []
+    with pytest.raises(KeyError):
+        issue(storage, "no-such-run", "stop")
+    cmd = issue(storage, "run1", "rollback", args={"to_step": 40})
+    assert (cmd["ranks"], cmd["status"]) == ([0, 1], "pending")  # every rank = range(world_size)
+    got = storage.ingest_blocking(decode(make_batch(rank=1, batch_seq=1)))
+    assert got.commands == [{"id": cmd["id"], "kind": "rollback", "args": {"to_step": 40}, "issued_ts": cmd["issued_ts"]}]
+    assert storage.ingest_blocking(decode(make_batch(rank=1, batch_seq=2))).commands == []
+    # a duplicate batch still gets the commands its rank has not had
+    assert len(storage.ingest_blocking(decode(make_batch(rank=0, run=run))).commands) == 1
+    ack = {"ts": 5.0, "kind": "command_ack", "data": {"command_id": cmd["id"], "status": "ok", "detail": "done"}}
+    for rank, seq in ((0, 3), (1, 3)):
+        storage.ingest_blocking(decode(make_batch(rank=rank, batch_seq=seq, events=[ack],
+                                                  sections={wire.STEP: steps_section([seq])})))
+    (row,) = list_for_run(storage, "run1")
+    assert (row["status"], row["delivered"], sorted(row["acks"])) == ("acked", [1, 0], ["0", "1"])

@@ -1,0 +1,101 @@
+"""Batch validation: everything that could fail an INSERT fails here, with a reason."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+from agent import wire
+from collector.decode import BatchRejected, decode
+from tests.unit.collector.collector_batches import columns, encode_loose, make_batch, steps_section
+
+
+def coll(n=2, **given):
+    return {wire.COLLECTIVE: (n, columns(wire.COLLECTIVE, n, **given))}
+
+
+def rejected(body) -> BatchRejected:
+    with pytest.raises(BatchRejected) as info:
+        decode(body)
+    return info.value
+
+
+def test_valid_batch_is_views_of_the_body():
+    body = make_batch(rank=4, batch_seq=9, sections={**coll(3), wire.STEP: steps_section([1, 2])},
+                      events=[{"ts": 1.0, "kind": "restart"}], stats={"dropped": {"step": 2}})
+    b = decode(body)
+    assert b.key == ("run1", 4, "inc0", 9)
+    assert b.num_rows == 3 + 2 + 1 and b.num_drops == 2 and b.nbytes == len(body)
+    steps = b.sections[wire.STEP].array("step")
+    assert steps.tolist() == [1, 2] and not steps.flags.writeable  # a view of the body, no copy
+    assert b.sections[wire.COLLECTIVE].dicts["op"] == ["all_reduce", "all_gather"]
+
+
+@pytest.mark.parametrize("op, match", [([0, 2], "code 2 outside its dictionary of 2"),
+                                       ([-1, 0], "code -1 outside its dictionary of 2")])
+def test_dictionary_codes_checked_vectorised(op, match):
+    err = rejected(make_batch(sections=coll(2, op=op)))
+    assert err.status == 400 and match in str(err)
+
+
+def test_dictionary_missing():
+    err = rejected(make_batch(sections=coll(1), dicts={"axis": ["dp"]}))
+    assert "outside its dictionary of 0" in str(err)
+
+
+@pytest.mark.parametrize("header, match", [
+    ({"rank": 2**31}, "rank"),
+    ({"pid": 2**70}, "pid"),
+    ({"batch_seq": 2**63}, "batch_seq"),
+    ({"incarnation": "x" * 201}, "incarnation"),
+    ({"node": 5}, "node"),
+    ({"coords": {"dp": "0"}}, "coords.dp"),
+    ({"events": [{"ts": float("nan"), "kind": "x"}]}, "events.0.ts"),
+    ({"events": [{"ts": 1.0, "kind": ""}]}, "events.0.kind"),
+    ({"events": [{"ts": 1.0, "kind": "x", "step": True}]}, "events.0.step"),
+    ({"events": [{"ts": 1.0, "kind": "x", "data": {"v": float("inf")}}]}, "JSON value cannot be stored"),
+    ({"events": [{"ts": 1.0, "kind": "checkpoint_saved", "data": {"path": "/x"}}]}, "checkpoint_saved"),
+    ({"events": [{"ts": 1.0, "kind": "command_ack", "data": {"command_id": "one", "status": "ok"}}]}, "command_ack"),
+    ({"run": {"run_id": "other"}}, "run info is for run 'other'"),
+    ({"run": {"node_map": {"zero": "n0"}}}, "node_map keys"),
+    ({"run": {"node_map": {"²": "n0"}}}, "node_map keys"),
+    ({"run": {"world_size": 2**40}}, "world_size"),
+    ({"stats": {"dropped": {"step": -1}}}, "stats.dropped"),
+    ({"incarnation": "\ud800"}, "incarnation"),
+])
+def test_header_content_refused_with_422(header, match):
+    err = rejected(_raw_batch(header))
+    assert err.status == 422 and match in str(err), str(err)
+
+
+def test_events_not_a_list_is_a_framing_error():
+    err = rejected(_raw_batch({"events": 7}))
+    assert err.status == 400 and "events must be a list" in str(err)
+
+
+def test_lone_surrogate_in_dictionary_refused():
+    err = rejected(make_batch(sections=coll(1, op=0), dicts={"op": ["\udc80"], "axis": ["dp"]}))
+    assert err.status == 422 and "dicts.op" in str(err)
+
+
+@pytest.mark.parametrize("body, match", [
+    (b"", "too short"),
+    (b"XXXX" + bytes(8), "bad magic"),
+    (struct.pack("<4sI", wire.MAGIC, 10**9), "header length"),
+    (struct.pack("<4sI", wire.MAGIC, 2) + b"[]", "JSON object"),
+])
+def test_framing_errors_are_400(body, match):
+    err = rejected(body)
+    assert err.status == 400 and match in str(err)
+
+
+def _raw_batch(changes: dict) -> bytes:
+    header = {"run_id": "run1", "rank": 0, "incarnation": "inc0", "batch_seq": 0, "node": "n", "dicts": {}}
+    return encode_loose({**header, **changes}, {wire.STEP: steps_section([1])})
+
+
+def test_nan_loss_is_data_not_an_error():
+    b = decode(make_batch(sections={wire.STEP: steps_section([1], loss=float("nan"))}))
+    assert np.isnan(b.sections[wire.STEP].array("loss")[0])

@@ -1,0 +1,48 @@
+"""Prometheus exposition: health counters and live run gauges."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from agent import wire
+from collector.decode import decode
+from collector.metrics import RunGauges
+from tests.unit.collector.collector_batches import make_batch, steps_section
+
+
+def samples(storage) -> dict[tuple, float]:
+    out = {}
+    for fam in text_string_to_metric_families(storage.metrics.exposition().decode()):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_health_counters_and_run_gauges(storage):
+    run = {"mesh": {"dp": 2, "tp": 2, "pp": 1}}
+    for rank in range(4):
+        body = make_batch(rank=rank, run=run if rank == 0 else None, sections={
+            wire.STEP: steps_section([9, 10], loss=[3.0, 2.0 + rank], tokens=1000, step_s=[1.0, 0.5 + rank * 0.25])})
+        storage.ingest_blocking(decode(body))
+    storage.ingest_blocking(decode(make_batch(rank=0, run=run, sections={wire.STEP: steps_section([9, 10])})))
+    storage.open_incident("run1", "spike", "warning").result()
+    got = samples(storage)
+    assert got[("llmwatch_collector_rows_ingested_total", (("table", "steps"),))] == 8
+    assert got[("llmwatch_collector_batches_total", ())] == 4
+    assert got[("llmwatch_collector_duplicate_batches_total", ())] == 1
+    assert got[("llmwatch_collector_commit_seconds_count", ())] == 5
+    assert got[("llmwatch_collector_write_queue_depth", ())] == 0
+    run_label = (("run_id", "run1"),)
+    assert got[("llmwatch_run_step", run_label)] == 10
+    assert got[("llmwatch_run_loss", run_label)] == 3.5  # mean of 2, 3, 4, 5
+    assert got[("llmwatch_run_tokens_per_s", run_label)] == 4000 / 1.25 / 2  # tp*pp = 2 ranks per replica
+    assert got[("llmwatch_run_open_incidents", run_label)] == 1
+
+
+def test_runs_leave_the_gauges_when_quiet():
+    clock = [0.0]
+    gauges = RunGauges(live_s=10.0, clock=lambda: clock[0])
+    gauges.observe(decode(make_batch(sections={wire.STEP: steps_section([1], loss=1.0, step_s=1.0, tokens=5)})))
+    assert gauges.snapshot() == {"run1": (1, 1.0, 5.0)}
+    clock[0] = 11.0
+    assert gauges.snapshot() == {}
