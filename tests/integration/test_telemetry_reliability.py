@@ -27,38 +27,52 @@ def count_steps(db, run_id):
 
 def test_collector_sigkill_and_restart_loses_nothing(tmp_path):
     db = tmp_path / "tel.duckdb"
+    metrics = tmp_path / "run" / "metrics.jsonl"
     col = CollectorProc(db).start()
+    seen = {}
 
-    def chaos():
-        time.sleep(6)
-        col.kill()
-        time.sleep(3)
+    def restart():
+        seen["restart_at"] = len(metrics.read_text().splitlines())
         col.start()
 
-    t = threading.Thread(target=chaos)
-    t.start()
+    killer = _when_step(metrics, 8, col.kill)
+    restarter = _when_step(metrics, 20, restart)
     try:
         r = run_trainer(tmp_path / "run", "--telemetry", "--collector", col.url, "--token", col.token,
                         "--steps", str(STEPS), "--dp", "2", *SLOW)
-        t.join()
         assert r.returncode == 0, r.stderr[-3000:]
     finally:
-        t.join()
+        killer.join()
+        restarter.join()
         col.stop()
+    assert seen["restart_at"] < STEPS  # the collector really was down in the middle of the run
     assert count_steps(db, "run") == (STEPS * 2, STEPS * 2, STEPS * 2)
+
+
+def _when_step(metrics, step, action, timeout_s=120.0):
+    """Run `action` once the trainer has logged `step` (training went on without a collector)."""
+    def wait():
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= step:
+                break
+            time.sleep(0.05)
+        action()
+    t = threading.Thread(target=wait)
+    t.start()
+    return t
 
 
 def test_collector_never_started_then_appears(tmp_path):
     db = tmp_path / "tel.duckdb"
-    port = free_port()
-    col = CollectorProc(db, port=port)
-    starter = threading.Timer(8.0, col.start)
-    starter.start()
+    col = CollectorProc(db, port=free_port())
+    starter = _when_step(tmp_path / "run" / "metrics.jsonl", 10, col.start)
     try:
         r = run_trainer(tmp_path / "run", "--telemetry", "--collector", col.url, "--token", col.token,
                         "--steps", str(STEPS), "--dp", "2", *SLOW)
         starter.join()
         assert r.returncode == 0, r.stderr[-3000:]
+        assert "collector unavailable" in r.stderr  # the agents noticed, spooled, and carried on
     finally:
         starter.join()
         col.stop()
