@@ -77,3 +77,25 @@ def test_collector_never_started_then_appears(tmp_path):
         starter.join()
         col.stop()
     assert count_steps(db, "run") == (STEPS * 2, STEPS * 2, STEPS * 2)
+
+
+def test_spool_of_a_finished_run_replays_later(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.integration.trainer_run import ROOT
+
+    db = tmp_path / "tel.duckdb"
+    col = CollectorProc(db, port=free_port())  # not started: the whole run goes to the spool
+    r = run_trainer(tmp_path / "run", "--telemetry", "--collector", col.url, "--token", col.token,
+                    "--steps", "6", "--dp", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    spool = tmp_path / "run" / "spool"
+    assert any(spool.glob("rank*/seg-*"))
+    with col:
+        argv = [sys.executable, "-m", "agent.replay", str(spool), "--url", col.url, "--token", col.token]
+        out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        again = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert "replayed 0 batches" in again.stdout  # a replayed spool is empty
+    assert count_steps(db, "run") == (12, 12, 12)
