@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -98,7 +99,7 @@ def run_worker(cfg: JobConfig) -> int:
             "mesh": {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "sp": dims.sp, "nodes": dims.nodes},
             "node_map": {str(r): f"node{dims.node_of(r)}" for r in range(world)},
             "code_version": _code_version(), "data_version": corpus.data_version,
-            "backend": backend, "device": device.type, "torch": torch.__version__,
+            "backend": backend, "device": device.type, "torch": torch.__version__, "started_ts": time.time(),
         }
     agent = _make_agent(cfg, dims, node, run_info)
     try:
