@@ -67,6 +67,7 @@ class LoopState:
     attempt: int = 0  # lineage: +1 after every rollback
     position: DataPosition = DataPosition()
     num_skipped: int = 0
+    stopped: bool = False  # ended early by a stop command
 
 
 class Trainer:
@@ -89,6 +90,7 @@ class Trainer:
         self.is_logger = dims.rank == 0
         self.state = LoopState()
         self.control = cfg.telemetry.enabled
+        self._ctrl = None  # (handle, [kind, command id] tensor) of the broadcast in flight
         self._jsonl = None
         self._bar = None
         self._progress = progress and self.is_logger
@@ -165,6 +167,7 @@ class Trainer:
                 if self._control(step):
                     break
                 self.agent.set_phase("idle", step)
+            self._finish_control()
         finally:
             loader.close()
             if self.ckpt is not None:
@@ -227,28 +230,59 @@ class Trainer:
 
     # -- control channel -----------------------------------------------------
     def _control(self, step: int) -> bool:
-        """Agree on at most one command per step (one tiny broadcast); True means stop."""
+        """Agree on at most one command per step; True means stop.
+
+        Every rank's agent receives a run-wide command; rank 0 decides. It puts
+        (kind, id) of the command it picked into an async broadcast at the end of
+        step s; every rank waits for it at the end of step s+1, acts, and acks the
+        command for itself. The broadcast travels while step s+1 computes, so the
+        agreement costs no step time; the price is one step of latency."""
         if not self.control:
             return False
-        code = torch.zeros(1, dtype=torch.int64, device=self.device)
-        command = None
-        if self.dims.rank == 0:
-            for cmd in self.agent.commands():
-                if command is None and cmd.kind in _CMD_CODES:
-                    command = cmd
-                elif command is None or cmd.kind not in _CMD_CODES:
-                    self.agent.ack(cmd.id, "rejected", f"the trainer does not handle {cmd.kind!r} yet")
-            if command is not None:
-                code[0] = _CMD_CODES[command.kind]
-        self.comm.broadcast(code, Axis.WORLD)
-        value = int(code.item())  # host sync: one int per step, only with telemetry on
-        if value == CMD_NONE:
+        stop = False
+        if self._ctrl is not None:
+            handle, code = self._ctrl
+            self._ctrl = None
+            handle.wait()
+            kind, command_id = code.tolist()  # host sync on two ints, telemetry on only
+            stop = self._act(kind, str(command_id), step)
+        if stop:
+            return True
+        code = torch.tensor([CMD_NONE, -1], dtype=torch.int64, device=self.device)
+        chosen = False
+        for cmd in self.agent.commands():
+            if cmd.kind not in _CMD_CODES:
+                self.agent.ack(cmd.id, "rejected", f"the trainer does not handle {cmd.kind!r} here")
+            elif self.dims.rank == 0 and not chosen and cmd.id.isdigit():
+                code[0], code[1] = _CMD_CODES[cmd.kind], int(cmd.id)
+                chosen = True
+            elif self.dims.rank == 0:
+                self.agent.ack(cmd.id, "rejected", "another command is being carried out")
+        self._ctrl = (self.comm.broadcast(code, Axis.WORLD, async_op=True), code)
+        return False
+
+    def _finish_control(self) -> None:
+        """Complete the last broadcast (every rank posted it); a command in it is refused."""
+        if self._ctrl is None:
+            return
+        handle, code = self._ctrl
+        self._ctrl = None
+        handle.wait()
+        kind, command_id = code.tolist()
+        if kind != CMD_NONE:
+            self.agent.ack(str(command_id), "rejected", "the run ended before it could act")
+
+    def _act(self, kind: int, command_id: str, step: int) -> bool:
+        if kind == CMD_NONE:
+            return False
+        if kind == CMD_CHECKPOINT and self.ckpt is None:
+            self.agent.ack(command_id, "rejected", "the run has no --ckpt-dir")
             return False
         if self.ckpt is not None:
             self._save(step)
-        if command is not None:
-            self.agent.ack(command.id, "done", f"at step {step}")
-        if value == CMD_STOP:
+        self.agent.ack(command_id, "done", f"at step {step}")
+        if kind == CMD_STOP:
             self._log(f"stop requested by the collector at step {step}")
+            self.state.stopped = True
             return True
         return False

@@ -139,7 +139,8 @@ def run_worker(cfg: JobConfig) -> int:
         if checkpointer is not None:
             checkpointer.close()
         if rank == 0:
-            agent.event("run_finished", step=state.step, status="completed", skipped_steps=state.num_skipped)
+            agent.event("run_finished", step=state.step, status="stopped" if state.stopped else "completed",
+                        skipped_steps=state.num_skipped)
         dist.barrier()
         return 0
     finally:
