@@ -62,6 +62,7 @@ def serve(args: argparse.Namespace) -> int:
     settings = Settings(db_path=db_path, host=args.host, port=args.port, token=_resolve_token(args.token, db_path),
                         max_batch_bytes=args.max_batch_bytes, sql_timeout_s=args.sql_timeout_s,
                         sql_max_rows=args.sql_max_rows, group_linger_s=args.group_linger_s,
+                        group_min_interval_s=args.group_min_interval_s,
                         group_min_rows=args.group_min_rows, duckdb_threads=args.duckdb_threads,
                         duckdb_memory_limit=args.duckdb_memory_limit)
     try:
@@ -171,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--group-linger-s", type=float, default=0.05,
                    help="how long a small group commit may wait for more requests (0: never)")
     s.add_argument("--group-min-rows", type=int, default=131_072, help="a group this big commits without waiting")
+    s.add_argument("--group-min-interval-s", type=float, default=0.5,
+                   help="start a commit at most this often: small requests share one (0: commit each at once)")
     s.add_argument("--duckdb-threads", type=int, default=2)
     s.add_argument("--duckdb-memory-limit", default="2GB")
     s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])

@@ -88,7 +88,7 @@ class Storage:
             self._writer = Writer(self._con, metrics=self.metrics, clock=clock,
                                   group_max_rows=settings.group_max_rows, group_max_bytes=settings.group_max_bytes,
                                   group_min_rows=settings.group_min_rows, group_linger_s=settings.group_linger_s,
-                                  group_gap_s=settings.group_gap_s,
+                                  group_gap_s=settings.group_gap_s, group_min_interval_s=settings.group_min_interval_s,
                                   queue_max_bytes=settings.queue_max_bytes, command_ttl_s=settings.command_ttl_s)
         except BaseException:
             self._con.close()

@@ -2,8 +2,10 @@
 
 Request handlers decode and validate a batch on the event loop, then hand it
 here with a future. The thread takes everything queued (up to a row and byte
-budget; while the group is under `group_min_rows` and requests keep arriving
-(no pause longer than `group_gap_s`) it waits up to `group_linger_s` for more,
+budget; a small group, under `SMALL_GROUP_ROWS`, starts at most every
+`group_min_interval_s`; and while the group is under `group_min_rows` and
+requests keep arriving (no pause longer than `group_gap_s`) it waits up to
+`group_linger_s` for more,
 because DuckDB's cost per row halves when one transaction appends a whole row
 group, 122,880 rows, which it then writes straight to the file instead of
 through the WAL), drops batches already stored (in this group or earlier: `BatchKeys`),
@@ -112,12 +114,15 @@ def _resolve_many(items: list[tuple[asyncio.Future, Any, BaseException | None]])
             fut.set_result(result)
 
 
+SMALL_GROUP_ROWS = 10_000  # below this a commit's fixed cost dominates its per-row cost
+
+
 class Writer:
     def __init__(self, con: duckdb.DuckDBPyConnection, *, metrics: CollectorMetrics,
                  clock: Callable[[], float] = time.time, group_max_rows: int = 2_000_000,
                  group_max_bytes: int = 256 << 20, group_min_rows: int = 131_072, group_linger_s: float = 0.05,
-                 group_gap_s: float = 0.005, queue_max_bytes: int = 512 << 20, command_ttl_s: float = 3600.0,
-                 liveness_sweep_s: float = 2.0) -> None:
+                 group_gap_s: float = 0.005, group_min_interval_s: float = 0.5, queue_max_bytes: int = 512 << 20,
+                 command_ttl_s: float = 3600.0, liveness_sweep_s: float = 2.0) -> None:
         self._con = con
         self._metrics = metrics
         self._clock = clock
@@ -126,6 +131,8 @@ class Writer:
         self._group_min_rows = group_min_rows
         self._group_linger_s = group_linger_s
         self._group_gap_s = group_gap_s
+        self._group_min_interval_s = group_min_interval_s
+        self._last_commit = 0.0  # time.monotonic() at the start of the last group commit
         self._queue_max_bytes = queue_max_bytes
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -192,10 +199,21 @@ class Writer:
                 self._run_call(job)
                 continue
             group, nrows, nbytes = [job], job.nrows, job.nbytes
-            linger_until = time.monotonic() + self._group_linger_s
+            now = time.monotonic()
+            linger_until = now + self._group_linger_s
+            # A trickle of small requests (a few ranks flushing 5x a second) would otherwise
+            # pay a whole commit each (~5 ms of fixed DuckDB cost, on the trainer's CPUs when
+            # the collector is embedded): a small group commits at most every
+            # group_min_interval_s. Under load groups are big and never wait for this.
+            gather_until = self._last_commit + self._group_min_interval_s
             while nrows < self._group_max_rows and nbytes < self._group_max_bytes:
-                # linger only while requests keep coming: a pause of group_gap_s ends the wait
-                wait_s = min(linger_until - time.monotonic(), self._group_gap_s) if nrows < self._group_min_rows else 0.0
+                now = time.monotonic()
+                if nrows >= self._group_min_rows:
+                    wait_s = 0.0
+                elif now < gather_until and nrows < SMALL_GROUP_ROWS:
+                    wait_s = gather_until - now
+                else:  # linger only while requests keep coming: a pause of group_gap_s ends the wait
+                    wait_s = min(linger_until - now, self._group_gap_s)
                 try:
                     nxt = self._q.get(timeout=wait_s) if wait_s > 0 else self._q.get_nowait()
                 except queue.Empty:
@@ -207,6 +225,7 @@ class Writer:
                 group.append(nxt)
                 nrows += nxt.nrows
                 nbytes += nxt.nbytes
+            self._last_commit = time.monotonic()
             try:
                 self._commit(group)
             except Exception as e:  # a bug, not bad input: fail the group, keep serving

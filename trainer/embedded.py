@@ -45,8 +45,9 @@ class EmbeddedCollector:
         env = dict(os.environ, LLMWATCH_TOKEN=self.token, OMP_NUM_THREADS="1")
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
+            # it shares the trainer's CPUs: one DuckDB thread is plenty for one run
             [sys.executable, "-m", "collector", "serve", "--db", str(self.db_path), "--host", self.host,
-             "--port", str(self.port)],
+             "--port", str(self.port), "--duckdb-threads", "1"],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
         log.close()

@@ -26,7 +26,7 @@ COLLECTIVES_PER_STEP = 4
 def test_stop_mid_load_loses_and_duplicates_nothing(tmp_path, sig, exit_code):
     db = tmp_path / "crash.duckdb"
     acks = tmp_path / "acks.txt"
-    server = CollectorProcess(db, args=("--group-linger-s", "0.01")).start()
+    server = CollectorProcess(db, args=("--group-linger-s", "0.01", "--group-min-interval-s", "0")).start()
     loadgen = subprocess.Popen(
         [sys.executable, str(ROOT / "bench" / "loadgen.py"), "--url", server.url, "--token", server.token,
          "--run-id", "crash", "--ranks", "6", "--connections", "4", "--collectives", str(COLLECTIVES_PER_STEP),
@@ -42,7 +42,7 @@ def test_stop_mid_load_loses_and_duplicates_nothing(tmp_path, sig, exit_code):
         assert acked_before_kill >= 50
         assert server.stop(sig) == exit_code
         time.sleep(0.5)  # the generator now sees refused connections and retries
-        server = CollectorProcess(db, port=server.port).start()  # same port, same file
+        server = CollectorProcess(db, port=server.port, args=("--group-min-interval-s", "0")).start()  # same port, file
         out, err = loadgen.communicate(timeout=120)
     finally:
         if loadgen.poll() is None:
