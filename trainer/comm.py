@@ -211,6 +211,13 @@ class Comm:
     def last_seq(self) -> int:
         return self._seq
 
+    @property
+    def blocked_s(self) -> float:
+        """Seconds this rank has been blocked on communication so far in this step
+        (host time on CPU; on CUDA the timings resolve later, so this stays 0 and
+        host-side phase times are what they are: launch times)."""
+        return self._stats.wait_s
+
     def size(self, axis: Axis) -> int:
         return self._sizes.get(axis, 1)
 

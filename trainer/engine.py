@@ -44,9 +44,12 @@ class StepResult:
     loss_scale: float  # the scale after this step's update (what the next step uses)
     lr: float
     skipped: bool
-    fwd_s: float  # host seconds in this rank's forward compute (its TP collectives included)
+    # Phase times are compute only: host seconds in the phase minus the time blocked on
+    # communication inside it (that time is the step's exposed comm, counted once, in
+    # the comm layer). A straggler's extra time shows here; its peers' waiting does not.
+    fwd_s: float
     bwd_s: float
-    opt_s: float  # DP wait, grad sync, norm, optimizer
+    opt_s: float  # grad sync bookkeeping, norm, clipping, optimizer
     bwd_end_ts: float  # unix time at which this rank's last backward finished
     num_micro_batches: int
 
@@ -99,13 +102,17 @@ class TrainEngine:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def _stall(self, faults: StepFaults, t0: float) -> None:
+    def _compute_s(self, t0: float, blocked0: float) -> float:
+        """Seconds since t0 that were not spent blocked on communication."""
+        return (time.perf_counter() - t0) - (self.comm.blocked_s - blocked0)
+
+    def _stall(self, faults: StepFaults, t0: float, blocked0: float) -> None:
         """Straggler fault: stretch the compute just measured to `slowdown` x."""
         if faults.slowdown <= 1.0:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # only with an injected straggler
-        time.sleep((faults.slowdown - 1.0) * (time.perf_counter() - t0))
+        time.sleep((faults.slowdown - 1.0) * self._compute_s(t0, blocked0))
 
     # -- training ------------------------------------------------------------
     def train_step(self, step: int, micro_batches: list[MicroBatch], global_num_tokens: int,
@@ -127,7 +134,7 @@ class TrainEngine:
 
         def forward_step(i: int, x: torch.Tensor | None) -> torch.Tensor:
             nonlocal loss_sum
-            t0 = time.perf_counter()
+            t0, blocked0 = time.perf_counter(), self.comm.blocked_s
             inputs, targets = batches[i]
             with self._autocast():
                 out = model(inputs if dims.is_first_stage else x, targets if dims.is_last_stage else None,
@@ -136,25 +143,25 @@ class TrainEngine:
                 mb_loss = out.sum() * inv_tokens
                 loss_sum = loss_sum + mb_loss.detach()
                 out = mb_loss * scale if scale != 1.0 else mb_loss
-            self._stall(faults, t0)
-            timing["fwd_s"] += time.perf_counter() - t0
+            self._stall(faults, t0, blocked0)
+            timing["fwd_s"] += self._compute_s(t0, blocked0)
             return out
 
         def backward_step(i: int, y: torch.Tensor, dy: torch.Tensor | None) -> None:
             if i == num_mb - 1:
                 self.grads.arm()
-            t0 = time.perf_counter()
+            t0, blocked0 = time.perf_counter(), self.comm.blocked_s
             torch.autograd.backward(y, grad_tensors=dy)
-            self._stall(faults, t0)
-            timing["bwd_s"] += time.perf_counter() - t0
+            self._stall(faults, t0, blocked0)
+            timing["bwd_s"] += self._compute_s(t0, blocked0)
             timing["bwd_end_ts"] = time.time()
 
         self.pipeline.train_1f1b(num_mb, lambda i: self._act_shape(batches[i][0]), forward_step, backward_step)
 
-        t_opt = time.perf_counter()
+        t_opt, blocked_opt = time.perf_counter(), self.comm.blocked_s
         loss, grad_norm, skipped, lr = self._update(step, loss_sum, scale)
         return StepResult(loss=loss, grad_norm=grad_norm, loss_scale=self.scaler.scale, lr=lr, skipped=skipped,
-                          fwd_s=timing["fwd_s"], bwd_s=timing["bwd_s"], opt_s=time.perf_counter() - t_opt,
+                          fwd_s=timing["fwd_s"], bwd_s=timing["bwd_s"], opt_s=self._compute_s(t_opt, blocked_opt),
                           bwd_end_ts=timing["bwd_end_ts"], num_micro_batches=num_mb)
 
     def _update(self, step: int, loss_sum: torch.Tensor, scale: float) -> tuple[float, float, bool, float]:
