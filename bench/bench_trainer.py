@@ -13,10 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,16 +60,55 @@ def layouts(steps: int, repeats: int, workdir: Path) -> None:
         print(f"{name:<20} {med:>10,.0f} {med / base:>12.2f}x")
 
 
+def _children_cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def _proc_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def telemetry(steps: int, repeats: int, workdir: Path) -> None:
+    """Interleaved off/on pairs. "on" ships to a collector process started here, the
+    same command the embedded launcher runs, so its CPU can be read from /proc.
+
+    Two figures: tokens/s (wall clock, what the goal is stated in; on 2 saturated
+    cores every CPU-second of telemetry is taken from training) and CPU-seconds per
+    step, trainer ranks plus collector (much less noisy than wall time)."""
+    from trainer.launch import free_port
+
+    port = free_port()
+    token = "bench"
+    collector = subprocess.Popen(
+        [sys.executable, "-m", "collector", "serve", "--db", str(workdir / "bench.duckdb"), "--port", str(port),
+         "--duckdb-threads", "1"], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), LLMWATCH_TOKEN=token),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(3)
     layout = ["--dp", "2", "--micro-batches", "2"]
-    off, on = [], []
-    for _ in range(repeats):
-        off.append(run(layout, steps, workdir))
-        on.append(run(layout + ["--telemetry"], steps, workdir))
-    m_off, m_on = statistics.median(off), statistics.median(on)
-    print(f"telemetry off: {m_off:,.0f} tokens/s  {['%.0f' % x for x in off]}")
-    print(f"telemetry on:  {m_on:,.0f} tokens/s  {['%.0f' % x for x in on]}")
+    on_args = layout + ["--telemetry", "--collector", f"http://127.0.0.1:{port}", "--token", token]
+    tput = {"off": [], "on": []}
+    cpu = {"off": [], "on": [], "collector": []}
+    try:
+        for _ in range(repeats):
+            for mode, args in (("off", layout), ("on", on_args)):
+                c0, k0 = _children_cpu_s(), _proc_cpu_s(collector.pid)
+                tput[mode].append(run(args, steps, workdir))
+                cpu[mode].append((_children_cpu_s() - c0) / steps)
+                if mode == "on":
+                    cpu["collector"].append((_proc_cpu_s(collector.pid) - k0) / steps)
+    finally:
+        collector.terminate()
+        collector.wait()
+    m_off, m_on = statistics.median(tput["off"]), statistics.median(tput["on"])
+    print(f"telemetry off: {m_off:,.0f} tokens/s  {['%.0f' % x for x in tput['off']]}")
+    print(f"telemetry on:  {m_on:,.0f} tokens/s  {['%.0f' % x for x in tput['on']]}")
     print(f"ratio on/off:  {m_on / m_off:.3f}   (goal >= 0.99)")
+    ms = {k: 1e3 * statistics.median(v) for k, v in cpu.items()}
+    print(f"CPU per step (whole trainer, incl. start-up), off: {ms['off']:.1f} ms   on: {ms['on']:.1f} ms "
+          f"+ collector {ms['collector']:.2f} ms")
+    print(f"CPU ratio off/(on + collector): {ms['off'] / (ms['on'] + ms['collector']):.3f}")
 
 
 def main() -> None:
