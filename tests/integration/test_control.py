@@ -10,7 +10,7 @@ import urllib.request
 import duckdb
 import pytest
 
-from tests.integration.collector_proc import CollectorProc
+from tests.unit.collector.collector_server import CollectorProcess
 from tests.integration.trainer_run import ROOT, TINY
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -26,7 +26,8 @@ def api(col, method, path, body=None):
 def test_checkpoint_then_stop_commands(tmp_path):
     db = tmp_path / "tel.duckdb"
     run_dir = tmp_path / "run"
-    with CollectorProc(db) as col:
+    col = CollectorProcess(db).start()
+    try:
         argv = [sys.executable, "-m", "trainer", "--run-dir", str(run_dir), "--run-id", "ctl",
                 "--metrics-jsonl", str(run_dir / "metrics.jsonl"), *TINY, "--steps", "400", "--dp", "2",
                 "--ckpt-dir", str(tmp_path / "ckpt"), "--telemetry", "--collector", col.url, "--token", col.token,
@@ -52,6 +53,8 @@ def test_checkpoint_then_stop_commands(tmp_path):
         assert "stop requested by the collector" in out
         time.sleep(1)
         cmds = {c["kind"]: c for c in api(col, "GET", "/v1/runs/ctl/commands")}
+    finally:
+        col.stop()
     last_step = max(json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines())
     assert last_step < 400
     # both ranks carried out checkpoint and stop, and refused the unknown command

@@ -1,12 +1,13 @@
 """A dead or missing collector costs no training and loses no data."""
 
+import signal
 import threading
 import time
 
 import duckdb
 import pytest
 
-from tests.integration.collector_proc import CollectorProc
+from tests.unit.collector.collector_server import CollectorProcess
 from tests.integration.trainer_run import run_trainer
 from trainer.launch import free_port
 
@@ -28,14 +29,14 @@ def count_steps(db, run_id):
 def test_collector_sigkill_and_restart_loses_nothing(tmp_path):
     db = tmp_path / "tel.duckdb"
     metrics = tmp_path / "run" / "metrics.jsonl"
-    col = CollectorProc(db).start()
+    col = CollectorProcess(db).start()
     seen = {}
 
     def restart():
         seen["restart_at"] = len(metrics.read_text().splitlines())
         col.start()
 
-    killer = _when_step(metrics, 8, col.kill)
+    killer = _when_step(metrics, 8, lambda: col.stop(signal.SIGKILL))
     restarter = _when_step(metrics, 20, restart)
     try:
         r = run_trainer(tmp_path / "run", "--telemetry", "--collector", col.url, "--token", col.token,
@@ -65,7 +66,7 @@ def _when_step(metrics, step, action, timeout_s=120.0):
 
 def test_collector_never_started_then_appears(tmp_path):
     db = tmp_path / "tel.duckdb"
-    col = CollectorProc(db, port=free_port())
+    col = CollectorProcess(db, port=free_port())
     starter = _when_step(tmp_path / "run" / "metrics.jsonl", 10, col.start)
     try:
         r = run_trainer(tmp_path / "run", "--telemetry", "--collector", col.url, "--token", col.token,
@@ -86,16 +87,19 @@ def test_spool_of_a_finished_run_replays_later(tmp_path):
     from tests.integration.trainer_run import ROOT
 
     db = tmp_path / "tel.duckdb"
-    col = CollectorProc(db, port=free_port())  # not started: the whole run goes to the spool
+    col = CollectorProcess(db, port=free_port())  # not started: the whole run goes to the spool
     r = run_trainer(tmp_path / "run", "--telemetry", "--collector", col.url, "--token", col.token,
                     "--steps", "6", "--dp", "2")
     assert r.returncode == 0, r.stderr[-3000:]
     spool = tmp_path / "run" / "spool"
     assert any(spool.glob("rank*/seg-*"))
-    with col:
+    col.start()
+    try:
         argv = [sys.executable, "-m", "agent.replay", str(spool), "--url", col.url, "--token", col.token]
         out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         again = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert "replayed 0 batches" in again.stdout  # a replayed spool is empty
+    finally:
+        col.stop()
     assert count_steps(db, "run") == (12, 12, 12)
