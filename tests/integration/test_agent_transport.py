@@ -356,3 +356,26 @@ def test_otel_bridge_exports_step_phase_spans_over_otlp_http(collector, tmp_path
             assert step_span[4] <= start_ns <= end_ns <= step_span[5]
     for _, _, _, _, start_ns, end_ns in steps.values():
         assert abs((end_ns - start_ns) / 1e9 - 0.5) < 1e-6 and end_ns / 1e9 >= ts0
+
+
+def test_drop_counts_reach_the_collector_once_even_past_a_lost_batch(collector, tmp_path):
+    """Headers carry the drops no delivered batch has carried yet: the collector can
+    add them up. A batch that is itself lost (here: refused) hands its counts on."""
+    cfg = AgentConfig(url=collector.url, token="tok", flush_interval_s=60.0, heartbeat_interval_s=60.0,
+                      spool_dir=str(tmp_path), capacity=2, timeout_s=2.0)
+    agent = Agent(cfg, run_id="drops", rank=0)
+    collector.reject = True
+    for step in range(5):  # capacity 2: three dropped in the buffer
+        agent.record_scalar(step, "x", 1.0)
+    assert not agent.flush(5.0)
+    collector.reject = False
+    agent.record_scalar(5, "x", 1.0)
+    assert agent.flush(5.0)
+    agent.record_scalar(6, "x", 1.0)
+    assert agent.flush(5.0)
+    stats = agent.stats()
+    agent.close()
+    reported = [b.header["stats"]["dropped"].get("scalar", 0) for b in collector.batches]
+    # the 3 buffer drops rode on the refused batch, so the first delivered one carries them, once
+    assert reported[0] == 3 and sum(reported) == 3
+    assert stats["rejected"]["scalar"] == 2  # the refused rows: the collector counted those itself
