@@ -70,7 +70,7 @@ def _proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def telemetry(steps: int, repeats: int, workdir: Path) -> None:
+def telemetry(steps: int, repeats: int, workdir: Path, flush_s: float | None = None) -> None:
     """Interleaved off/on pairs. "on" ships to a collector process started here, the
     same command the embedded launcher runs, so its CPU can be read from /proc.
 
@@ -88,6 +88,13 @@ def telemetry(steps: int, repeats: int, workdir: Path) -> None:
     time.sleep(3)
     layout = ["--dp", "2", "--micro-batches", "2"]
     on_args = layout + ["--telemetry", "--collector", f"http://127.0.0.1:{port}", "--token", token]
+    if flush_s is not None:  # the agent's flush interval has no flag: a config file backs it
+        from trainer.config import JobConfig
+
+        job = JobConfig()
+        job.telemetry.flush_interval_s = flush_s
+        (workdir / "flush.json").write_text(job.to_json())
+        on_args += ["--config", str(workdir / "flush.json")]
     tput = {"off": [], "on": []}
     cpu = {"off": [], "on": [], "collector": []}
     try:
@@ -116,12 +123,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--only", choices=("layouts", "telemetry"))
+    p.add_argument("--flush-s", type=float, help="the agents' flush interval (default: the trainer's, 0.2 s)")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         if a.only in (None, "layouts"):
             layouts(a.steps, a.repeats, Path(tmp))
         if a.only in (None, "telemetry"):
-            telemetry(a.steps, a.repeats, Path(tmp))
+            telemetry(a.steps, a.repeats, Path(tmp), a.flush_s)
 
 
 if __name__ == "__main__":
