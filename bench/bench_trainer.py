@@ -88,13 +88,8 @@ def telemetry(steps: int, repeats: int, workdir: Path, flush_s: float | None = N
     time.sleep(3)
     layout = ["--dp", "2", "--micro-batches", "2"]
     on_args = layout + ["--telemetry", "--collector", f"http://127.0.0.1:{port}", "--token", token]
-    if flush_s is not None:  # the agent's flush interval has no flag: a config file backs it
-        from trainer.config import JobConfig
-
-        job = JobConfig()
-        job.telemetry.flush_interval_s = flush_s
-        (workdir / "flush.json").write_text(job.to_json())
-        on_args += ["--config", str(workdir / "flush.json")]
+    if flush_s is not None:
+        on_args += ["--telemetry-flush-s", str(flush_s)]
     tput = {"off": [], "on": []}
     cpu = {"off": [], "on": [], "collector": []}
     try:

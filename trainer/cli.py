@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--telemetry", action="store_true", help="record telemetry in every rank")
     g.add_argument("--collector", metavar="URL", help="ship to a running collector (default: start an embedded one)")
     g.add_argument("--token", help="collector bearer token (or env LLMWATCH_TOKEN)")
+    g.add_argument("--telemetry-flush-s", type=float,
+                   help="how often each agent ships a batch (default 0.2; longer costs less CPU, shows data later)")
     g.add_argument("--otlp-endpoint", help="also export step-phase spans over OTLP/HTTP to this endpoint")
     g.add_argument("--prometheus-port", type=int, help="serve live gauges on this port (+ local rank)")
     g.add_argument("--keep-collector", action="store_true",
@@ -83,6 +85,7 @@ _MAP = {
     "ckpt_keep": ("ckpt", "keep"), "resume": ("ckpt", "resume"),
     "telemetry": ("telemetry", "enabled"), "collector": ("telemetry", "collector_url"),
     "token": ("telemetry", "token"), "otlp_endpoint": ("telemetry", "otlp_endpoint"),
+    "telemetry_flush_s": ("telemetry", "flush_interval_s"),
     "prometheus_port": ("telemetry", "prometheus_port"),
 }
 _TOP = ("steps", "seed", "eval_every", "metrics_jsonl", "run_id", "run_dir")

@@ -12,10 +12,11 @@ def test_flags_map_onto_components():
     cfg = cfg_from("--dp", "2", "--tp", "2", "--pp", "2", "--sp", "--layers", "4", "--d-model", "64",
                    "--heads", "4", "--seq-len", "32", "--micro-batches", "3", "--precision", "bf16",
                    "--ckpt-dir", "/tmp/x", "--ckpt-every", "5", "--inject", "spike@step=3", "--inject",
-                   "nan@step=4,rank=1", "--telemetry")
+                   "nan@step=4,rank=1", "--telemetry", "--telemetry-flush-s", "1.5")
     assert (cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.sp) == (2, 2, 2, True)
     assert cfg.model.d_model == 64 and cfg.parallel.micro_batches == 3
     assert cfg.precision.precision == "bf16" and cfg.ckpt.every == 5 and cfg.telemetry.enabled
+    assert cfg.telemetry.flush_interval_s == 1.5
     assert cfg.inject == ("spike@step=3", "nan@step=4,rank=1")
     cfg.validate()
 
