@@ -85,11 +85,9 @@ class Trainer:
         self.injector = injector
         self.device = device
         self.poison = poison
-        par = cfg.parallel
-        self.global_samples = par.dp * par.micro_batches * par.micro_batch_size
         self.is_logger = dims.rank == 0
         self.state = LoopState()
-        self.control = cfg.telemetry.enabled
+        self.telemetry = cfg.telemetry.enabled  # also enables the control channel
         self._ctrl = None  # (handle, [kind, command id] tensor) of the broadcast in flight
         self._jsonl = None
         self._bar = None
@@ -143,13 +141,11 @@ class Trainer:
                 step = self.state.step + 1
                 self.injector.before_step(step, self.state.attempt)
                 t_start = time.perf_counter()
-                self.comm.begin_step(step)
                 self.agent.set_phase("data", step)
                 batch = loader.next()
                 data_s = loader.wait_s
-                # the samples of this step's global batch: data-tied faults follow them
-                window = (batch.position.epoch, batch.position.index, batch.position.index + self.global_samples)
-                faults = self.injector.step_faults(step, self.state.attempt, window)
+                # the samples of this step's global batch (the loader's step_window): data-tied faults follow them
+                faults = self.injector.step_faults(step, self.state.attempt, batch.meta["window"])
                 if faults.spike:
                     batch = self.poison(batch, cfg.seed)
                 self.agent.set_phase("train", step)
@@ -182,7 +178,8 @@ class Trainer:
 
     def _report(self, step: int, tokens: int, r, step_s: float, data_s: float, comm_wait_s: float) -> None:
         self.agent.record_step(step, r.loss, r.grad_norm, r.loss_scale, r.lr, tokens, step_s, r.fwd_s, r.bwd_s,
-                               r.opt_s, data_s, comm_wait_s, memory_bytes(self.device), bool(r.skipped))
+                               r.opt_s, data_s, comm_wait_s, memory_bytes(self.device) if self.telemetry else 0,
+                               bool(r.skipped))
         if not self.is_logger:
             return
         tokens_per_s = tokens / step_s if step_s > 0 else 0.0
@@ -237,7 +234,7 @@ class Trainer:
         step s; every rank waits for it at the end of step s+1, acts, and acks the
         command for itself. The broadcast travels while step s+1 computes, so the
         agreement costs no step time; the price is one step of latency."""
-        if not self.control:
+        if not self.telemetry:
             return False
         stop = False
         if self._ctrl is not None:
