@@ -6,31 +6,41 @@ import argparse
 import csv
 import json
 import os
-import secrets
 import signal
+import ssl
 import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+from collector.auth import ALL_ROLES_ENV, Role, TokenSources, client_token
 from collector.settings import MiB, Settings
 
-TOKEN_ENV = "LLMWATCH_TOKEN"
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
-def _resolve_token(given: str | None, db_path: Path) -> str:
-    """--token, else $LLMWATCH_TOKEN, else a new one printed and saved to DB.token (0600)."""
-    token = given or os.environ.get(TOKEN_ENV)
-    if token:
-        return token
-    token = secrets.token_urlsafe(32)
-    path = Path(str(db_path) + ".token")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    os.chmod(path, 0o600)  # the file may have existed with wider permissions
-    print(f"collector token: {token} (saved to {path})", flush=True)
-    return token
+def _tokens(args: argparse.Namespace, db_path: Path):
+    """The serve command's tokens (collector/auth.py): files, environment, --token;
+    with none of them, role tokens generated into DB.tokens/ (0700, files 0600)."""
+    sources = TokenSources(token=args.token, token_file=args.token_file,
+                           role_files={role: path for role, path in (
+                               (Role.INGEST, args.ingest_token_file), (Role.READ, args.read_token_file),
+                               (Role.CONTROL, args.control_token_file)) if path})
+    if args.token:
+        print("collector: warning: --token is visible to every user in `ps`; prefer --token-file or "
+              f"${ALL_ROLES_ENV}", file=sys.stderr, flush=True)
+    return sources.resolve(os.environ, default_dir=Path(str(db_path) + ".tokens"))
+
+
+def _check_exposure(args: argparse.Namespace) -> str | None:
+    """Why this bind would be unsafe, or None. Beyond loopback, tokens travel over the
+    network: TLS, or an explicit --insecure-plaintext (e.g. behind a TLS proxy)."""
+    if bool(args.tls_cert) != bool(args.tls_key):
+        return "--tls-cert and --tls-key go together"
+    if args.host not in LOOPBACK and not args.tls_cert and not args.insecure_plaintext:
+        return (f"binding {args.host} would send bearer tokens in the clear: give --tls-cert and --tls-key, "
+                "or --insecure-plaintext when a TLS proxy or a private network stands in front")
+    return None
 
 
 def _server_class():
@@ -45,7 +55,8 @@ def _server_class():
             await super().startup(sockets)
             if self.started:
                 host, port = self.servers[0].sockets[0].getsockname()[:2]
-                print(f"collector listening on http://{host}:{port} (db {self.db_path})", flush=True)
+                scheme = "https" if self.config.ssl_certfile else "http"
+                print(f"collector listening on {scheme}://{host}:{port} (db {self.db_path})", flush=True)
 
     return Server
 
@@ -57,9 +68,21 @@ def serve(args: argparse.Namespace) -> int:
     from collector.server import create_app
     from collector.storage import Storage
 
+    unsafe = _check_exposure(args)
+    if unsafe:
+        print(f"collector: error: {unsafe}", file=sys.stderr)
+        return 2
     db_path = Path(args.db).resolve()
     db_path.parent.mkdir(parents=True, exist_ok=True)
-    settings = Settings(db_path=db_path, host=args.host, port=args.port, token=_resolve_token(args.token, db_path),
+    try:
+        tokens, where = _tokens(args, db_path)
+    except ValueError as e:
+        print(f"collector: error: {e}", file=sys.stderr)
+        return 2
+    print(f"collector: tokens from {where}", flush=True)
+    settings = Settings(db_path=db_path, host=args.host, port=args.port, tokens=tokens,
+                        public_metrics=args.public_metrics, max_inflight_requests=args.max_inflight_requests,
+                        body_timeout_s=args.body_timeout_s,
                         max_batch_bytes=args.max_batch_bytes, sql_timeout_s=args.sql_timeout_s,
                         sql_max_rows=args.sql_max_rows, group_linger_s=args.group_linger_s,
                         group_min_interval_s=args.group_min_interval_s,
@@ -72,7 +95,10 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     config = uvicorn.Config(create_app(storage), host=args.host, port=args.port, log_level=args.log_level,
                             access_log=False, proxy_headers=False, timeout_graceful_shutdown=10,
-                            server_header=False)
+                            server_header=False, ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key,
+                            # idle keep-alive connections are closed after this; a slow client
+                            # cannot hold a connection open for free
+                            timeout_keep_alive=30)
     server = _server_class()(config)
     server.db_path = db_path
 
@@ -125,12 +151,16 @@ def _sql_local(args: argparse.Namespace) -> dict:
 
 
 def _sql_remote(args: argparse.Namespace) -> dict:
-    token = args.token or os.environ.get(TOKEN_ENV, "")
+    try:
+        token = client_token(token=args.token, token_file=args.token_file, environ=os.environ)
+    except ValueError as e:
+        raise SystemExit(f"collector sql: {e}") from None
     body = json.dumps({"sql": args.query, "format": "json", "max_rows": args.max_rows}).encode()
     req = urllib.request.Request(args.url.rstrip("/") + "/v1/sql", data=body, method="POST",
                                  headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"})
+    context = ssl.create_default_context(cafile=args.ca_file) if args.ca_file else None
     try:
-        with urllib.request.urlopen(req, timeout=args.timeout_s + 30) as resp:
+        with urllib.request.urlopen(req, timeout=args.timeout_s + 30, context=context) as resp:
             return json.loads(resp.read())
     except urllib.error.HTTPError as e:
         try:
@@ -165,7 +195,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--db", required=True, help="DuckDB file (created if missing)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8428, help="0 picks a free port (printed)")
-    s.add_argument("--token", help=f"bearer token (default ${TOKEN_ENV}, else generated into DB.token)")
+    t = s.add_argument_group("tokens", "by role: ingest (ranks), read (dashboard, SQL, /metrics), control (commands). "
+                             f"A token without a role (--token-file, ${ALL_ROLES_ENV}, --token) has every role. "
+                             "Role tokens also come from $LLMWATCH_INGEST_TOKEN, $LLMWATCH_READ_TOKEN, "
+                             "$LLMWATCH_CONTROL_TOKEN. With none given, role tokens are generated into "
+                             "DB.tokens/ (0600) and reused on the next start.")
+    t.add_argument("--token-file", help="a file (0600) holding one token with every role")
+    t.add_argument("--ingest-token-file", help="a file holding the ingest token")
+    t.add_argument("--read-token-file", help="a file holding the read token")
+    t.add_argument("--control-token-file", help="a file holding the control token")
+    t.add_argument("--token", help="one token with every role, on the command line (visible in `ps`: prefer a file)")
+    s.add_argument("--public-metrics", action="store_true", help="serve GET /metrics without a token")
+    s.add_argument("--tls-cert", help="PEM certificate (chain): serve HTTPS")
+    s.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    s.add_argument("--insecure-plaintext", action="store_true",
+                   help="allow plain HTTP on a non-loopback --host (behind a TLS proxy or on a private network)")
+    s.add_argument("--max-inflight-requests", type=int, default=2048, help="past this, 503 + Retry-After")
+    s.add_argument("--body-timeout-s", type=float, default=30.0, help="a request body must arrive within this (408)")
     s.add_argument("--max-batch-bytes", type=int, default=32 * MiB)
     s.add_argument("--sql-timeout-s", type=float, default=10.0)
     s.add_argument("--sql-max-rows", type=int, default=10_000)
@@ -183,7 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     src = q.add_mutually_exclusive_group(required=True)
     src.add_argument("--url", help="a running collector, e.g. http://127.0.0.1:8428")
     src.add_argument("--db", help="a DuckDB file no collector holds (opened read-only)")
-    q.add_argument("--token", help=f"bearer token for --url (default ${TOKEN_ENV})")
+    q.add_argument("--token-file", help="a file holding the read token for --url")
+    q.add_argument("--token", help=f"the read token for --url (default ${ALL_ROLES_ENV}; visible in `ps`)")
+    q.add_argument("--ca-file", help="PEM bundle to verify an https:// collector")
     q.add_argument("--format", choices=["table", "json", "csv"], default="table")
     q.add_argument("--max-rows", type=int, default=10_000)
     q.add_argument("--timeout-s", type=float, default=10.0)

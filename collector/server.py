@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from collector.gate import Gate
 from collector.routes import commands, ingest, ops, query, sql
 from collector.routes.common import error_response
 from collector.storage import Storage
@@ -45,9 +46,10 @@ class CollectorApp:
             await self.api(scope, receive, send)
 
 
-def create_app(storage: Storage, *, close_storage: bool = True) -> CollectorApp:
-    if not storage.settings.token:
-        raise ValueError("the collector needs a bearer token (Settings.token)")
+def create_app(storage: Storage, *, close_storage: bool = True) -> Gate:
+    """The collector as one ASGI app: the gate (auth, bounds) in front of the routes."""
+    if storage.settings.tokens.empty:
+        raise ValueError("the collector needs bearer tokens (Settings.tokens or Settings.token)")
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
@@ -72,4 +74,4 @@ def create_app(storage: Storage, *, close_storage: bool = True) -> CollectorApp:
         where = ".".join(str(p) for p in first.get("loc", ()))
         return error_response(422, f"{where}: {first.get('msg')}" if where else str(first.get("msg")))
 
-    return CollectorApp(app, endpoint)
+    return Gate(CollectorApp(app, endpoint), storage.settings, storage.metrics)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from collector.auth import Tokens
 
 MiB = 1 << 20
 
@@ -13,8 +15,17 @@ class Settings:
     db_path: Path
     host: str = "127.0.0.1"
     port: int = 8428
-    token: str = ""
-    max_batch_bytes: int = 32 * MiB  # one request body (413 above)
+    # Bearer tokens by role (collector/auth.py). `token`, when given, is one token with
+    # every role and is folded into `tokens` (it is not kept in the clear).
+    tokens: Tokens = field(default_factory=Tokens)
+    token: str = field(default="", repr=False)
+    public_metrics: bool = False  # GET /metrics without a token (a scraper on a trusted network)
+    # The gate (collector/gate.py): bounds checked before a route runs.
+    max_batch_bytes: int = 32 * MiB  # one ingest or OTLP request body (413 above)
+    max_sql_request_bytes: int = 1 * MiB
+    max_command_request_bytes: int = 64 * 1024
+    max_inflight_requests: int = 2048  # past this, 503 + Retry-After (/healthz exempt)
+    body_timeout_s: float = 30.0  # a body not received by then is a 408
     # Group commit: the writer takes queued requests until either budget is reached.
     group_max_rows: int = 2_000_000
     group_max_bytes: int = 256 * MiB
@@ -37,3 +48,10 @@ class Settings:
     duckdb_threads: int = 2
     duckdb_memory_limit: str = "2GB"
     duckdb_checkpoint_threshold: str = "64MB"
+
+    def __post_init__(self) -> None:
+        if self.token:
+            extra = Tokens.build(all_roles=[self.token])
+            self.tokens = Tokens({r: tuple(dict.fromkeys(self.tokens.digests.get(r, ()) + extra.digests[r]))
+                                  for r in extra.digests})
+            self.token = ""

@@ -113,6 +113,15 @@ class Storage:
     def queue_depth(self) -> int:
         return self._writer.depth()
 
+    def health(self) -> tuple[bool, str]:
+        """(healthy, why not). Unhealthy: closed, or the writer thread is gone (nothing
+        could be stored: every ingest would wait for a commit that never comes)."""
+        if self._closed:
+            return False, "storage is closed"
+        if not self._writer.alive():
+            return False, "the writer thread has died; see the collector's log"
+        return True, ""
+
     # -- writes ----------------------------------------------------------------
     async def ingest(self, batch: DecodedBatch) -> IngestOutcome:
         """Store a batch; returns once it is committed (or known to be stored)."""

@@ -152,6 +152,9 @@ class Writer:
     def depth(self) -> int:
         return self._queued_jobs
 
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def submit_batch(self, batch: DecodedBatch, future: asyncio.Future | Future) -> None:
         self._put(_Job(batch=batch, nbytes=batch.nbytes, nrows=batch.num_rows, future=future,
                        loop=future.get_loop() if isinstance(future, asyncio.Future) else None))

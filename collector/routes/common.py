@@ -1,4 +1,5 @@
-"""What every route shares: bearer auth, bounded body reading, JSON answers.
+"""What every route shares: bounded body reading, JSON answers. (Authentication
+and the body bounds are the gate's, collector/gate.py, before any route runs.)
 
 Errors are always `{"error": reason}` with a 4xx (or 503 for back-pressure).
 JSON bodies keep NaN and Infinity as the literals Python's json module reads
@@ -11,16 +12,14 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import decimal
-import hmac
 import json
 import uuid
 import zlib
 from typing import Any
 
-from fastapi import HTTPException, Request
+from fastapi import Request
 from starlette.responses import Response
 
-from collector.metrics import CollectorMetrics
 
 JSON_TYPE = "application/json"
 
@@ -51,16 +50,6 @@ def json_response(content: Any, status: int = 200, headers: dict[str, str] | Non
 
 def error_response(status: int, reason: str, headers: dict[str, str] | None = None) -> Response:
     return json_response({"error": reason}, status, headers)
-
-
-def token_ok(authorization: bytes | str | None, token: str) -> bool:
-    """Constant-time check of an `Authorization: Bearer <token>` header."""
-    if not authorization:
-        return False
-    if isinstance(authorization, str):
-        authorization = authorization.encode("latin-1", "replace")
-    scheme, _, given = authorization.partition(b" ")
-    return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), token.encode())
 
 
 class BodyTooLarge(Exception):
@@ -95,12 +84,3 @@ def decompress(body: bytes, encoding: str | None, max_bytes: int) -> bytes:
     if len(out) > max_bytes:
         raise BodyTooLarge
     return out
-
-
-def require_token(request: Request) -> None:
-    """FastAPI dependency: 401 unless the bearer token matches."""
-    state = request.app.state
-    if not token_ok(request.headers.get("authorization"), state.settings.token):
-        metrics: CollectorMetrics = state.storage.metrics
-        metrics.rejects.labels("unauthorized").inc()
-        raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})

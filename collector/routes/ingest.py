@@ -15,7 +15,7 @@ sees the reason instead of a reset connection.
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -23,7 +23,7 @@ from starlette.types import Receive, Scope, Send
 from agent import wire
 from collector import otlp
 from collector.decode import BatchRejected, decode
-from collector.routes.common import BodyTooLarge, decompress, dumps, error_response, read_limited, require_token, token_ok
+from collector.routes.common import BodyTooLarge, decompress, dumps, error_response, read_limited
 from collector.storage import Storage
 from collector.writer import QueueFull, StorageError
 
@@ -56,17 +56,13 @@ class IngestEndpoint:
         await send({"type": "http.response.body", "body": content})
 
     async def _handle(self, scope: Scope, receive: Receive) -> tuple[int, bytes, list]:
-        authorization = content_type = content_length = None
+        content_type = content_length = None  # the token was checked by collector/gate.py
         for name, value in scope["headers"]:
-            if name == b"authorization":
-                authorization = value
-            elif name == b"content-type":
+            if name == b"content-type":
                 content_type = value
             elif name == b"content-length":
                 content_length = value
         limit = self.settings.max_batch_bytes
-        if not token_ok(authorization, self.settings.token):
-            return 401, dumps({"error": "missing or wrong bearer token"}), [(b"www-authenticate", b"Bearer")]
         if content_type is not None and content_type.split(b";")[0].strip().lower() not in _BATCH_TYPES:
             return 415, dumps({"error": f"Content-Type must be {wire.CONTENT_TYPE}"}), []
         declared = int(content_length) if content_length is not None and content_length.isdigit() else None
@@ -111,7 +107,7 @@ class IngestEndpoint:
 router = APIRouter()
 
 
-@router.post("/v1/metrics", dependencies=[Depends(require_token)])
+@router.post("/v1/metrics")
 async def otlp_metrics(request: Request) -> Response:
     """OTLP/HTTP metrics export (protobuf or JSON); every data point -> scalars."""
     storage: Storage = request.app.state.storage

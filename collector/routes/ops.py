@@ -1,4 +1,5 @@
-"""GET /healthz and GET /metrics (Prometheus). No token: neither exposes data rows."""
+"""GET /healthz (no token) and GET /metrics (Prometheus; the read token unless the
+collector runs with --public-metrics: the gauges name runs and show live losses)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,16 @@ router = APIRouter()
 
 
 @router.get("/healthz")
-def healthz(request: Request) -> Response:
-    return json_response({"status": "ok", "write_queue_depth": request.app.state.storage.queue_depth()})
+async def healthz(request: Request) -> Response:
+    """200 while the collector can store data, 503 with the reason when it cannot.
+    Async and free of I/O: it answers on the event loop even while every worker
+    thread is busy (slow SQL, a long commit)."""
+    storage = request.app.state.storage
+    ok, reason = storage.health()
+    body = {"status": "ok" if ok else "unhealthy", "write_queue_depth": storage.queue_depth()}
+    if not ok:
+        body["reason"] = reason
+    return json_response(body, 200 if ok else 503)
 
 
 @router.get("/metrics")

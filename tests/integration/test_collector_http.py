@@ -38,7 +38,8 @@ def post_batch(client, body: bytes):
 
 AUTHED = [("POST", "/v1/ingest"), ("POST", "/v1/metrics"), ("POST", "/v1/sql"), ("GET", "/v1/runs"),
           ("GET", "/v1/runs/r/steps"), ("GET", "/v1/runs/r/ranks"), ("POST", "/v1/runs/r/commands"),
-          ("GET", "/v1/runs/r/heartbeats/latest")]
+          ("GET", "/v1/runs/r/heartbeats/latest"), ("GET", "/metrics"), ("GET", "/openapi.json"),
+          ("GET", "/no/such/route")]
 
 
 @pytest.mark.parametrize("method, path", AUTHED)
@@ -50,9 +51,10 @@ def test_every_data_endpoint_needs_the_token(server, method, path, token):
     assert r.json() == {"error": "missing or wrong bearer token"}
 
 
-def test_health_and_metrics_need_no_token(server):
+def test_health_needs_no_token_and_metrics_the_read_token(server):
     assert httpx.get(server.url + "/healthz").json()["status"] == "ok"
-    text = httpx.get(server.url + "/metrics").text
+    with server.client() as c:
+        text = c.get("/metrics").text
     assert "llmwatch_collector_rejects_total" in text and "llmwatch_collector_write_queue_depth" in text
 
 
@@ -168,7 +170,8 @@ def test_concurrent_posts_are_group_committed(tmp_path):
         for t in threads:
             t.join()
         assert sorted(r.status_code for r in results) == [200] * 24
-        metrics = httpx.get(proc.url + "/metrics").text
+        with proc.client() as c:
+            metrics = c.get("/metrics").text
         count = float(next(line.split()[-1] for line in metrics.splitlines()
                             if line.startswith("llmwatch_collector_group_requests_count")))
         assert count < 24  # several requests shared a commit

@@ -20,24 +20,31 @@ TOKEN = "test-token"
 class CollectorProcess:
     """Starts the collector on 127.0.0.1 (port 0 = a free one, read from its banner)."""
 
-    def __init__(self, db_path: Path, *, port: int = 0, token: str = TOKEN, args: tuple[str, ...] = ()) -> None:
+    def __init__(self, db_path: Path, *, port: int = 0, token: str | None = TOKEN, args: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None, scheme: str = "http") -> None:
+        """`token`: one token with every role, passed as $LLMWATCH_TOKEN (None: none; give
+        role tokens through `env` or `args`)."""
         self.db_path, self.port, self.token, self.args = db_path, port, token, args
+        self.env, self.scheme = env or {}, scheme
         self.proc: subprocess.Popen | None = None
         self.output: list[str] = []
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 60.0) -> "CollectorProcess":
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LLMWATCH_")}
+        env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **self.env)
+        if self.token is not None:
+            env["LLMWATCH_TOKEN"] = self.token
         cmd = [sys.executable, "-m", "collector", "serve", "--db", str(self.db_path), "--port", str(self.port),
-               "--token", self.token, *self.args]
+               *self.args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + timeout_s
         for line in self.proc.stdout:
             self.output.append(line)
-            m = re.match(r"collector listening on http://127\.0\.0\.1:(\d+) \(db (.+)\)", line)
+            m = re.match(r"collector listening on https?://127\.0\.0\.1:(\d+) \(db (.+)\)", line)
             if m:
                 self.port = int(m.group(1))
                 break

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import stat
-
 import pytest
 
 from agent import wire
@@ -45,19 +42,6 @@ def test_sql_refusals_exit_with_the_reason(closed_db, sql):
     with pytest.raises(SystemExit) as info:
         cli.main(["sql", "--db", str(closed_db), sql])
     assert str(info.value).startswith("collector sql: ")
-
-
-def test_token_generated_once_into_a_private_file(tmp_path, monkeypatch, capsys):
-    monkeypatch.delenv(cli.TOKEN_ENV, raising=False)
-    db = tmp_path / "x.duckdb"
-    token = cli._resolve_token(None, db)
-    path = tmp_path / "x.duckdb.token"
-    assert path.read_text().strip() == token and len(token) >= 32
-    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-    assert token in capsys.readouterr().out
-    assert cli._resolve_token("given", db) == "given"
-    monkeypatch.setenv(cli.TOKEN_ENV, "from-env")
-    assert cli._resolve_token(None, db) == "from-env"
 
 
 def test_table_alignment_handles_nulls_and_text():
