@@ -65,6 +65,7 @@ def serve(args: argparse.Namespace) -> int:
     import duckdb
     import uvicorn
 
+    from collector.httpproto import BoundedHttpToolsProtocol
     from collector.server import create_app
     from collector.storage import Storage
 
@@ -96,6 +97,7 @@ def serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(create_app(storage), host=args.host, port=args.port, log_level=args.log_level,
                             access_log=False, proxy_headers=False, timeout_graceful_shutdown=10,
                             server_header=False, ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key,
+                            http=type("Protocol", (BoundedHttpToolsProtocol,), {"head_timeout_s": args.head_timeout_s}),
                             # idle keep-alive connections are closed after this; a slow client
                             # cannot hold a connection open for free
                             timeout_keep_alive=30)
@@ -212,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow plain HTTP on a non-loopback --host (behind a TLS proxy or on a private network)")
     s.add_argument("--max-inflight-requests", type=int, default=2048, help="past this, 503 + Retry-After")
     s.add_argument("--body-timeout-s", type=float, default=30.0, help="a request body must arrive within this (408)")
+    s.add_argument("--head-timeout-s", type=float, default=10.0,
+                   help="a request line and headers must arrive within this (else the connection is closed)")
     s.add_argument("--max-batch-bytes", type=int, default=32 * MiB)
     s.add_argument("--sql-timeout-s", type=float, default=10.0)
     s.add_argument("--sql-max-rows", type=int, default=10_000)

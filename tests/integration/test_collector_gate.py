@@ -34,6 +34,7 @@ def roles(tmp_path_factory):
     for role, token in ROLE_TOKENS.items():
         args += [f"--{role}-token-file", str(write_secret_file(d / role, token))]
     proc = CollectorProcess(d / "r.duckdb", token=None, args=(*args, "--group-linger-s", "0", "--body-timeout-s", "1",
+                                                               "--head-timeout-s", "2",
                                                                "--max-inflight-requests", "3")).start()
     yield proc
     assert proc.stop() == 0
@@ -196,3 +197,40 @@ def test_plain_http_beyond_loopback_is_refused(tmp_path):
                          timeout=60)
     assert out.returncode == 2 and "--tls-cert" in out.stderr
     assert not (tmp_path / "x.duckdb").exists()
+
+
+def test_a_request_head_is_bounded_in_bytes_and_time(roles):
+    """uvicorn's parser would buffer an endless header; the protocol answers 431."""
+    with socket.create_connection(("127.0.0.1", roles.port), timeout=10) as s:
+        s.sendall(b"GET /v1/runs HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        sent, answer = 0, b""
+        try:
+            while sent < 64 << 20:
+                s.sendall(b"a" * 65536)
+                sent += 65536
+        except (ConnectionResetError, BrokenPipeError):
+            pass
+        try:
+            answer = s.recv(4096)
+        except ConnectionResetError:
+            pass
+    assert sent < 4 << 20  # cut off early, not after 64 MB
+    assert answer == b"" or answer.startswith(b"HTTP/1.1 431")
+    # a head that trickles in is closed, not kept open
+    with socket.create_connection(("127.0.0.1", roles.port), timeout=30) as s:
+        s.sendall(b"GET /v1/runs HTTP/1.1\r\n")
+        t0 = time.monotonic()
+        closed = False
+        while time.monotonic() - t0 < 25:
+            try:
+                s.sendall(b"X-A: b\r\n")
+                s.settimeout(0.5)
+                if s.recv(1) == b"":
+                    closed = True
+                    break
+            except socket.timeout:
+                continue
+            except (ConnectionResetError, BrokenPipeError):
+                closed = True
+                break
+        assert closed
