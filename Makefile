@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # dp2 x pp2 x tp2 on 8 CPU ranks would crawl on 2 cores: the demo uses dp2 x tp2 (4 ranks)
-# on 2 simulated nodes, with a data spike and a NaN it can show being detected.
+# on 2 simulated nodes, with a data spike and a straggler it can show being detected.
 demo: venv
 	rm -rf $(RUN_DIR)
 	$(VENV)/bin/trainer --telemetry --keep-collector --run-id demo --run-dir $(RUN_DIR) \

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from trainer.config import ConfigError, JobConfig
+from trainer.private import TokenError, resolve_token
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,7 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("telemetry")
     g.add_argument("--telemetry", action="store_true", help="record telemetry in every rank")
     g.add_argument("--collector", metavar="URL", help="ship to a running collector (default: start an embedded one)")
-    g.add_argument("--token", help="collector bearer token (or env LLMWATCH_TOKEN)")
+    g.add_argument("--token-file", metavar="PATH",
+                   help="file holding the collector bearer token (keep it 0600); also under torchrun")
+    g.add_argument("--token", help="collector bearer token; visible in `ps`: prefer --token-file or "
+                                   "env LLMWATCH_TOKEN")
     g.add_argument("--telemetry-flush-s", type=float,
                    help="how often each agent ships a batch (default 0.2; longer costs less CPU, shows data later)")
     g.add_argument("--otlp-endpoint", help="also export step-phase spans over OTLP/HTTP to this endpoint")
@@ -84,7 +89,7 @@ _MAP = {
     "ckpt_dir": ("ckpt", "dir"), "ckpt_every": ("ckpt", "every"), "ckpt_persist_dir": ("ckpt", "persist_dir"),
     "ckpt_keep": ("ckpt", "keep"), "resume": ("ckpt", "resume"),
     "telemetry": ("telemetry", "enabled"), "collector": ("telemetry", "collector_url"),
-    "token": ("telemetry", "token"), "otlp_endpoint": ("telemetry", "otlp_endpoint"),
+    "otlp_endpoint": ("telemetry", "otlp_endpoint"),
     "telemetry_flush_s": ("telemetry", "flush_interval_s"),
     "prometheus_port": ("telemetry", "prometheus_port"),
 }
@@ -110,12 +115,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_args(args)
         cfg.validate()
-    except (ConfigError, OSError, json.JSONDecodeError, TypeError) as e:
+        # the token stays out of cfg (see TelemetryConfig); read only when it will be sent
+        token = resolve_token(token=getattr(args, "token", None), token_file=getattr(args, "token_file", None),
+                              environ=os.environ) if cfg.telemetry.enabled else None
+    except (ConfigError, TokenError, OSError, json.JSONDecodeError, TypeError) as e:
         print(f"trainer: error: {e}", file=sys.stderr)
         return 2
     from trainer.launch import launch
 
-    return launch(cfg, progress=not getattr(args, "no_progress", False),
+    return launch(cfg, token=token, progress=not getattr(args, "no_progress", False),
                   keep_collector=getattr(args, "keep_collector", False))
 
 

@@ -139,7 +139,8 @@ class CheckpointConfig:
 class TelemetryConfig:
     enabled: bool = False
     collector_url: str | None = None  # None with enabled=True: the launcher starts an embedded collector
-    token: str | None = None
+    # No token here: this config is written to config.json, shipped into the runs table and
+    # copied into every spool segment. The token comes from --token-file or $LLMWATCH_TOKEN.
     flush_interval_s: float = 0.2
     heartbeat_interval_s: float = 1.0
     spool_bytes: int = 256 * 1024 * 1024
@@ -204,6 +205,9 @@ class JobConfig:
         for key, value in d.items():
             if key in parts:
                 sub = dict(value)
+                if key == "telemetry" and sub.pop("token", None) is not None:  # null: an older config.json
+                    raise ConfigError("a config file must not hold the collector token (it would be copied into "
+                                      "config.json and the runs table): use --token-file or $LLMWATCH_TOKEN")
                 if "domains" in sub:
                     sub["domains"] = tuple(sub["domains"])
                 kwargs[key] = parts[key](**sub)

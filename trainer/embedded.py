@@ -4,34 +4,91 @@ The trainer does not import the collector (DESIGN.md: the trainer knows the
 agent and nothing else); it starts `python -m collector serve` as a separate
 process on a loopback port, waits for `/healthz`, and stops it with SIGTERM,
 which drains the collector's write queue and closes the DuckDB file cleanly.
+If the launcher dies first, the child gets that SIGTERM from the kernel
+(`trainer.lifeline.die_with_parent`).
+
+Tokens: the collector accepts tokens by role (ingest for the ranks, read for
+dashboards and SQL, control for commands). By default this makes one of each,
+writes them to `<run dir>/tokens/{ingest,read,control}` (the directory 0700,
+the files 0600) and hands the collector only the paths: no token is in its
+command line (readable by any user in /proc) or its environment. The ranks get
+the ingest token alone, so a rank (or whoever reads its environment) cannot
+read the run's data or stop it. When the user gave one token, it is written to
+`<run dir>/tokens/token` and serves every role, as a single-user quick start.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 
 from trainer.launch import free_port
+from trainer.lifeline import die_with_parent
+from trainer.private import COLLECTOR_TOKEN_ENVS, private_dir, write_secret
 
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
+ROLES = ("ingest", "read", "control")
+ALL_ROLES_FILE = "token"  # the user's one token, every role
+
+
+def write_tokens(tokens_dir: Path, *, token: str | None) -> tuple[str, dict[str, Path]]:
+    """Write the collector's token files; returns (the ranks' token, {role: path}),
+    with role "all" for the user's one token. Files of the other scheme, left by an
+    earlier run in the same directory, are removed: a secret nothing reads."""
+    tokens_dir = private_dir(tokens_dir)
+    if token:
+        paths = {"all": write_secret(tokens_dir / ALL_ROLES_FILE, token)}
+        stale = ROLES
+        rank_token = token
+    else:
+        generated = {role: secrets.token_urlsafe(32) for role in ROLES}
+        paths = {role: write_secret(tokens_dir / role, t) for role, t in generated.items()}
+        stale = (ALL_ROLES_FILE,)
+        rank_token = generated["ingest"]
+    for name in stale:
+        (tokens_dir / name).unlink(missing_ok=True)
+    return rank_token, paths
+
+
+def collector_argv(*, db_path: Path, host: str, port: int, token_paths: Mapping[str, Path]) -> list[str]:
+    """`python -m collector serve ...` with token *files* only."""
+    argv = [sys.executable, "-m", "collector", "serve", "--db", str(db_path), "--host", host, "--port", str(port),
+            "--duckdb-threads", "1"]  # it shares the trainer's CPUs: one DuckDB thread is plenty for one run
+    for role, path in token_paths.items():
+        argv += ["--token-file" if role == "all" else f"--{role}-token-file", str(path)]
+    return argv
+
+
+def collector_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The launcher's environment without any token variable: the collector would
+    add those to the tokens it accepts."""
+    env = {k: v for k, v in environ.items() if k not in COLLECTOR_TOKEN_ENVS}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
 
 
 class EmbeddedCollector:
-    def __init__(self, *, db_path: Path, token: str, log_path: Path, host: str = "127.0.0.1") -> None:
+    def __init__(self, *, db_path: Path, tokens_dir: Path, log_path: Path, token: str | None = None,
+                 host: str = "127.0.0.1") -> None:
+        """`token`: the user's one token (every role); None: one generated per role."""
         self.db_path = Path(db_path)
-        self.token = token
+        self.tokens_dir = Path(tokens_dir)
         self.log_path = Path(log_path)
         self.host = host
         self.port = 0
         self.proc: subprocess.Popen | None = None
-        self.token_path = self.db_path.with_name("collector.token")
+        self._user_token = token
+        self.rank_token: str | None = None  # what the ranks send: the ingest token (or the user's)
+        self.token_paths: dict[str, Path] = {}
 
     @property
     def url(self) -> str:
@@ -39,16 +96,14 @@ class EmbeddedCollector:
 
     def start(self) -> None:
         self.port = free_port(self.host)
-        fd = os.open(self.token_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(self.token + "\n")
-        env = dict(os.environ, LLMWATCH_TOKEN=self.token, OMP_NUM_THREADS="1")
+        self.rank_token, self.token_paths = write_tokens(self.tokens_dir, token=self._user_token)
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            # it shares the trainer's CPUs: one DuckDB thread is plenty for one run
-            [sys.executable, "-m", "collector", "serve", "--db", str(self.db_path), "--host", self.host,
-             "--port", str(self.port), "--duckdb-threads", "1"],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            collector_argv(db_path=self.db_path, host=self.host, port=self.port, token_paths=self.token_paths),
+            stdout=log, stderr=subprocess.STDOUT, env=collector_env(os.environ),
+            # its own session: a Ctrl-C in the terminal reaches the ranks, and the launcher
+            # stops the collector after they flushed; PDEATHSIG: it dies with the launcher
+            start_new_session=True, preexec_fn=die_with_parent(),
         )
         log.close()
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -65,6 +120,13 @@ class EmbeddedCollector:
             time.sleep(0.1)
         self.stop()
         raise RuntimeError(f"embedded collector did not answer within {START_TIMEOUT_S:.0f} s; see {self.log_path}")
+
+    def describe_tokens(self) -> list[str]:
+        """Where the tokens are, for the user (paths only, never a token)."""
+        if "all" in self.token_paths:
+            return [f"your token (every role) in {self.token_paths['all']}"]
+        uses = {"read": "dashboard, SQL, /metrics", "control": "commands", "ingest": "the ranks"}
+        return [f"{role} token in {self.token_paths[role]}  ({uses[role]})" for role in ("read", "control", "ingest")]
 
     def _log_tail(self, num_bytes: int = 2000) -> str:
         try:

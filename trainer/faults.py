@@ -17,9 +17,10 @@ reproduces them, and a rollback that skips the window makes them go away. That i
 the difference the root-cause logic tests for (data vs hardware).
 
 The ground truth goes to `<run dir>/injections.jsonl`. Nothing in the product
-reads it; only tests and offline scoring do. The injector keeps its own state
-(which windows are poisoned, which one-shot faults fired) in
-`<run dir>/.faults-state.json` so that it survives a restart.
+reads it; only tests and offline scoring do. Each rank's injector keeps its own
+state (which windows are poisoned, which one-shot faults fired) in
+`<run dir>/.faults-state-rank<R>.json`, one file per rank so that no two
+processes write one file, and on disk so that it survives a restart.
 """
 
 from __future__ import annotations

@@ -2,7 +2,10 @@
 
 `python -m trainer.worker CONFIG.json` is what the embedded launcher starts per
 rank; under torchrun `trainer.launch` calls `run_worker` directly. The rank's
-identity comes from the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK).
+identity comes from the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK);
+its run id from the config, or, under torchrun without one, from rank 0 through
+the job's store (`trainer.rundir.agree_run_id`); its collector token from the
+launcher (the environment), never from the config.
 """
 
 from __future__ import annotations
@@ -21,7 +24,14 @@ import torch.distributed as dist
 from trainer.comm import Comm
 from trainer.config import JobConfig
 from trainer.faults import FaultInjector, parse_injections
+from trainer.lifeline import watch_lifeline
 from trainer.parallel_dims import ParallelDims
+from trainer.private import TOKEN_ENV
+from trainer.rundir import agree_run_id, prepare_run
+
+# The lifeline's hard exit comes this long after its SIGTERM: time for the agent's
+# final flush (close(timeout_s=10)) and the process group's teardown.
+ORPHAN_GRACE_S = 20.0
 
 
 def _code_version() -> str:
@@ -51,7 +61,7 @@ def _device(backend: str, local_rank: int) -> tuple[str, torch.device]:
     return backend, torch.device("cpu")
 
 
-def _make_agent(cfg: JobConfig, dims: ParallelDims, node: str, run_info: dict | None):
+def _make_agent(cfg: JobConfig, dims: ParallelDims, node: str, run_info: dict | None, token: str | None):
     from agent import Agent, AgentConfig, NoopAgent
 
     if not cfg.telemetry.enabled:
@@ -60,7 +70,7 @@ def _make_agent(cfg: JobConfig, dims: ParallelDims, node: str, run_info: dict | 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     spool_dir = Path(cfg.run_dir) / "spool" / f"rank{dims.rank:05d}" if cfg.run_dir else None
     agent_cfg = AgentConfig(
-        url=t.collector_url, token=t.token or os.environ.get("LLMWATCH_TOKEN"),
+        url=t.collector_url, token=token,
         flush_interval_s=t.flush_interval_s, heartbeat_interval_s=t.heartbeat_interval_s,
         spool_dir=str(spool_dir) if spool_dir else None, spool_bytes=t.spool_bytes,
         otlp_endpoint=t.otlp_endpoint,
@@ -72,18 +82,48 @@ def _make_agent(cfg: JobConfig, dims: ParallelDims, node: str, run_info: dict | 
     return agent
 
 
-def run_worker(cfg: JobConfig) -> int:
+def _job_store(*, rank: int, world: int, timeout: timedelta):
+    """The job's c10d store, as `init_process_group` would make it from the env://
+    variables: under torchrun a client of the store node 0's agent serves (it
+    outlives restarts), in the embedded launcher one that rank 0 serves."""
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world, timeout=timeout))
+    store.set_timeout(timeout)
+    return store
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    # Once only: PDEATHSIG and the lifeline both send one when the launcher dies, and a
+    # second SystemExit raised inside the finally blocks would cut the agent's flush short.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(143)
+
+
+def run_worker(cfg: JobConfig, *, token: str | None = None) -> int:
+    """Run this rank. `token`: the collector token the agent sends (not in `cfg`)."""
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    # SIGTERM (the launcher stopping us after another rank failed) unwinds through the
-    # finally blocks below, so the agent flushes what it has and the spool stays whole.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # SIGTERM (the launcher stopping us after another rank failed, or the kernel and the
+    # lifeline telling us the launcher died) unwinds through the finally blocks below,
+    # so the agent flushes what it has and the spool stays whole.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
     backend, device = _device(cfg.parallel.backend, local_rank)
-    dist.init_process_group(backend, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=cfg.parallel.timeout_s))
+    timeout = timedelta(seconds=cfg.parallel.timeout_s)
+    store = _job_store(rank=rank, world=world, timeout=timeout)
+    if not cfg.run_id:
+        # torchrun without a job id: agree on one before anything is recorded or written
+        cfg.run_id = agree_run_id(store, rank=rank)
+        prepare_run(cfg)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun's restart round; 0 embedded
+    # One key space per restart round. Under torchrun the store outlives the workers
+    # (node 0's agent serves it), so a restarted group would otherwise read the previous
+    # round's keys: gloo then dials the dead ranks' addresses and the restart fails.
+    dist.init_process_group(backend, store=dist.PrefixStore(f"default_pg/restart{restart}", store), rank=rank,
+                            world_size=world, timeout=timeout)
+    if os.environ.get("LLMWATCH_EMBEDDED") != "1":  # the embedded launcher says it once for all
+        print(f"trainer: rank {rank} in run {cfg.run_id} ({cfg.run_dir})", flush=True)
     dims = ParallelDims.from_config(cfg.parallel, rank=rank, world_size=world)
     dims.build_mesh(device.type)
     node = os.environ.get("LLMWATCH_NODE_NAME") or f"node{dims.node}"
@@ -101,7 +141,7 @@ def run_worker(cfg: JobConfig) -> int:
             "code_version": _code_version(), "data_version": corpus.data_version,
             "backend": backend, "device": device.type, "torch": torch.__version__, "started_ts": time.time(),
         }
-    agent = _make_agent(cfg, dims, node, run_info)
+    agent = _make_agent(cfg, dims, node, run_info, token)
     try:
         comm = Comm(dims, device=device, sink=agent)
         agent.bind_seq_source(lambda: comm.last_seq)
@@ -134,7 +174,7 @@ def run_worker(cfg: JobConfig) -> int:
                           eval_sets=eval_sets, checkpointer=checkpointer, agent=agent, injector=injector,
                           device=device, poison=data_mod.poison,
                           progress=os.environ.get("LLMWATCH_PROGRESS") == "1")
-        agent.event("run_started", step=0, pid=os.getpid(), node=node)
+        agent.event("run_started", step=0, pid=os.getpid(), node=node, restart=restart)
         state = trainer.fit()
         if checkpointer is not None:
             checkpointer.close()
@@ -154,8 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1:
         print("usage: python -m trainer.worker CONFIG.json", file=sys.stderr)
         return 2
+    watch_lifeline(os.environ, grace_s=ORPHAN_GRACE_S)  # before the config is read: nothing to unwind yet
+    # out of the environment as soon as read: nothing this rank starts (git, a shell) inherits it
+    token = os.environ.pop(TOKEN_ENV, None)
     cfg = JobConfig.from_json(Path(argv[0]).read_text())
-    return run_worker(cfg)
+    return run_worker(cfg, token=token)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -31,3 +32,44 @@ def test_two_torchrun_nodes_match_the_embedded_launcher(tmp_path):
                            "--nodes", "2")
     assert embedded.returncode == 0, embedded.stderr[-3000:]
     assert_close(torchrun, embedded.losses(), range(1, 5))
+
+
+RUN_LINE = re.compile(r"trainer: rank (\d+) in run (\S+) \((\S+)\)")
+
+
+def torchrun_job(cwd, *trainer_args, max_restarts=0, timeout_s=300):
+    """One single-node torchrun job of 2 ranks with no --rdzv-id (torchrun's run id: `none`).
+    Returns (exit code, output, [(rank, run id, run dir) per rank start])."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+            "--max-restarts", str(max_restarts), "-m", "trainer", *TINY, "--layers", "2", "--dp", "2", *trainer_args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    p = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    out = p.stdout + p.stderr
+    return p.returncode, out, [(int(r), i, d) for r, i, d in RUN_LINE.findall(out)]
+
+
+def test_torchrun_jobs_without_ids_get_their_own_and_a_restart_keeps_it(tmp_path):
+    # Job a: rank 1 crashes at step 2, torchrun restarts the group. The crash is one-shot by
+    # the fault state in the run dir, so the restart completes only if it found the same dir.
+    rc, out, starts = torchrun_job(tmp_path, "--steps", "3", "--inject", "crash@rank=1,step=2", max_restarts=1)
+    assert rc == 0, out[-4000:]
+    assert sorted(r for r, _, _ in starts) == [0, 0, 1, 1], out[-4000:]  # two rounds of two ranks
+    (run_a,) = {i for _, i, _ in starts}
+    assert run_a not in ("none", "torchrun")
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == [run_a]
+    crashes = [json.loads(x) for x in (tmp_path / "runs" / run_a / "injections.jsonl").read_text().splitlines()]
+    assert [c["kind"] for c in crashes] == ["crash"]
+    # Job b, the same command line otherwise: another run
+    rc, out, starts = torchrun_job(tmp_path, "--steps", "1")
+    assert rc == 0, out[-4000:]
+    (run_b,) = {i for _, i, _ in starts}
+    assert len(starts) == 2 and run_b != run_a
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == sorted([run_a, run_b])
+
+
+def test_torchrun_keeps_a_given_run_id(tmp_path):
+    rc, out, starts = torchrun_job(tmp_path, "--steps", "1", "--run-id", "mine")
+    assert rc == 0, out[-4000:]
+    assert sorted(starts) == [(0, "mine", "runs/mine"), (1, "mine", "runs/mine")]

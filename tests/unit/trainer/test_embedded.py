@@ -1,0 +1,55 @@
+"""The embedded collector's tokens: role files 0600 in a 0700 dir, paths in argv, nothing in env."""
+
+import os
+import stat
+
+from trainer.embedded import collector_argv, collector_env, write_tokens
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_three_role_tokens_the_ranks_get_ingest(tmp_path):
+    rank_token, paths = write_tokens(tmp_path / "tokens", token=None)
+    assert set(paths) == {"ingest", "read", "control"}
+    assert mode(tmp_path / "tokens") == 0o700
+    values = {role: p.read_text().strip() for role, p in paths.items()}
+    assert all(mode(p) == 0o600 for p in paths.values())
+    assert len(set(values.values())) == 3 and all(len(v) >= 40 for v in values.values())
+    assert rank_token == values["ingest"]
+
+
+def test_existing_token_files_are_tightened_and_a_rerun_makes_new_tokens(tmp_path):
+    d = tmp_path / "tokens"
+    d.mkdir(mode=0o755)
+    os.chmod(d, 0o755)
+    (d / "read").write_text("old\n")
+    os.chmod(d / "read", 0o644)
+    _, paths = write_tokens(d, token=None)
+    assert mode(d) == 0o700 and mode(paths["read"]) == 0o600 and paths["read"].read_text() != "old\n"
+
+
+def test_the_users_token_serves_every_role_and_old_role_files_go(tmp_path):
+    write_tokens(tmp_path / "tokens", token=None)
+    rank_token, paths = write_tokens(tmp_path / "tokens", token="users-own-token-0123456789")
+    assert rank_token == "users-own-token-0123456789"
+    assert list(paths) == ["all"] and mode(paths["all"]) == 0o600
+    assert sorted(p.name for p in (tmp_path / "tokens").iterdir()) == ["token"]
+
+
+def test_argv_and_env_carry_no_token(tmp_path):
+    rank_token, paths = write_tokens(tmp_path / "tokens", token=None)
+    secrets_ = [p.read_text().strip() for p in paths.values()]
+    argv = collector_argv(db_path=tmp_path / "t.duckdb", host="127.0.0.1", port=1234, token_paths=paths)
+    for role in ("ingest", "read", "control"):
+        assert argv[argv.index(f"--{role}-token-file") + 1] == str(paths[role])
+    assert "--token" not in argv
+    env = collector_env({"PATH": "/bin", "LLMWATCH_TOKEN": rank_token, "LLMWATCH_READ_TOKEN": "x" * 20,
+                         "LLMWATCH_INGEST_TOKEN": "y" * 20, "LLMWATCH_CONTROL_TOKEN": "z" * 20})
+    assert env == {"PATH": "/bin", "OMP_NUM_THREADS": "1"}
+    blob = " ".join(argv) + " ".join(f"{k}={v}" for k, v in env.items())
+    assert not any(s in blob for s in secrets_)
+    _, one = write_tokens(tmp_path / "tokens", token="users-own-token-0123456789")
+    argv = collector_argv(db_path=tmp_path / "t.duckdb", host="127.0.0.1", port=1234, token_paths=one)
+    assert argv[argv.index("--token-file") + 1] == str(one["all"]) and "users-own-token" not in " ".join(argv)
