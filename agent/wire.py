@@ -9,7 +9,8 @@ without touching rows in Python:
            4   u32 little-endian             header length H
            8   H bytes of UTF-8 JSON          the header
        8 + H   zero padding to a multiple of 8
-               column buffers, each starting at a multiple of 8
+               the column area: every column's bytes, each followed by zero
+               padding to a multiple of 8
 
 Header:
 
@@ -23,12 +24,21 @@ Header:
       "stats": {"dropped": {kind: n}, "spooled": n, ...}
     }
 
-Offsets are relative to the start of the column area. A column's dtype is fixed
-by `SCHEMA`, never by the sender; `decode_batch` checks every offset, length and
-dictionary code and raises `WireError` with a reason a person can act on.
+The columns tile the column area exactly: sections in the header's order, each
+section's columns in `SCHEMA` order, every column starting where the previous
+one's padding ends (the first at 0), the last one's padding ending the batch.
+Offsets are relative to the start of the column area; `nbytes` is the column's
+length without its padding. So no two columns share a byte and no byte is
+unaccounted for: a section's rows cost their full row size in the body,
+whatever the header claims.
+A column's dtype is fixed by `SCHEMA`, never by the sender; `decode_batch`
+checks the tiling, every length, the padding, the header JSON's nesting depth
+and number of values (before parsing it), and every dictionary code, and
+raises `WireError` with a reason a person can act on.
 
 `(run_id, rank, incarnation, batch_seq)` identifies a batch: the collector
-stores a batch seen twice once.
+stores a batch seen twice once, and refuses a second batch with the same key
+and other bytes.
 """
 
 from __future__ import annotations
@@ -36,11 +46,18 @@ from __future__ import annotations
 import json
 import struct
 import sys
+from array import array
 from dataclasses import dataclass
+from itertools import accumulate
 
 MAGIC = b"LWB1"
 CONTENT_TYPE = "application/x-llmwatch-batch"
 MAX_HEADER_BYTES = 4 * 1024 * 1024
+# The header's JSON: nesting levels (the header object is level 1) and values (not
+# counting object keys). json.loads recurses once per level and builds ~50 bytes
+# of Python objects per value, so both are bounded before it runs.
+MAX_HEADER_DEPTH = 64
+MAX_HEADER_VALUES = 500_000
 _HDR = struct.Struct("<4sI")
 
 
@@ -116,9 +133,16 @@ def _pad8(n: int) -> int:
     return (-n) % 8
 
 
+_ZEROS = bytes(8)
+
+
 def encode_batch(header: dict, sections: dict[str, tuple[int, dict[str, bytes | memoryview]]]) -> bytes:
     """Encode one batch. `header` holds everything but "sections"; `sections` maps a
-    kind to (rows, {column name: raw little-endian bytes of exactly rows items})."""
+    kind to (rows, {column name: raw little-endian bytes of exactly rows items}).
+
+    The layout is the one `decode_batch` accepts and no other: sections in the
+    order of `sections` (empty ones left out), columns in `SCHEMA` order, each
+    column followed by zero padding to a multiple of 8."""
     if sys.byteorder != "little":  # pragma: no cover - every platform we run on is little-endian
         raise WireError("encode_batch supports little-endian hosts only")
     layout: dict[str, dict] = {}
@@ -138,18 +162,65 @@ def encode_batch(header: dict, sections: dict[str, tuple[int, dict[str, bytes | 
             bufs.append(buf)
             pad = _pad8(nbytes)
             if pad:
-                bufs.append(b"\0" * pad)
+                bufs.append(_ZEROS[:pad])
             offset += nbytes + pad
         layout[kind] = {"n": n, "columns": col_layout}
     head = dict(header)
     head["sections"] = layout
     hj = json.dumps(head, separators=(",", ":"), allow_nan=False).encode()
-    parts = [_HDR.pack(MAGIC, len(hj)), hj, b"\0" * _pad8(_HDR.size + len(hj))]
+    parts = [_HDR.pack(MAGIC, len(hj)), hj, _ZEROS[:_pad8(_HDR.size + len(hj))]]
     parts.extend(bufs)
     return b"".join(parts)
 
 
 _REQUIRED = {"run_id": str, "rank": int, "incarnation": str, "batch_seq": int}
+# bytes.translate tables: keep only the bytes that shape JSON; map brackets to +1/-1
+_NOT_STRUCTURAL = bytes(range(256)).translate(None, b'"[]{},')
+_LEVEL_STEPS = bytes.maketrans(b"[{]},", b"\x01\x01\xff\xff\x00")
+
+
+def _check_header_shape(text: bytes) -> None:
+    """Refuse a header nested deeper than MAX_HEADER_DEPTH or holding more than
+    MAX_HEADER_VALUES values, before json.loads builds it (5,000 levels is a
+    RecursionError inside the parser; 4 MiB of `[{},{},...]` is ~90 MB of dicts).
+
+    Brackets and commas outside strings are counted with C-speed byte passes
+    (count, translate, split on quotes after dropping escaped quotes); the one
+    Python-level pass, a running sum over the brackets alone, runs only when the
+    bracket count says the nesting could be too deep. Exact for valid UTF-8 JSON,
+    whose multi-byte characters never contain an ASCII byte; for text that is not
+    JSON it only has to be no lower than what the parser reaches before failing,
+    and the parser agrees with this tokenisation up to that point. 1-5 us for an
+    agent's 1 KB header, ~0.1 s for a 4 MiB one of nothing but brackets."""
+    opens = text.count(b"[") + text.count(b"{")
+    if opens <= MAX_HEADER_DEPTH and opens + text.count(b",") < MAX_HEADER_VALUES:
+        return  # upper bounds already (brackets and commas inside strings included)
+    if b"\\" in text:  # drop escape pairs first, so that \" does not end a string
+        text = text.replace(b"\\\\", b"").replace(b'\\"', b"")
+    outside = b"".join(text.translate(None, _NOT_STRUCTURAL).split(b'"')[::2])
+    opens = outside.count(b"[") + outside.count(b"{")
+    values = outside.count(b",") + opens + 1  # a container of k > 0 values holds k - 1 commas
+    if values > MAX_HEADER_VALUES:
+        raise WireError(f"header JSON holds about {values} values (limit {MAX_HEADER_VALUES})")
+    if opens > MAX_HEADER_DEPTH:
+        depth = max(accumulate(array("b", outside.translate(_LEVEL_STEPS))))
+        if depth > MAX_HEADER_DEPTH:
+            raise WireError(f"header JSON nests {depth} levels deep (limit {MAX_HEADER_DEPTH})")
+
+
+def _parse_header(raw: bytes) -> dict:
+    try:
+        text = raw.decode("utf-8")  # strict: the header is UTF-8 (json.loads would guess UTF-16/32 too)
+    except UnicodeDecodeError as e:
+        raise WireError(f"header is not UTF-8: {e}") from None
+    _check_header_shape(raw)
+    try:
+        header = json.loads(text)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError; an integer of over 4,300 digits
+        raise WireError(f"header is not valid JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise WireError("header must be a JSON object")
+    return header
 
 
 def decode_batch(data: bytes | memoryview, *, check_codes: bool = True) -> Batch:
@@ -165,13 +236,8 @@ def decode_batch(data: bytes | memoryview, *, check_codes: bool = True) -> Batch
     if magic != MAGIC:
         raise WireError(f"bad magic {bytes(magic)!r}: not an llmwatch batch (expected {MAGIC!r})")
     if hlen > MAX_HEADER_BYTES or _HDR.size + hlen > len(mv):
-        raise WireError(f"header length {hlen} exceeds the batch ({len(mv)} bytes)")
-    try:
-        header = json.loads(bytes(mv[_HDR.size:_HDR.size + hlen]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise WireError(f"header is not valid JSON: {e}") from None
-    if not isinstance(header, dict):
-        raise WireError("header must be a JSON object")
+        raise WireError(f"header length {hlen} exceeds the batch ({len(mv)} bytes) or the limit ({MAX_HEADER_BYTES})")
+    header = _parse_header(bytes(mv[_HDR.size:_HDR.size + hlen]))
     for key, typ in _REQUIRED.items():
         v = header.get(key)
         if not isinstance(v, typ) or isinstance(v, bool):
@@ -180,7 +246,10 @@ def decode_batch(data: bytes | memoryview, *, check_codes: bool = True) -> Batch
         raise WireError("run_id must be 1..200 characters")
     if header["rank"] < 0 or header["batch_seq"] < 0:
         raise WireError("rank and batch_seq must be >= 0")
-    base = _HDR.size + hlen + _pad8(_HDR.size + hlen)
+    end = _HDR.size + hlen
+    base = end + _pad8(end)
+    if len(mv) < base or mv[end:base] != _ZEROS[:base - end]:
+        raise WireError(f"the header must be followed by {base - end} zero bytes of padding")
     body = mv[base:]
     sections = header.get("sections", {})
     dicts = header.get("dicts", {})
@@ -190,6 +259,7 @@ def decode_batch(data: bytes | memoryview, *, check_codes: bool = True) -> Batch
         if not isinstance(values, list) or len(values) > MAX_DICT_ENTRIES or not all(isinstance(v, str) for v in values):
             raise WireError(f"dict {name!r} must be a list of at most {MAX_DICT_ENTRIES} strings")
     columns: dict[str, dict[str, memoryview]] = {}
+    pos = 0  # where the next column must start: the columns tile the column area
     for kind, sec in sections.items():
         spec = SCHEMA.get(kind)
         if spec is None:
@@ -211,8 +281,18 @@ def decode_batch(data: bytes | memoryview, *, check_codes: bool = True) -> Batch
                     or not all(isinstance(x, int) and not isinstance(x, bool) for x in loc)):
                 raise WireError(f"{kind}.{col.name}: location must be [offset, nbytes]")
             off, nbytes = loc
-            if off < 0 or off % 8 or nbytes != n * col.itemsize or off + nbytes > len(body):
-                raise WireError(f"{kind}.{col.name}: bad location [{off}, {nbytes}] for {n} rows in {len(body)} bytes")
+            if nbytes != n * col.itemsize:
+                raise WireError(f"{kind}.{col.name}: {nbytes} bytes for {n} rows of {col.itemsize} bytes")
+            if off != pos:
+                raise WireError(f"{kind}.{col.name}: starts at {off}, but the previous column's padding ends at "
+                                f"{pos} (columns follow each other in header and SCHEMA order, without gaps)")
+            pad = _pad8(nbytes)
+            pos = off + nbytes + pad
+            if pos > len(body):
+                raise WireError(f"{kind}.{col.name}: [{off}, {nbytes}] and its padding run past the column area "
+                                f"({len(body)} bytes)")
+            if pad and body[pos - pad:pos] != _ZEROS[:pad]:
+                raise WireError(f"{kind}.{col.name}: the padding after the column is not zero")
             view = body[off:off + nbytes].cast(col.fmt)
             if check_codes and col.dict_encoded and n:
                 size = len(dicts.get(col.name, ()))
@@ -221,6 +301,9 @@ def decode_batch(data: bytes | memoryview, *, check_codes: bool = True) -> Batch
                     raise WireError(f"{kind}.{col.name}: code {hi if hi >= size else lo} outside its dictionary of {size}")
             cols[col.name] = view
         columns[kind] = cols
+    if pos != len(body):
+        raise WireError(f"the columns end at {pos} of a {len(body)}-byte column area: {len(body) - pos} bytes "
+                        f"belong to no column")
     for key in ("events",):
         if key in header and not isinstance(header[key], list):
             raise WireError(f"{key} must be a list")

@@ -7,15 +7,28 @@ batch_seqs are kept as sorted, disjoint, inclusive intervals: an agent numbers
 its batches 0, 1, 2, ... so the usual case is one interval per sender, and a
 replayed spool only fills gaps. Loading is one gaps-and-islands query.
 The table's primary key stays the last line of defence.
+
+A key says which batch it is, not what it holds: a sender that reuses a
+batch_seq for other rows (a restarted agent that kept its incarnation, a bug)
+must be told, not silently dropped. So each stored batch keeps a hash of its
+body (`batches.content_hash`), and `sort_out` compares hashes, but only for keys
+the intervals say are taken, which is rare (a retry, a spool replay): a copy
+inside the same group is compared in memory, a stored one costs the writer one
+query for all of a group's repeats. The hashes stay in the table, not here.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable, Sequence
 
 import duckdb
 
 Sender = tuple[str, int, str]
+Key = tuple[str, int, str, int]
+
+# What to do with a batch: store it, acknowledge it as stored, or refuse it (409).
+FRESH, DUPLICATE, CONFLICT = "fresh", "duplicate", "conflict"
 
 _ISLANDS_SQL = """
     SELECT run_id, rank, incarnation, min(batch_seq) AS lo, max(batch_seq) AS hi
@@ -42,6 +55,32 @@ class BatchKeys:
             keys._starts.setdefault(sender, []).append(lo)
             keys._ends.setdefault(sender, []).append(hi)
         return keys
+
+    def sort_out(self, batches: Sequence[tuple[Key, bytes]],
+                 stored_hashes: Callable[[list[Key]], dict[Key, bytes | None]]) -> list[str]:
+        """FRESH, DUPLICATE or CONFLICT for each (key, content hash) of a group, in order.
+
+        The first of the group to carry a key not yet stored is FRESH; a later one
+        with the same hash is a DUPLICATE, with another a CONFLICT. A key already
+        stored is a DUPLICATE when `stored_hashes` (called once, with those keys
+        only, and only if there are any) gives the same hash or none (rows from
+        before hashes were kept; an empty hash also means unknown), else a CONFLICT.
+        Touches nothing but the lookup it is given: the writer calls `add` after the commit."""
+        taken = dict.fromkeys(key for key, _ in batches if key in self)
+        stored = stored_hashes(list(taken)) if taken else {}
+        first: dict[Key, bytes] = {}
+        verdicts = []
+        for key, digest in batches:
+            if key in first:
+                known = first[key]
+            elif key in taken:
+                known = stored.get(key)
+            else:
+                first[key] = digest
+                verdicts.append(FRESH)
+                continue
+            verdicts.append(DUPLICATE if not known or not digest or known == digest else CONFLICT)
+        return verdicts
 
     def __contains__(self, key: tuple[str, int, str, int]) -> bool:
         starts = self._starts.get(key[:3])

@@ -137,6 +137,7 @@ def batches_table(batches: Sequence[DecodedBatch], received_ts: float) -> pa.Tab
         "batch_seq": pa.array([b.batch_seq for b in batches], pa.int64()),
         "received_ts": pa.array(np.full(len(batches), received_ts)),
         "rows": pa.array([b.num_rows for b in batches], pa.int64()),
+        "content_hash": pa.array([b.content_hash or None for b in batches], pa.binary()),
     })
 
 

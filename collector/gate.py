@@ -58,7 +58,7 @@ def rule_for(method: str, path: str, settings: Settings) -> Rule:
         if path == "/v1/ingest":
             return Rule(Role.INGEST, settings.max_batch_bytes, streamed=True)
         if path == "/v1/metrics":
-            return Rule(Role.INGEST, settings.max_batch_bytes)
+            return Rule(Role.INGEST, settings.otlp_max_bytes)
         if path == "/v1/sql":
             return Rule(Role.READ, settings.max_sql_request_bytes)
         if _COMMANDS.match(path):

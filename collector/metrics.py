@@ -112,6 +112,9 @@ class CollectorMetrics:
         self.rows_ingested = Counter("llmwatch_collector_rows_ingested", "Rows committed, by table", ["table"], registry=r)
         self.batches = Counter("llmwatch_collector_batches", "Batches committed (duplicates excluded)", registry=r)
         self.duplicate_batches = Counter("llmwatch_collector_duplicate_batches", "Batches acknowledged as already stored", registry=r)
+        self.conflicting_batches = Counter(
+            "llmwatch_collector_conflicting_batches",
+            "Batches refused (409) because their key was stored with other content", registry=r)
         self.rejects = Counter("llmwatch_collector_rejects", "Requests refused, by reason", ["reason"], registry=r)
         self.queue_depth = Gauge("llmwatch_collector_write_queue_depth", "Write jobs waiting for the writer thread", registry=r)
         self.commit_seconds = Histogram(

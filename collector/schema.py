@@ -221,9 +221,16 @@ _VIEWS_V1 = [
         FROM collectives GROUP BY run_id, attempt, step, op, axis""",
 ]
 
+# v2: the blake2b-128 of each stored batch's body, so that a batch key seen again
+# with other bytes is refused instead of acknowledged as a duplicate. Rows stored
+# before it keep NULL (unknown: any content under their key counts as the same).
+_BATCH_HASH_V2 = ["ALTER TABLE batches ADD COLUMN content_hash BLOB"]
+
 MIGRATIONS: list[tuple[int, list[str]]] = [
     (1, _TABLES_V1 + _VIEWS_V1),
+    (2, _BATCH_HASH_V2),
 ]
+
 
 def current_version(con: duckdb.DuckDBPyConnection) -> int:
     con.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL, applied_ts DOUBLE NOT NULL)")

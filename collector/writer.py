@@ -1,14 +1,15 @@
 """The one writer thread: every write to DuckDB, as group commits.
 
-Request handlers decode and validate a batch on the event loop, then hand it
-here with a future. The thread takes everything queued (up to a row and byte
-budget; a small group, under `SMALL_GROUP_ROWS`, starts at most every
-`group_min_interval_s`; and while the group is under `group_min_rows` and
-requests keep arriving (no pause longer than `group_gap_s`) it waits up to
-`group_linger_s` for more,
-because DuckDB's cost per row halves when one transaction appends a whole row
-group, 122,880 rows, which it then writes straight to the file instead of
-through the WAL), drops batches already stored (in this group or earlier: `BatchKeys`),
+Request handlers decode and validate a batch (a small one on the event loop, a
+large one on a worker thread), then hand it here with a future. The thread
+takes everything queued (up to a row and byte budget; a small group, under
+`SMALL_GROUP_ROWS`, starts at most every `group_min_interval_s`; and while the
+group is under `group_min_rows` and requests keep arriving (no pause longer
+than `group_gap_s`) it waits up to `group_linger_s` for more, because DuckDB's
+cost per row halves when one transaction appends a whole row group, 122,880
+rows, which it then writes straight to the file instead of through the WAL),
+sorts out batches whose key is taken (in this group or earlier: `BatchKeys`; the
+same bytes again are acknowledged as duplicates, other bytes refused with 409),
 builds one Arrow table per target table (`columns`), inserts them all, the
 batch keys, rank/run/node/checkpoint upserts and command deliveries in ONE
 transaction, commits, and only then resolves the futures. A request is thus
@@ -39,10 +40,10 @@ import duckdb
 import pyarrow as pa
 
 from collector import columns
-from collector.batchkeys import BatchKeys
+from collector.batchkeys import CONFLICT, DUPLICATE, FRESH, BatchKeys, Key
 from collector.commands import Command, CommandBook, CommandPlan
 from collector.liveness import Liveness, LivenessPlan
-from collector.decode import CheckpointSaved, CheckpointVerified, DecodedBatch, RunFinished, json_text
+from collector.decode import BatchRejected, CheckpointSaved, CheckpointVerified, DecodedBatch, RunFinished, json_text
 from collector.metrics import CollectorMetrics
 
 log = logging.getLogger("collector.writer")
@@ -261,20 +262,45 @@ class Writer:
         return i
 
     # -- one group commit ----------------------------------------------------
+    def _stored_hashes(self, keys: list[Key]) -> dict[Key, bytes | None]:
+        """Stored content hashes of `keys` (all in `self._keys`: retries, spool replays).
+
+        DuckDB does not use the composite primary key's index for this, so it is a
+        filtered scan; row groups whose batch_seq range misses are skipped (a
+        sender's seqs grow with time), which keeps one key at ~1 ms on millions
+        of batches. Several keys are one join, whatever their number."""
+        if len(keys) == 1:
+            rows = self._con.execute(
+                "SELECT run_id, rank, incarnation, batch_seq, content_hash FROM batches "
+                "WHERE run_id = ? AND rank = ? AND incarnation = ? AND batch_seq = ?", list(keys[0])).fetchall()
+        else:
+            self._con.register("__keys", pa.table({
+                "run_id": pa.array([k[0] for k in keys], pa.string()),
+                "rank": pa.array([k[1] for k in keys], pa.int32()),
+                "incarnation": pa.array([k[2] for k in keys], pa.string()),
+                "batch_seq": pa.array([k[3] for k in keys], pa.int64())}))
+            try:
+                rows = self._con.execute(
+                    "SELECT run_id, rank, incarnation, batch_seq, content_hash FROM batches "
+                    "JOIN __keys USING (run_id, rank, incarnation, batch_seq)").fetchall()
+            finally:
+                self._con.unregister("__keys")
+        return {(r, k, i, s): h for r, k, i, s, h in rows}
+
     def _commit(self, jobs: list[_Job]) -> None:
         now = self._clock()
         t0 = time.perf_counter()
-        fresh: list[DecodedBatch] = []
-        duplicate: list[bool] = []
-        seen: set = set()
-        for job in jobs:
-            b = job.batch
-            dup = b is not None and (b.key in seen or b.key in self._keys)
-            duplicate.append(dup)
-            if b is not None and not dup:
-                seen.add(b.key)
-                fresh.append(b)
-        requests = [(j.batch.run_id, j.batch.rank) for j in jobs if j.batch is not None]
+        try:
+            verdicts = iter(self._keys.sort_out(
+                [(j.batch.key, j.batch.content_hash) for j in jobs if j.batch is not None], self._stored_hashes))
+        except duckdb.Error as e:
+            log.warning("batch keys could not be checked: %s", e)
+            self._finish([(j, None, StorageError(f"batch keys could not be checked: {e}", 503)) for j in jobs])
+            return
+        verdict = [next(verdicts) if j.batch is not None else None for j in jobs]
+        fresh = [j.batch for j, v in zip(jobs, verdict) if v == FRESH]
+        # a conflicting request is refused: no command is delivered to it
+        requests = [(j.batch.run_id, j.batch.rank) for j, v in zip(jobs, verdict) if v in (FRESH, DUPLICATE)]
         acks = [(b.run_id, b.rank, e.ts, e.special) for b in fresh for e in b.events if e.kind == "command_ack"]
         plan = self.book.plan(requests, acks, now)
         live = self.liveness.plan(fresh, now)
@@ -300,22 +326,31 @@ class Writer:
             self._metrics.runs.observe(b)
         self.book.apply(plan, now)
         self.liveness.apply(live, now)
-        self._count(tables, extra, fresh, duplicate, len(jobs), time.perf_counter() - t0)
+        self._count(tables, extra, fresh, verdict, len(jobs), time.perf_counter() - t0)
         results, i = [], 0
-        for job, dup in zip(jobs, duplicate):
+        for job, v in zip(jobs, verdict):
             if job.batch is None:
                 results.append((job, sum(t.num_rows for t in job.tables.values()), None))
-                continue
-            results.append((job, IngestOutcome(0 if dup else job.batch.num_rows, dup, plan.deliveries[i]), None))
-            i += 1
+            elif v == CONFLICT:
+                b = job.batch
+                log.warning("batch %s refused: its key was stored with other content", b.key)
+                results.append((job, None, BatchRejected(
+                    f"batch (run_id={b.run_id!r}, rank={b.rank}, incarnation={b.incarnation!r}, "
+                    f"batch_seq={b.batch_seq}) is already stored with other content: a batch_seq may not "
+                    f"be reused for other rows", 409)))
+            else:
+                dup = v == DUPLICATE
+                results.append((job, IngestOutcome(0 if dup else job.batch.num_rows, dup, plan.deliveries[i]), None))
+                i += 1
         self._finish(results)
 
-    def _count(self, tables, extra, fresh, duplicate, num_jobs, commit_s) -> None:
+    def _count(self, tables, extra, fresh, verdict, num_jobs, commit_s) -> None:
         m = self._metrics
         for name, t in list(tables.items()) + extra:
             m.rows_ingested.labels(name).inc(t.num_rows)
         m.batches.inc(len(fresh))
-        m.duplicate_batches.inc(sum(duplicate))
+        m.duplicate_batches.inc(verdict.count(DUPLICATE))
+        m.conflicting_batches.inc(verdict.count(CONFLICT))
         m.commit_seconds.observe(commit_s)
         m.group_size.observe(num_jobs)
 

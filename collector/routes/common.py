@@ -14,7 +14,6 @@ import datetime as dt
 import decimal
 import json
 import uuid
-import zlib
 from typing import Any
 
 from fastapi import Request
@@ -68,19 +67,3 @@ async def read_limited(request: Request, max_bytes: int) -> bytes:
             raise BodyTooLarge
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-def decompress(body: bytes, encoding: str | None, max_bytes: int) -> bytes:
-    """gzip/deflate bodies (OTLP exporters may compress), bounded by `max_bytes`."""
-    if not encoding or encoding == "identity":
-        return body
-    if encoding not in ("gzip", "deflate"):
-        raise ValueError(f"Content-Encoding {encoding!r} is not supported (gzip, deflate)")
-    d = zlib.decompressobj(wbits=47 if encoding == "gzip" else 15)  # 47: gzip or zlib header
-    try:
-        out = d.decompress(body, max_bytes + 1)
-    except zlib.error as e:
-        raise ValueError(f"body is not valid {encoding}: {e}") from None
-    if len(out) > max_bytes:
-        raise BodyTooLarge
-    return out

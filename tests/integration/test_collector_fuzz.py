@@ -1,7 +1,11 @@
 """More than 1,000 fuzzed, malformed, oversized and unauthenticated ingest requests
 against a real collector: every one is answered 4xx with a JSON reason (never
 5xx), the server stays up, and afterwards the tables hold exactly the rows of
-the requests it accepted: no partial batch."""
+the requests it accepted: no partial batch.
+
+Shapes include headers nested up to 20,000 deep (arrays, objects, unclosed) at
+every place the header takes free-form JSON, random recursive values in event
+data and run config, and batch keys reused with other content."""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent import wire
-from tests.unit.collector.collector_batches import columns, make_batch, steps_section
+from tests.unit.collector.collector_batches import columns, encode_loose, make_batch, steps_section
 from tests.unit.collector.collector_server import CollectorProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -160,8 +164,83 @@ def wrong_content_type(draw):
     return real_batch(draw(seqs)), {**auth, "Content-Type": ctype}
 
 
+# -- nested and recursive shapes ---------------------------------------------------------
+def _nest(depth: int, shape: str) -> str:
+    """JSON text `depth` levels deep: arrays, objects, both in turn, or never closed."""
+    if shape == "arrays":
+        return "[" * depth + "1" + "]" * depth
+    if shape == "objects":
+        return '{"k":' * depth + "1" + "}" * depth
+    if shape == "mixed":
+        opens = "".join('[' if i % 2 else '{"k":' for i in range(depth))
+        return opens + "1" + "".join("]" if i % 2 else "}" for i in reversed(range(depth)))
+    return "[" * depth  # unclosed
+
+
+# where the header takes free-form JSON: (the header field it replaces, its text around the value {v})
+_PLACES = {
+    "top": ("extra", '"extra":{v}'),
+    "events.data": ("events", '"events":[{{"ts":1.0,"kind":"tick","data":{{"d":{v}}}}}]'),
+    "checksums": ("events", '"events":[{{"ts":1.0,"step":1,"kind":"checkpoint_saved",'
+                            '"data":{{"step":1,"checksums":{v}}}}}]'),
+    "run.config": ("run", '"run":{{"config":{{"c":{v}}}}}'),
+    "run.mesh": ("run", '"run":{{"mesh":{{"m":{v}}}}}'),
+    "stats": ("stats", '"stats":{{"dropped":{{}},"other":{v}}}'),
+    "dicts": ("dicts", '"dicts":{{"op":{v}}}'),
+}
+
+
+@st.composite
+def deep_nesting(draw):
+    """Nesting around the limit and far past it; past it is always a 400."""
+    header, area = split(real_batch(draw(seqs)))
+    shape = draw(st.sampled_from(["arrays", "objects", "mixed", "unclosed"]))
+    deepest = [20000] if shape in ("arrays", "unclosed") else []  # 2 bytes a level: within LIMIT
+    depth = draw(st.sampled_from([wire.MAX_HEADER_DEPTH - 4, wire.MAX_HEADER_DEPTH - 2, wire.MAX_HEADER_DEPTH + 1,
+                                  200, 1000, 5000, *deepest]))
+    key, template = _PLACES[draw(st.sampled_from(sorted(_PLACES)))]
+    header.pop(key, None)
+    field = template.format(v=_nest(depth, shape))
+    text = json.dumps(header)[:-1] + "," + field + "}"
+    prefix = template.format(v="\0").split("\0")[0]  # the place's containers still open at the value
+    levels = 1 + prefix.count("{") + prefix.count("[") - prefix.count("}") - prefix.count("]") + depth
+    expect = {400} if levels > wire.MAX_HEADER_DEPTH or shape == "unclosed" else None
+    body = reframe(text.encode(), area)
+    assert len(body) <= LIMIT
+    return body, auth, expect
+
+
+_json_scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats()
+                 | st.text(max_size=8) | st.sampled_from(["\ud800", "\x00", "]}\"[{", "\\"]))
+_json_values = st.recursive(_json_scalars, lambda children: st.lists(children, max_size=4)
+                            | st.dictionaries(st.text(max_size=4), children, max_size=4), max_leaves=40)
+
+
+@st.composite
+def recursive_content(draw):
+    """A real batch whose event data and run config are random recursive JSON
+    (NaN, huge integers, lone surrogates included): stored, or a 422."""
+    seq = 2 * 10**6 + draw(seqs)
+    data = draw(st.dictionaries(st.text(max_size=4), _json_values, max_size=4))
+    config = draw(st.dictionaries(st.text(max_size=4), _json_values, max_size=4))
+    header = {"run_id": "fuzz", "rank": seq % 4, "incarnation": "inc0", "batch_seq": seq, "node": "n",
+              "dicts": {}, "events": [{"ts": 1.0, "kind": "tick", "data": data}],
+              "run": {"config": config} if draw(st.booleans()) else None}
+    return encode_loose(header, {wire.STEP: steps_section([seq])}), auth
+
+
+@st.composite
+def reused_key(draw):
+    """The key of a real batch with other bytes: a 409 when the first was stored."""
+    seq = draw(seqs)
+    header, area = split(real_batch(seq))
+    header["events"] = [{"ts": 2.0, "kind": "tick", "data": {"i": -seq}}]
+    return reframe(json.dumps(header).encode(), area), auth
+
+
 requests = st.one_of(random_bytes(), truncated(), header_bit_flips(), wrong_layout(), wrong_layout(), bad_codes(),
-                     unauthenticated(), oversized(), wrong_content_type())
+                     unauthenticated(), oversized(), wrong_content_type(), deep_nesting(), deep_nesting(),
+                     recursive_content(), reused_key())
 
 
 @pytest.fixture(scope="module")
@@ -182,10 +261,12 @@ def test_fuzzed_requests_get_4xx_reasons_and_leave_no_partial_rows(server):
     @given(requests)
     def one(req):
         nonlocal accepted_rows
-        body, headers = req
+        body, headers, *expect = req
         r = client.post("/v1/ingest", content=body, headers=headers)
         statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
         assert r.status_code < 500, (r.status_code, r.text)
+        if expect and expect[0]:
+            assert r.status_code in expect[0], (r.status_code, r.text)
         if r.status_code == 200:  # a mutation that is still a valid batch
             accepted_rows += r.json()["accepted"]
         else:
@@ -199,6 +280,12 @@ def test_fuzzed_requests_get_4xx_reasons_and_leave_no_partial_rows(server):
         r = client.post("/v1/ingest", content=real_batch(10**7 + seq), headers=auth)
         assert r.status_code == 200
         accepted_rows += r.json()["accepted"]
+    # a stored batch's key again: the same bytes are an acknowledged duplicate, other bytes a 409
+    header, area = split(real_batch(10**7))
+    header["events"][0]["data"] = {"i": "other"}
+    r = client.post("/v1/ingest", content=reframe(json.dumps(header).encode(), area), headers=auth)
+    assert r.status_code == 409 and "already stored with other content" in r.json()["error"]
+    assert client.post("/v1/ingest", content=real_batch(10**7), headers=auth).json()["duplicate"]
     client.close()
     assert sum(statuses.values()) >= 1000
     assert {401, 413, 415, 400, 422} <= set(statuses), statuses

@@ -4,6 +4,7 @@ so does an OTLP/JSON body."""
 from __future__ import annotations
 
 import gzip
+import time
 
 import httpx
 import pytest
@@ -76,3 +77,32 @@ def test_json_body_and_json_answer(server):
                         (b"{}", "text/plain")):
         bad = httpx.post(server.url + "/v1/metrics", content=body, headers={**headers, "Content-Type": ctype})
         assert bad.status_code in (400, 415) and bad.json()["error"]
+
+
+def _empty_points(n: int) -> bytes:
+    req = ExportMetricsServiceRequest()
+    points = req.resource_metrics.add().scope_metrics.add().metrics.add(name="bomb").gauge.data_points
+    for _ in range(n):
+        points.add()
+    return req.SerializeToString()
+
+
+def test_small_bodies_that_would_expand_are_413(server):
+    """2 KB of gzip holding 1,000,000 empty points (it took 12 s and 440 MB), and
+    64 KB of gzip holding 64 MiB: refused with a reason, quickly, and the
+    collector keeps serving."""
+    headers = {"Authorization": f"Bearer {server.token}", "Content-Type": "application/x-protobuf",
+               "Content-Encoding": "gzip"}
+    with httpx.Client(base_url=server.url, headers=headers, timeout=30.0) as c:
+        points = gzip.compress(_empty_points(1_000_000))
+        assert len(points) < 4096
+        t0 = time.perf_counter()
+        r = c.post("/v1/metrics", content=points)
+        assert r.status_code == 413 and "data points" in r.json()["error"]
+        assert time.perf_counter() - t0 < 5.0
+        r = c.post("/v1/metrics", content=gzip.compress(bytes(64 << 20)))
+        assert r.status_code == 413 and "decompresses to more than" in r.json()["error"]
+        r = c.post("/v1/metrics", content=gzip.compress(_empty_points(3))[:-10])
+        assert r.status_code == 400 and "truncated" in r.json()["error"]
+        assert c.get("/healthz").status_code == 200
+    assert server.sql("SELECT count(*) FROM scalars WHERE name = 'bomb'") == [[0]]

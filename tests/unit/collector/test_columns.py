@@ -42,5 +42,7 @@ def test_events_and_batches_tables():
     assert cols.events_table([b]).to_pylist() == [
         {"run_id": "run1", "rank": 2, "ts": 1.0, "step": None, "attempt": None, "kind": "k", "data": '{"a":1}'}]
     assert cols.batches_table([b], 9.0).to_pylist() == [
-        {"run_id": "run1", "rank": 2, "incarnation": "inc0", "batch_seq": 3, "received_ts": 9.0, "rows": 2}]
+        {"run_id": "run1", "rank": 2, "incarnation": "inc0", "batch_seq": 3, "received_ts": 9.0, "rows": 2,
+         "content_hash": b.content_hash}]
+    assert len(b.content_hash) == 16
     assert cols.section_table(wire.SCALAR, [b]) is None

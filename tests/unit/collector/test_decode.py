@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import struct
+from typing import Any
 
 import numpy as np
 import pytest
@@ -99,3 +102,66 @@ def _raw_batch(changes: dict) -> bytes:
 def test_nan_loss_is_data_not_an_error():
     b = decode(make_batch(sections={wire.STEP: steps_section([1], loss=float("nan"))}))
     assert np.isnan(b.sections[wire.STEP].array("loss")[0])
+
+
+# -- bounded parsing: every malformed input is a 4xx with a reason ----------------------
+def _deep(depth: int) -> Any:
+    value: Any = 1
+    for i in range(depth):
+        value = [value] if i % 2 else {"k": value}
+    return value
+
+
+def _nested_text(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize("where", ["events.data", "run.config", "stats", "coords", "top"])
+def test_a_header_nested_5000_deep_is_a_400_not_a_recursion_error(where):
+    deep = _nested_text(5000)
+    field = {"events.data": f'"events":[{{"ts":1.0,"kind":"x","data":{{"a":{deep}}}}}]',
+             "run.config": f'"run":{{"config":{{"a":{deep}}}}}', "stats": f'"stats":{{"more":{deep}}}',
+             "coords": f'"coords":{{"dp":{deep}}}', "top": f'"extra":{deep}'}[where]
+    err = rejected(_header_text('"node":"n",' + field))
+    assert err.status == 400 and "levels deep (limit 64)" in str(err)
+
+
+def test_nesting_within_the_limit_is_data():
+    data = {"a": _deep(40)}
+    b = decode(make_batch(events=[{"ts": 1.0, "kind": "x", "data": data}], run={"config": {"c": _deep(50)}},
+                          sections={wire.STEP: steps_section([1])}))
+    assert json.loads(b.events[0].data_json) == data and json.loads(b.run_json["config"]) == {"c": _deep(50)}
+
+
+@pytest.mark.parametrize("text, match", [
+    ('"x":' + "1" * 5000, "not valid JSON"),  # an int of more than 4,300 digits: a ValueError, not JSONDecodeError
+    ('"x":[' + "[" * 200, "levels deep"),  # never closed
+])
+def test_header_text_that_the_parser_would_choke_on(text, match):
+    err = rejected(_header_text(text))
+    assert err.status == 400 and match in str(err)
+
+
+def test_overlapping_columns_are_a_400():
+    """8 MiB claiming 4 M rows: every column of a section at the same offset."""
+    n = 1000
+    layout = {c.name: [0, n * c.itemsize] for c in wire.SCHEMA[wire.STEP]}
+    header = {"run_id": "run1", "rank": 0, "incarnation": "inc0", "batch_seq": 0,
+              "sections": {wire.STEP: {"n": n, "columns": layout}}}
+    err = rejected(_framed(json.dumps(header).encode(), bytes(8 * n)))
+    assert err.status == 400 and "starts at 0" in str(err)
+
+
+def test_content_hash_is_of_the_bytes():
+    a = make_batch(sections={wire.STEP: steps_section([1])})
+    b = make_batch(sections={wire.STEP: steps_section([2])})
+    assert decode(a).content_hash == decode(a).content_hash == hashlib.blake2b(a, digest_size=16).digest()
+    assert decode(b).content_hash != decode(a).content_hash and decode(b).key == decode(a).key
+
+
+def _framed(text: bytes, area: bytes) -> bytes:
+    return struct.pack("<4sI", wire.MAGIC, len(text)) + text + b"\0" * ((-(8 + len(text))) % 8) + area
+
+
+def _header_text(extra: str) -> bytes:
+    return _framed(('{"run_id":"run1","rank":0,"incarnation":"inc0","batch_seq":0,' + extra + "}").encode(), b"")

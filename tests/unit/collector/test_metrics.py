@@ -20,11 +20,12 @@ def samples(storage) -> dict[tuple, float]:
 
 def test_health_counters_and_run_gauges(storage):
     run = {"mesh": {"dp": 2, "tp": 2, "pp": 1}}
-    for rank in range(4):
-        body = make_batch(rank=rank, run=run if rank == 0 else None, sections={
-            wire.STEP: steps_section([9, 10], loss=[3.0, 2.0 + rank], tokens=1000, step_s=[1.0, 0.5 + rank * 0.25])})
+    bodies = [make_batch(rank=rank, run=run if rank == 0 else None, sections={
+        wire.STEP: steps_section([9, 10], loss=[3.0, 2.0 + rank], tokens=1000, step_s=[1.0, 0.5 + rank * 0.25])})
+        for rank in range(4)]
+    for body in bodies:
         storage.ingest_blocking(decode(body))
-    storage.ingest_blocking(decode(make_batch(rank=0, run=run, sections={wire.STEP: steps_section([9, 10])})))
+    storage.ingest_blocking(decode(bodies[0]))  # sent again (the same bytes): a duplicate
     storage.open_incident("run1", "spike", "warning").result()
     got = samples(storage)
     assert got[("llmwatch_collector_rows_ingested_total", (("table", "steps"),))] == 8

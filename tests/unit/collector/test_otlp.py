@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import gzip
 import json
+import time
+import zlib
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from google.protobuf import json_format
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
@@ -93,3 +98,104 @@ def test_protobuf_and_json_bodies_decode_alike():
 def test_bad_bodies_refused(body, ctype):
     with pytest.raises(otlp.OtlpError):
         otlp.parse_request(body, ctype)
+
+
+# -- bounds: decompression, data points, text --------------------------------------------
+def empty_points(n: int, kind: str = "gauge") -> bytes:
+    req = ExportMetricsServiceRequest()
+    metric = req.resource_metrics.add().scope_metrics.add().metrics.add(name="x")
+    points = getattr(metric, kind).data_points
+    for _ in range(n):
+        points.add()
+    return req.SerializeToString()
+
+
+def test_count_points_reads_the_wire_like_the_parser():
+    body = request().SerializeToString()
+    assert otlp.count_points(body, 100) == 7  # 6 points, and the summary's one quantile
+    with pytest.raises(otlp.OtlpTooLarge, match="more than 6 data points"):
+        otlp.count_points(body, 6)
+    assert otlp.count_points(b"", 0) == 0
+
+
+@pytest.mark.parametrize("kind", ["gauge", "sum", "histogram", "exponential_histogram", "summary"])
+def test_every_point_kind_is_counted(kind):
+    assert otlp.count_points(empty_points(3, kind), 10) == 3
+
+
+def test_a_million_empty_points_are_refused_before_the_parse():
+    """2 KB of gzip, 2 MB of protobuf: it took 12 s and 440 MB when every point became a row."""
+    body = gzip.compress(empty_points(1_000_000))
+    assert len(body) < 4096
+    t0 = time.perf_counter()
+    with pytest.raises(otlp.OtlpTooLarge, match="more than 100000 data points"):
+        otlp.decode_request(body, content_type=otlp.PROTOBUF, content_encoding="gzip", max_bytes=8 << 20,
+                            max_points=100_000, max_text_chars=32 << 20)
+    assert time.perf_counter() - t0 < 2.0
+
+
+def test_json_points_are_counted_while_parsing():
+    body = json_format.MessageToJson(request()).encode()
+    assert otlp.parse_request(body, otlp.JSON, max_points=7).resource_metrics
+    with pytest.raises(otlp.OtlpTooLarge):
+        otlp.parse_request(body, otlp.JSON, max_points=6)
+    with pytest.raises(otlp.OtlpError, match="duplicate key"):
+        otlp.parse_request(b'{"resourceMetrics": [], "resourceMetrics": []}', otlp.JSON)
+
+
+def test_decompression_is_bounded_and_complete():
+    data = request().SerializeToString()
+    assert otlp.decompress(gzip.compress(data), "gzip", len(data)) == data
+    assert otlp.decompress(zlib.compress(data), "deflate", len(data)) == data
+    assert otlp.decompress(gzip.compress(data[:10]) + gzip.compress(data[10:]), "GZIP", len(data)) == data
+    with pytest.raises(otlp.OtlpTooLarge, match="more than 1048576 bytes"):
+        otlp.decompress(gzip.compress(bytes(64 << 20)), "gzip", 1 << 20)  # a 64 KB bomb
+    with pytest.raises(otlp.OtlpError, match="truncated"):
+        otlp.decompress(gzip.compress(data)[:-12], "gzip", 1 << 20)
+    with pytest.raises(otlp.OtlpError, match="follow the gzip stream"):
+        otlp.decompress(gzip.compress(data) + b"junk", "gzip", 1 << 20)
+    with pytest.raises(otlp.OtlpError, match="not valid gzip"):
+        otlp.decompress(b"not gzip at all", "gzip", 1 << 20)
+    with pytest.raises(otlp.OtlpError, match="not supported"):
+        otlp.decompress(data, "br", 1 << 20)
+
+
+def test_repeated_resource_attributes_are_bounded_across_rows():
+    req = ExportMetricsServiceRequest()
+    rm = req.resource_metrics.add()
+    rm.resource.attributes.append(kv("big", string_value="x" * 10_000))
+    metric = rm.scope_metrics.add().metrics.add(name="m")
+    for _ in range(100):
+        metric.gauge.data_points.add(as_double=1.0)
+    assert otlp.scalars_table(req, max_text_chars=2_000_000).num_rows == 100
+    with pytest.raises(otlp.OtlpTooLarge, match="more than 500000 characters"):
+        otlp.scalars_table(req, max_text_chars=500_000)
+
+
+@settings(max_examples=300, deadline=None, database=None, derandomize=True)
+@given(st.binary(max_size=300) | st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 7)), min_size=1, max_size=4))
+def test_malformed_protobuf_is_an_otlp_error(mutation):
+    """Random bytes and bit flips of a real request: parsed, or refused with OtlpError."""
+    if isinstance(mutation, bytes):
+        body = mutation
+    else:
+        buf = bytearray(request().SerializeToString())
+        for i, bit in mutation:
+            buf[i % len(buf)] ^= 1 << bit
+        body = bytes(buf)
+    try:
+        otlp.decode_request(body, content_type=otlp.PROTOBUF, content_encoding=None, max_bytes=1 << 20,
+                            max_points=1000, max_text_chars=1 << 20)
+    except otlp.OtlpError:
+        pass
+
+
+def test_json_objects_are_bounded_before_json_loads():
+    points = ",".join(["{}"] * 2000)
+    body = ('{"resourceMetrics":[{"scopeMetrics":[{"metrics":[{"name":"x","gauge":{"dataPoints":[%s]}}]}]}]}'
+            % points).encode()
+    with pytest.raises(otlp.OtlpTooLarge, match="JSON objects"):
+        otlp.parse_request(body, otlp.JSON, max_points=10)
+    with pytest.raises(otlp.OtlpTooLarge, match="more than 1000 data points"):
+        otlp.parse_request(body, otlp.JSON, max_points=1000)
+    assert len(otlp.parse_request(body, otlp.JSON, max_points=2000).resource_metrics) == 1

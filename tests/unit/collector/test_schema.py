@@ -5,8 +5,12 @@ from __future__ import annotations
 import duckdb
 import pytest
 
+from agent import wire
+from collector.decode import decode
 from collector.schema import MIGRATIONS, current_version, migrate
+from collector.settings import Settings
 from collector.storage import Storage, connect
+from tests.unit.collector.collector_batches import make_batch, steps_section
 
 CONTRACT = {"runs", "ranks", "steps", "collectives", "scalars", "heartbeats", "events", "incidents", "actions",
             "checkpoints", "nodes", "commands", "batches", "schema_version"}
@@ -18,7 +22,8 @@ def test_open_twice_is_idempotent(settings):
         Storage(settings).close()
     con = connect(settings.db_path, read_only=True)
     try:
-        assert con.execute("SELECT version FROM schema_version").fetchall() == [(MIGRATIONS[-1][0],)]
+        assert con.execute("SELECT version FROM schema_version ORDER BY version").fetchall() == [
+            (v,) for v, _ in MIGRATIONS]
         tables = {t for (t,) in con.execute("SELECT table_name FROM duckdb_tables()").fetchall()}
         views = {v for (v,) in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()}
     finally:
@@ -27,23 +32,51 @@ def test_open_twice_is_idempotent(settings):
     assert views == VIEWS
 
 
+LATEST = MIGRATIONS[-1][0]
+
+
 def test_only_newer_migrations_run(tmp_path):
     con = connect(tmp_path / "m.duckdb")
-    assert migrate(con) == [1]
-    extra = MIGRATIONS + [(2, ["CREATE TABLE extra (a INTEGER)", "INSERT INTO extra VALUES (1)"])]
-    assert migrate(con, extra) == [2]
+    assert migrate(con) == [v for v, _ in MIGRATIONS]
+    extra = MIGRATIONS + [(LATEST + 1, ["CREATE TABLE extra (a INTEGER)", "INSERT INTO extra VALUES (1)"])]
+    assert migrate(con, extra) == [LATEST + 1]
     assert migrate(con, extra) == []
     assert con.execute("SELECT count(*) FROM extra").fetchall() == [(1,)]
-    assert current_version(con) == 2
+    assert current_version(con) == LATEST + 1
     con.close()
 
 
 def test_a_failing_migration_leaves_nothing_behind(tmp_path):
     con = connect(tmp_path / "m.duckdb")
     migrate(con)
-    bad = MIGRATIONS + [(2, ["CREATE TABLE half (a INTEGER)", "THIS IS NOT SQL"])]
+    bad = MIGRATIONS + [(LATEST + 1, ["CREATE TABLE half (a INTEGER)", "THIS IS NOT SQL"])]
     with pytest.raises(duckdb.Error):
         migrate(con, bad)
-    assert current_version(con) == 1
+    assert current_version(con) == LATEST
     assert con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'half'").fetchall() == [(0,)]
     con.close()
+
+
+def test_v2_adds_batch_hashes_to_a_v1_file_and_its_old_batches_stay_duplicates(tmp_path):
+    """A file written before content hashes: its batches get NULL, and a batch sent
+    again under one of their keys is still acknowledged as a duplicate (unknown
+    content counts as the same), whatever its bytes."""
+    path = tmp_path / "v1.duckdb"
+    con = connect(path)
+    assert migrate(con, MIGRATIONS[:1]) == [1]
+    con.execute("INSERT INTO batches VALUES ('old', 0, 'inc0', 0, 1.0, 1)")
+    con.close()
+    storage = Storage(Settings(db_path=path, group_linger_s=0.0))
+    try:
+        with storage.cursor() as cur:
+            assert cur.execute("SELECT max(version) FROM schema_version").fetchall() == [(LATEST,)]
+            assert cur.execute("SELECT content_hash FROM batches").fetchall() == [(None,)]
+        again = storage.ingest_blocking(decode(make_batch("old", 0, 0, sections={wire.STEP: steps_section([5])})))
+        assert again.duplicate and again.accepted == 0
+        new = storage.ingest_blocking(decode(make_batch("old", 0, 1, sections={wire.STEP: steps_section([6])})))
+        assert not new.duplicate
+        with storage.cursor() as cur:
+            (digest,), = cur.execute("SELECT content_hash FROM batches WHERE batch_seq = 1").fetchall()
+        assert len(digest) == 16
+    finally:
+        storage.close()

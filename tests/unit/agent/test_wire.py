@@ -1,0 +1,197 @@
+"""The wire framing: columns tile the body exactly, and the header's JSON is
+bounded in depth and size before it is parsed."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agent import wire
+
+
+def column_bytes(kind: str, n: int) -> dict[str, bytes]:
+    return {c.name: bytes(range(1, 1 + n * c.itemsize)) if c.itemsize == 1 else bytes(n * c.itemsize)
+            for c in wire.SCHEMA[kind]}
+
+
+HEADER = {"run_id": "r", "rank": 0, "incarnation": "i", "batch_seq": 0, "dicts": {"op": ["a"], "axis": ["dp"],
+                                                                               "phase": ["f"], "name": ["x"]}}
+
+
+def batch(**sections_n: int) -> bytes:
+    return wire.encode_batch(HEADER, {kind: (n, column_bytes(kind, n)) for kind, n in sections_n.items()})
+
+
+def split(body: bytes) -> tuple[dict, bytes]:
+    (hlen,) = struct.unpack_from("<I", body, 4)
+    return json.loads(body[8:8 + hlen]), body[8 + hlen + (-(8 + hlen)) % 8:]
+
+
+def reframe(header: dict | bytes, area: bytes) -> bytes:
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return struct.pack("<4sI", wire.MAGIC, len(text)) + text + bytes((-(8 + len(text))) % 8) + area
+
+
+def refused(body: bytes, match: str) -> str:
+    with pytest.raises(wire.WireError) as info:
+        wire.decode_batch(body)
+    assert match in str(info.value), str(info.value)
+    return str(info.value)
+
+
+# -- tiling --------------------------------------------------------------------------
+def test_encode_lays_columns_end_to_end_in_schema_order():
+    body = batch(step=3, collective=5)
+    header, area = split(body)
+    pos = 0
+    for kind in ("step", "collective"):
+        layout = header["sections"][kind]["columns"]
+        assert list(layout) == [c.name for c in wire.SCHEMA[kind]]
+        for col in wire.SCHEMA[kind]:
+            off, nbytes = layout[col.name]
+            assert off == pos and nbytes == header["sections"][kind]["n"] * col.itemsize
+            pos = off + nbytes + (-nbytes) % 8
+    assert pos == len(area) and len(body) % 8 == 0
+    decoded = wire.decode_batch(body)
+    assert decoded.num_rows("step") == 3 and decoded.num_rows("collective") == 5
+    assert bytes(decoded.columns["step"]["skipped"]) == bytes([1, 2, 3])
+
+
+def test_overlapping_columns_cannot_multiply_rows():
+    """The attack: every column of a huge section points at the same bytes, so a
+    small body claims rows it does not hold."""
+    n = 1000
+    layout = {c.name: [0, n * c.itemsize] for c in wire.SCHEMA["step"]}
+    body = reframe({**HEADER, "sections": {"step": {"n": n, "columns": layout}}}, bytes(n * 8))
+    refused(body, "step.attempt: starts at 0, but the previous column's padding ends at 8000")
+
+
+def _gap(h, a):
+    h["sections"]["step"]["columns"]["ts"][0] += 8
+    return h, a + bytes(8)
+
+
+def _reordered(h, a):
+    h["sections"] = dict(reversed(list(h["sections"].items())))
+    return h, a
+
+
+def _more_rows(h, a):
+    h["sections"]["step"]["n"] = 4
+    return h, a
+
+
+@pytest.mark.parametrize("edit, match", [
+    (_gap, "step.ts: starts at"),
+    (lambda h, a: (h, a + bytes(8)), "8 bytes belong to no column"),
+    (lambda h, a: (h, a[:-8]), "step.skipped: [408, 3] and its padding run past the column area (408 bytes)"),
+    (lambda h, a: (h, a[:-3]), "run past the column area"),  # the last padding cut short
+    (lambda h, a: (h, a[:-1] + b"\x01"), "step.skipped: the padding after the column is not zero"),
+    (_reordered, "starts at"),
+    (_more_rows, "step.step: 24 bytes for 4 rows"),
+])
+def test_anything_but_an_exact_tiling_is_refused(edit, match):
+    header, area = split(batch(heartbeat=2, step=3))  # ends with step.skipped: 3 bytes, 5 of padding
+    refused(reframe(*edit(header, area)), match)
+
+
+def test_header_padding_must_be_present_and_zero():
+    body = batch(step=1)
+    (hlen,) = struct.unpack_from("<I", body, 4)
+    assert (8 + hlen) % 8, "this header needs padding for the test to mean anything"
+    bad = bytearray(body)
+    bad[8 + hlen] = 7
+    refused(bytes(bad), "zero bytes of padding")
+    refused(body[:8 + hlen], "zero bytes of padding")
+
+
+def test_an_empty_section_takes_no_bytes():
+    header, area = split(batch(step=2))
+    header["sections"]["heartbeat"] = {"n": 0, "columns": {c.name: [len(area), 0] for c in wire.SCHEMA["heartbeat"]}}
+    assert wire.decode_batch(reframe(header, area)).num_rows("heartbeat") == 0
+
+
+# -- the header's JSON ---------------------------------------------------------------
+def nested(depth: int, shape: str = "[]") -> str:
+    return shape[0] * depth + shape[1] * depth
+
+
+@pytest.mark.parametrize("where", ["extra", "events", "run"])
+@pytest.mark.parametrize("shape", ["[]", "{}"])
+def test_deep_nesting_is_refused_before_parsing(where, shape):
+    inner = nested(5000, "[]") if shape == "[]" else '{"a":' * 5000 + "1" + "}" * 5000
+    field = {"extra": f'"x":{inner}', "events": f'"events":[{{"ts":1.0,"kind":"k","data":{{"d":{inner}}}}}]',
+             "run": f'"run":{{"config":{inner}}}'}[where]
+    text = json.dumps(HEADER)[:-1] + "," + field + "}"
+    refused(reframe(text.encode(), b""), "levels deep (limit 64)")
+
+
+def test_unclosed_nesting_is_refused_too():
+    refused(reframe(b'{"x":' + b"[" * 100_000, b""), "levels deep")
+
+
+def test_depth_limit_is_exact_and_strings_do_not_count():
+    # the header object is level 1, so a value nested 63 deep inside it is level 64
+    ok = json.dumps(HEADER)[:-1] + ',"x":' + nested(wire.MAX_HEADER_DEPTH - 1) + "}"
+    wire.decode_batch(reframe(ok.encode(), b""))
+    deep = json.dumps(HEADER)[:-1] + ',"x":' + nested(wire.MAX_HEADER_DEPTH) + "}"
+    refused(reframe(deep.encode(), b""), "nests 65 levels deep")
+    in_strings = {**HEADER, "x": ["[" * 500, '\\"[[[' * 100, "{" * 300]}
+    wire.decode_batch(reframe(json.dumps(in_strings).encode(), b""))
+    # an escaped backslash ends before the quote: the brackets after it are real
+    tricky = json.dumps(HEADER)[:-1] + ',"x":["\\\\",' + nested(wire.MAX_HEADER_DEPTH) + "]}"
+    assert json.loads(tricky)["x"][0] == "\\"
+    refused(reframe(tricky.encode(), b""), "levels deep")
+
+
+def test_number_of_values_is_bounded(monkeypatch):
+    monkeypatch.setattr(wire, "MAX_HEADER_VALUES", 1000)
+    wire.decode_batch(reframe(json.dumps({**HEADER, "x": [0] * 900}).encode(), b""))
+    refused(reframe(json.dumps({**HEADER, "x": [{}] * 1000}).encode(), b""), "values (limit 1000)")
+    refused(reframe(json.dumps({**HEADER, "x": [0] * 1000}).encode(), b""), "values (limit 1000)")
+
+
+@pytest.mark.parametrize("text, match", [
+    (b'{"run_id": "\xff"}', "not UTF-8"),
+    (b'{"x": ' + b"1" * 5000 + b"}", "not valid JSON"),  # Python refuses ints of over 4,300 digits
+    (b"\xef\xbb\xbf{}", "not valid JSON"),  # a BOM
+])
+def test_header_text_errors_are_wire_errors(text, match):
+    refused(reframe(text, b""), match)
+
+
+def _depth(v) -> int:
+    if isinstance(v, list):
+        return 1 + max(map(_depth, v), default=0)
+    if isinstance(v, dict):
+        return 1 + max(map(_depth, v.values()), default=0)
+    return 0
+
+
+_tricky_text = st.text(alphabet='[]{}",\\:a\u00e9\u4e16', max_size=6)
+_json_values = st.recursive(st.none() | st.integers() | _tricky_text,
+                            lambda children: st.lists(children, max_size=3)
+                            | st.dictionaries(_tricky_text, children, max_size=3), max_leaves=25)
+
+
+@settings(max_examples=400, deadline=None, database=None, derandomize=True)
+@given(_json_values, st.booleans())
+def test_the_byte_scan_agrees_with_the_parser(value, ascii_only):
+    """Whatever the strings hold (brackets, quotes, backslashes, non-ASCII), the
+    scan refuses exactly the headers nested deeper than the limit."""
+    limit = 4
+    text = json.dumps({"x": value}, ensure_ascii=ascii_only).encode()
+    old = wire.MAX_HEADER_DEPTH
+    wire.MAX_HEADER_DEPTH = limit
+    try:
+        wire._check_header_shape(text)
+        accepted = True
+    except wire.WireError:
+        accepted = False
+    finally:
+        wire.MAX_HEADER_DEPTH = old
+    assert accepted == (1 + _depth(value) <= limit)
