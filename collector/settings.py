@@ -26,6 +26,15 @@ class Settings:
     max_command_request_bytes: int = 64 * 1024
     max_inflight_requests: int = 2048  # past this, 503 + Retry-After (/healthz exempt)
     body_timeout_s: float = 30.0  # a body not received by then is a 408
+    # /v1/ingest bodies up to this size are decoded on the event loop (~70 us; a hop to a
+    # worker thread costs ~60 us more); larger ones on a worker thread, so that a big batch
+    # (its header JSON, its hash) never stalls the loop.
+    inline_decode_max_bytes: int = 64 * 1024
+    # OTLP/HTTP (POST /v1/metrics): the body, compressed and decompressed (413 above; parsed
+    # protobuf holds ~30x its bytes in memory), and the data points it may carry (413 above,
+    # counted before the parse; each quantile of a summary counts as one).
+    otlp_max_bytes: int = 8 * MiB
+    otlp_max_points: int = 100_000
     # Group commit: the writer takes queued requests until either budget is reached.
     group_max_rows: int = 2_000_000
     group_max_bytes: int = 256 * MiB
@@ -42,6 +51,12 @@ class Settings:
     sql_timeout_s: float = 10.0
     sql_max_rows: int = 10_000
     sql_max_concurrent: int = 4
+    # POST /v1/sql: an answer's rows stop (truncated) before their JSON text (or Arrow
+    # buffers) passes this; a request waits at most sql_queue_timeout_s for one of the
+    # sql_max_concurrent slots, and at most sql_max_waiting wait at once (else 503 + Retry-After).
+    sql_max_bytes: int = 8 * MiB
+    sql_queue_timeout_s: float = 5.0
+    sql_max_waiting: int = 64
     command_ttl_s: float = 3600.0
     live_run_s: float = 600.0  # a run without data this long leaves the /metrics gauges
     # DuckDB: worker threads, memory cap of its buffer pool, WAL size that triggers a checkpoint.

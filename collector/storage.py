@@ -24,13 +24,15 @@ from typing import Any
 
 import duckdb
 import pyarrow as pa
+from prometheus_client import Gauge
 
 from collector.commands import Command, validate_request
 from collector.decode import DecodedBatch, json_text
 from collector.metrics import CollectorMetrics
 from collector.schema import migrate
 from collector.settings import Settings
-from collector.sqlguard import SelectResult, run_select
+from collector.sqlguard import SelectResult, SqlRefused, run_select
+from collector.sqlslots import SqlDeadline, SqlSlots
 from collector.writer import IngestOutcome, WriteContext, Writer
 
 # Applied to every connection we open: SQL can reach no file but the database,
@@ -41,6 +43,10 @@ DUCKDB_LOCKDOWN = {
     "autoload_known_extensions": False,
     "lock_configuration": True,
 }
+
+# The HTTP answer to a query comes this long after its timeout at the latest, whether
+# or not DuckDB has honoured the interrupt yet (it normally does within milliseconds).
+SQL_ANSWER_GRACE_S = 0.5
 
 STEP_METRICS = ("loss", "grad_norm", "loss_scale", "lr", "tokens", "step_s", "fwd_s", "bwd_s", "opt_s",
                 "data_s", "comm_exposed_s", "mem_bytes")
@@ -95,7 +101,7 @@ class Storage:
             raise
         self._read_root = self._con.cursor()
         self._read_lock = threading.Lock()
-        self._sql_slots = threading.BoundedSemaphore(settings.sql_max_concurrent)
+        self._init_sql()
         self.metrics.watch_queue(self.queue_depth)
         self.metrics.watch_incidents(self.open_incidents)
         self._writer.start()
@@ -105,6 +111,7 @@ class Storage:
         if self._closed:
             return
         self._closed = True
+        self._close_sql()
         self._writer.stop()
         self._read_root.close()
         self._con.execute("CHECKPOINT")
@@ -235,13 +242,71 @@ class Storage:
         finally:
             cur.close()
 
-    def sql(self, sql: str, *, fmt: str = "json", max_rows: int | None = None,
-            timeout_s: float | None = None) -> SelectResult:
-        """Read-only SQL (see sqlguard); at most `sql_max_concurrent` at once."""
+    # -- read-only SQL (POST /v1/sql) ----------------------------------------------
+    def _init_sql(self) -> None:
+        s = self.settings
+        self._sql = SqlSlots(num_slots=s.sql_max_concurrent, queue_timeout_s=s.sql_queue_timeout_s,
+                             max_waiting=s.sql_max_waiting)
+        self._sql_cursors: set[duckdb.DuckDBPyConnection] = set()  # running: interrupted by close()
+        self._sql_cursors_lock = threading.Lock()
+        # Saturation of the slots, on /metrics (registered here: the slots live here).
+        r = self.metrics.registry
+        Gauge("llmwatch_collector_sql_running", "SQL queries running, each on one of sql_max_concurrent slots",
+              registry=r).set_function(lambda: self._sql.num_running)
+        Gauge("llmwatch_collector_sql_waiting", "SQL requests waiting for a slot",
+              registry=r).set_function(lambda: self._sql.num_waiting)
+
+    def _close_sql(self) -> None:
+        """Drop waiting queries, interrupt running ones until they have stopped (a query
+        may register its cursor just after a round), then join the slots' threads."""
+        self._sql.close(wait=False)
+        while self._sql.num_running:
+            with self._sql_cursors_lock:
+                for cur in self._sql_cursors:
+                    cur.interrupt()
+            time.sleep(0.01)
+        self._sql.close()
+
+    def sql(self, sql: str, *, fmt: str = "json", max_rows: int | None = None, timeout_s: float | None = None,
+            encode_row: Callable[[tuple], bytes] | None = None) -> SelectResult:
+        """Read-only SQL (see sqlguard) on one of `sql_max_concurrent` slots, for callers
+        without an event loop. SqlBusy when no slot frees within sql_queue_timeout_s;
+        SqlRefused when refused, failed or timed out."""
+        job, timeout_s = self._sql_job(sql, fmt=fmt, max_rows=max_rows, timeout_s=timeout_s, encode_row=encode_row)
+        try:
+            return self._sql.run_blocking(job, deadline_s=timeout_s + SQL_ANSWER_GRACE_S)
+        except SqlDeadline:
+            raise SqlRefused(f"query timed out after {timeout_s:g} s") from None
+
+    async def sql_async(self, sql: str, *, fmt: str = "json", max_rows: int | None = None,
+                        timeout_s: float | None = None,
+                        encode_row: Callable[[tuple], bytes] | None = None) -> SelectResult:
+        """`sql` awaited: the request waits for a slot without holding any thread, and
+        the answer comes at the timeout even if DuckDB has not stopped yet (the query
+        keeps its slot until it does)."""
+        job, timeout_s = self._sql_job(sql, fmt=fmt, max_rows=max_rows, timeout_s=timeout_s, encode_row=encode_row)
+        try:
+            return await self._sql.run(job, deadline_s=timeout_s + SQL_ANSWER_GRACE_S)
+        except SqlDeadline:
+            raise SqlRefused(f"query timed out after {timeout_s:g} s") from None
+
+    def _sql_job(self, sql: str, *, fmt: str, max_rows: int | None, timeout_s: float | None,
+                 encode_row: Callable[[tuple], bytes] | None) -> tuple[Callable[[], SelectResult], float]:
         s = self.settings
         max_rows = s.sql_max_rows if max_rows is None else min(max_rows, s.sql_max_rows)
-        with self._sql_slots, self.cursor() as cur:
-            return run_select(cur, sql, max_rows=max_rows, timeout_s=timeout_s or s.sql_timeout_s, fmt=fmt)
+        timeout_s = timeout_s or s.sql_timeout_s
+
+        def job() -> SelectResult:
+            with self.cursor() as cur:
+                with self._sql_cursors_lock:
+                    self._sql_cursors.add(cur)
+                try:
+                    return run_select(cur, sql, max_rows=max_rows, max_bytes=s.sql_max_bytes, timeout_s=timeout_s,
+                                      fmt=fmt, encode_row=encode_row)
+                finally:
+                    with self._sql_cursors_lock:
+                        self._sql_cursors.discard(cur)
+        return job, timeout_s
 
     def _q(self, sql: str, params: list | None = None) -> list[dict[str, Any]]:
         with self.cursor() as cur:

@@ -1,4 +1,11 @@
-"""POST /v1/sql: read-only SQL (see collector/sqlguard.py), as JSON or Arrow."""
+"""POST /v1/sql: read-only SQL (see collector/sqlguard.py), as JSON or Arrow.
+
+The route is async and the query runs on the SQL slots' own threads
+(collector/sqlslots.py): a request waiting for a slot holds no thread of the
+shared pool, so /healthz, ingest and the query API answer while every slot is busy.
+The rows are encoded on the slot's thread as they are fetched (the byte cap
+counts that text), and the event loop only joins them.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +16,9 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 from starlette.responses import Response
 
-from collector.routes.common import error_response, json_response
-from collector.sqlguard import SqlRefused
+from collector.routes.common import JSON_TYPE, dumps, error_response
+from collector.sqlguard import SelectResult, SqlRefused
+from collector.sqlslots import SqlBusy
 from collector.storage import Storage
 
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
@@ -31,19 +39,29 @@ def arrow_stream(table: pa.Table) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
+def json_body(result: SelectResult) -> bytes:
+    """{"columns", "types", "rows", "truncated"} from rows already encoded."""
+    return b"".join((b'{"columns":', dumps(result.columns), b',"types":', dumps(result.types), b',"rows":[',
+                     b",".join(result.rows_json or ()), b'],"truncated":', b"true" if result.truncated else b"false",
+                     b"}"))
+
+
 @router.post("/v1/sql")
-def post_sql(req: SqlRequest, request: Request) -> Response:
-    """One SELECT; at most max_rows rows (capped by the server's --sql-max-rows),
-    `truncated` says whether there were more. Arrow answers carry it in the
-    X-Llmwatch-Truncated header."""
+async def post_sql(req: SqlRequest, request: Request) -> Response:
+    """One SELECT; at most max_rows rows (capped by the server's --sql-max-rows) and
+    --sql-max-bytes of them; `truncated` says whether there were more. Arrow answers
+    carry it in the X-Llmwatch-Truncated header. 503 + Retry-After when every SQL
+    slot stays busy for --sql-queue-timeout-s."""
     storage: Storage = request.app.state.storage
     try:
-        result = storage.sql(req.sql, fmt=req.format, max_rows=req.max_rows)
+        result = await storage.sql_async(req.sql, fmt=req.format, max_rows=req.max_rows, encode_row=dumps)
     except SqlRefused as e:
         storage.metrics.rejects.labels("sql").inc()
         return error_response(400, str(e))
+    except SqlBusy as e:
+        storage.metrics.rejects.labels("sql_busy").inc()
+        return error_response(503, f"busy, retry later: {e}", {"retry-after": "1"})
     if req.format == "arrow":
         return Response(arrow_stream(result.table), media_type=ARROW_STREAM,
                         headers={"x-llmwatch-truncated": str(result.truncated).lower()})
-    return json_response({"columns": result.columns, "types": result.types,
-                          "rows": [list(r) for r in result.rows], "truncated": result.truncated})
+    return Response(json_body(result), media_type=JSON_TYPE)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import time
+
 import duckdb
 import pytest
 
+from collector import sqlallow
 from collector.sqlguard import SqlRefused, check_select, run_select
 from collector.storage import connect
 
@@ -56,8 +60,8 @@ ESCAPES = [
     ("SELECT (SELECT count(*) FROM read_text('/etc/passwd'))", "read_text"),
     ("SELECT * FROM checkpoint()", "checkpoint"),
     ("SELECT * FROM query('SELECT 1')", "query"),
-    ("SELECT * FROM '/etc/passwd'", "does not exist"),
-    ("SELECT * FROM 'https://example.com/data.csv'", "files, the network"),
+    ("SELECT * FROM '/etc/passwd'", "files, URLs"),
+    ("SELECT * FROM 'https://example.com/data.csv'", "files, URLs"),
     ("COPY steps TO '/tmp/steps.csv'", "COPY"),
     ("COPY (SELECT 1) TO '/tmp/x.csv'", "COPY"),
     ("ATTACH '/tmp/other.duckdb' AS other", "ATTACH"),
@@ -123,3 +127,187 @@ def test_timeout_interrupts(con):
 
 def test_check_select_returns_the_statement(con):
     assert check_select(con, "  SELECT 1;  ") == "SELECT 1"
+
+
+# -- the allow-list: escapes the deny-list let through --------------------------------
+ALLOW_LIST_ESCAPES = [
+    # SQL handed over as data ran whatever it held, past any check of the outer statement.
+    ("SELECT * FROM json_execute_serialized_sql(json_serialize_sql('SELECT * FROM checkpoint()'))",
+     "json_execute_serialized_sql"),
+    ("SELECT * FROM json_execute_serialized_sql(json_serialize_sql('SELECT * FROM query(''SELECT 1'')'))",
+     "json_execute_serialized_sql"),
+    ("SELECT json_serialize_plan('SELECT * FROM checkpoint()')", "json_serialize_plan"),
+    ("SELECT * FROM truncate_duckdb_logs()", "truncate_duckdb_logs"),
+    ("SELECT * FROM force_checkpoint()", "force_checkpoint"),
+    ("SELECT * FROM query_table('steps')", "query_table"),
+    ("SELECT * FROM read_blob('g.duckdb')", "read_blob"),  # the database file itself is readable despite the lockdown
+    ("SELECT * FROM read_duckdb('g.duckdb')", "read_duckdb"),
+    # settings, session state, the catalog
+    ("SELECT getenv('HOME')", "getenv"),
+    ("SELECT current_setting('memory_limit')", "current_setting"),
+    ("SELECT * FROM duckdb_settings()", "duckdb_settings"),
+    ("SELECT * FROM pg_catalog.pg_settings", "pg_settings"),
+    ("SELECT * FROM duckdb_tables()", "duckdb_tables"),
+    ("SELECT * FROM duckdb_logs", "duckdb_logs"),
+    ("SELECT * FROM system.main.duckdb_databases", "duckdb_databases"),
+    ("SELECT * FROM sqlite_master", "sqlite_master"),
+    ("SELECT * FROM pragma_database_size()", "pragma_database_size"),
+    ("SELECT * FROM pragma_table_info('steps')", "pragma_table_info"),
+    ("SELECT * FROM duckdb_memory()", "duckdb_memory"),
+    ("SELECT getvariable('x')", "getvariable"),
+    ("SELECT setseed(0.5)", "setseed"),
+    ("SELECT write_log('x')", "write_log"),
+    ("SELECT version()", "version"),
+    ("SHOW memory_limit", "SHOW memory_limit"),
+    ("SHOW SETTINGS", "SHOW settings"),
+    ("SHOW DATABASES", "SHOW databases"),
+    ("SHOW TABLES FROM system.main", "SHOW TABLES FROM system.main"),
+    ("DESCRIBE duckdb_logs", "duckdb_logs"),
+    ("SUMMARIZE duckdb_logs", "duckdb_logs"),
+    # files, with or without a table function
+    ("SELECT * FROM sniff_csv('/etc/passwd')", "sniff_csv"),
+    ("SELECT * FROM glob('/etc/*')", "glob"),
+    ("SELECT * FROM 'steps.csv'", "files, URLs"),
+    ("SELECT * FROM steps, LATERAL (SELECT * FROM read_text('/etc/passwd'))", "read_text"),
+    ("SELECT * FROM steps WHERE rank IN (SELECT size FROM read_blob('/etc/passwd'))", "read_blob"),
+    # a CTE name admits only that CTE, where SQL scoping sees it
+    ("WITH duckdb_logs AS (SELECT * FROM duckdb_logs) SELECT * FROM duckdb_logs", "duckdb_logs"),
+    ("SELECT * FROM (WITH x AS (SELECT 1) SELECT * FROM x), x", "'x'"),
+    ("WITH a AS (SELECT * FROM duckdb_logs), duckdb_logs AS (SELECT 1) SELECT * FROM a", "duckdb_logs"),
+    # qualified names, parameters
+    ("SELECT main.repeat('a', 10)", "unqualified"),
+    ("SELECT system.main.current_setting('threads')", "unqualified"),
+    ("SELECT * FROM other.main.steps", "other.main.steps"),
+    ("SELECT * FROM steps WHERE rank = $1", "parameter"),
+]
+
+
+@pytest.mark.parametrize("sql, reason", ALLOW_LIST_ESCAPES)
+def test_allow_list_refuses_what_the_deny_list_let_through(con, sql, reason):
+    with pytest.raises(SqlRefused, match=reason):
+        run(con, sql)
+    assert con.execute("SELECT count(*) FROM steps").fetchall() == [(40,)]
+
+
+# One call of these builds its output before DuckDB looks for an interrupt again.
+AMPLIFIERS = [
+    ("SELECT length(repeat('a', 1000000000))", "repeat"),  # ran 23 s past a 10 s timeout
+    ("SELECT repeat('a', 100000000) AS s FROM range(5)", "repeat"),  # a 500 MB answer
+    ("SELECT lpad('a', 1000000000, 'b')", "lpad"),
+    ("SELECT rpad('a', rank, 'b') FROM steps", "rpad"),
+    ("SELECT format('{:>1000000000}', 'a')", "format"),
+    ("SELECT format('{:{}}', 'a', 100000000)", "format"),
+    ("SELECT printf('%1000000000d', 1)", "printf"),
+    ("SELECT printf('%*d', 100000000, 1)", "printf"),
+    ("SELECT bar(1, 0, 1, 1000000000)", "bar"),
+    ("SELECT range(1000000000)", "FROM range"),
+    ("SELECT * FROM unnest(generate_series(1, 1000000000))", "FROM generate_series"),
+    ("SELECT list_resize([1], 1000000000)", "list_resize"),
+    ("SELECT equi_width_bins(0, 1, 1000000000, false)", "equi_width_bins"),
+    ("SELECT to_base(1, 2, 1000000000)", "to_base"),
+    ("SELECT replace(replace('aaaa', 'a', 'aaaaaaaaaaaaaaaaaaaaaaa'), 'a', 'bbbbbbbbbbbbbbbbbbbb')", "replace"),
+    ("SELECT regexp_replace('abc', '', 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx', 'g')", "regexp_replace"),
+    ("SELECT regexp_replace('abc', '(a)', '\\1\\1\\1\\1', 'g')", "regexp_replace"),
+    ("SELECT list_transform([1, 2], x -> 'big')", "list_transform"),
+    ("SELECT list_aggregate([1], 'bitstring_agg', 0, 1000000000000)", "list_aggregate"),
+    ("SELECT bitstring_agg(1, 0, 100000000000)", "bitstring_agg"),
+    ("SELECT * FROM repeat_row(1, num_rows := 1000000000)", "repeat_row"),
+    ("SELECT approx_top_k(rank, 999999) FROM steps GROUP BY step", "approx_top_k"),
+    ("SELECT max(loss, 999999) OVER (PARTITION BY step) FROM steps", "max"),
+    ("SELECT arg_max(rank, loss, 999999) FROM steps", "arg_max"),
+    ("SELECT levenshtein('a', 'b')", "levenshtein"),
+    ("SELECT pg_sleep(100)", "pg_sleep"),
+]
+
+
+@pytest.mark.parametrize("sql, name", AMPLIFIERS)
+def test_calls_that_cannot_be_interrupted_are_refused_before_they_run(con, sql, name):
+    start = time.monotonic()
+    with pytest.raises(SqlRefused, match=name):
+        run(con, sql, timeout_s=0.5)
+    assert time.monotonic() - start < 2.0
+
+
+@pytest.mark.parametrize("sql", [
+    "SELECT lpad(rank::VARCHAR, 4, '0'), rpad('x', 10, ' '), bar(loss, 0, 1, 20), bar(loss, 0, 1) FROM steps",
+    "SELECT format('{} {:>8.3f}', rank, loss), printf('%5.2f%%', loss) FROM steps",
+    "SELECT replace(run_id, 'r', 'run-'), regexp_replace(run_id, '[0-9]+', 'N', 'g') FROM steps",
+    "SELECT histogram(loss, equi_width_bins(0, 1, 10, true)) FROM steps",
+    "SELECT list_aggregate([1, 2], 'sum'), [1, 2, 3][2], list_sort([3, 1]), unnest([1, 2])",
+    "SELECT * FROM range(3) a, generate_series(1, 2) b, unnest([1, 2]) c",
+    "WITH RECURSIVE t(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM t WHERE n < 3) SELECT * FROM t",
+    "WITH steps AS (SELECT * FROM steps WHERE rank = 0) SELECT count(*) FROM steps",
+    "WITH a AS (SELECT 1 AS x), b AS (SELECT * FROM a) SELECT * FROM b, (SELECT * FROM a) s",
+    "SELECT * FROM g.main.steps a, main.steps b LIMIT 1",
+    "SELECT approx_top_k(rank, 3), max(loss, 3), arg_max(rank, loss, 2), min(loss) FROM steps",
+    "SELECT max(loss) OVER (), max(loss, 2) OVER (PARTITION BY rank) FROM steps",
+    "SELECT median(loss), quantile_cont(loss, 0.9), approx_quantile(loss, 0.5), stddev(loss), "
+    "arg_max(rank, loss), histogram(rank), string_agg(DISTINCT run_id, ',') FROM steps",
+    "SELECT to_timestamp(step)::DATE, date_trunc('hour', to_timestamp(step)), strftime(to_timestamp(0), '%H') "
+    "FROM steps",
+    "SELECT '{\"a\": {\"b\": 1}}'::JSON->'a'->>'b', json_extract('{\"a\": 1}', '$.a')",
+    "SELECT table_name, column_name FROM information_schema.columns",
+    "SHOW ALL TABLES",
+    "SHOW steps",
+    "SUMMARIZE steps",
+    "DESCRIBE SELECT step FROM steps",
+])
+def test_analysts_sql_passes(con, sql):
+    run(con, sql)
+
+
+def test_relations_follow_the_migrations():
+    migrations = [(1, ["CREATE TABLE a (x INT)", "CREATE OR REPLACE VIEW v AS SELECT 1"]),
+                  (2, ["ALTER TABLE a RENAME TO b", "CREATE TABLE IF NOT EXISTS c (x INT)", "DROP VIEW v",
+                       "ALTER TABLE b ADD COLUMN y INT"])]
+    assert sqlallow.project_relations(migrations) == {"b", "c", "schema_version"}
+    assert {"steps", "steps_effective", "batches", "step_summary"} <= sqlallow.RELATIONS
+
+
+# -- the result: rows and bytes, fetched incrementally --------------------------------
+def test_result_is_capped_in_bytes(con):
+    """The answer stops before its rows' JSON text passes max_bytes (a 500 MB body before)."""
+    sql = "SELECT lpad('', 1000, 'x') || i AS s FROM range(1000000) t(i)"
+    result = run(con, sql, max_rows=1_000_000, max_bytes=64 << 10)
+    assert result.truncated and len(result.rows) == (64 << 10) // (len(json.dumps(result.rows[0])) + 1)
+    assert result.num_bytes == sum(len(json.dumps(r)) + 1 for r in result.rows) <= 64 << 10
+    arrow = run(con, sql, max_rows=1_000_000, max_bytes=64 << 10, fmt="arrow")
+    assert arrow.truncated and 60 <= arrow.table.num_rows <= 66 and arrow.table.nbytes <= 64 << 10
+    one = run(con, "SELECT lpad('', 1000, 'x') AS s", max_bytes=100)
+    assert one.rows == [] and one.truncated  # a first row past the cap is not sent
+
+
+def test_rows_encoded_by_the_caller_are_counted_as_encoded(con):
+    result = run(con, "SELECT step, loss FROM steps ORDER BY step, rank", max_rows=100, max_bytes=100,
+                 encode_row=lambda row: json.dumps(list(row)).encode())
+    assert result.rows is None and result.truncated
+    assert sum(len(r) + 1 for r in result.rows_json) == result.num_bytes <= 100
+    assert json.loads(result.rows_json[0]) == [0, 1.0]
+
+
+def test_result_is_fetched_incrementally(con):
+    """Rows past the cap are never computed: row 200,000 would fail the query."""
+    sql = ("SELECT lpad('', 1000, 'x') || CAST(CASE WHEN i < 200000 THEN '1' ELSE 'x' END AS INTEGER) AS s "
+           "FROM range(100000000) t(i)")
+    with pytest.raises(duckdb.ConversionException):
+        con.execute(f"SELECT max(s) FROM ({sql})").fetchall()
+    for fmt in ("json", "arrow"):
+        result = run(con, sql, max_rows=10_000_000, max_bytes=64 << 10, fmt=fmt)
+        assert result.truncated and result.num_bytes <= 64 << 10
+
+
+def test_exactly_max_rows_is_not_truncated(con):
+    assert not run(con, "SELECT * FROM range(5)", max_rows=5).truncated
+    assert run(con, "SELECT * FROM range(6)", max_rows=5).truncated
+    assert not run(con, "SELECT * FROM range(5)", max_rows=5, fmt="arrow").truncated
+
+
+@pytest.mark.parametrize("inner", ["SELECT * FROM checkpoint()", "SELECT * FROM query('SELECT 42')",
+                                   "SELECT size FROM read_blob('{db}')"])
+def test_sql_wrapped_as_data_does_not_run(con, inner):
+    """The reported bypass: json_execute_serialized_sql ran what the deny-list refused
+    unwrapped, including a read of the database file itself."""
+    (db,), = con.execute("SELECT path FROM duckdb_databases() WHERE database_name = current_database()").fetchall()
+    inner = inner.format(db=db).replace("'", "''")
+    with pytest.raises(SqlRefused, match="json_execute_serialized_sql"):
+        run(con, f"SELECT * FROM json_execute_serialized_sql(json_serialize_sql('{inner}'))")
