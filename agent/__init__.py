@@ -7,7 +7,7 @@ control commands. Example, for any loop:
 
     from agent import Agent, AgentConfig, NoopAgent
 
-    cfg = AgentConfig(url="http://127.0.0.1:4318", token="secret")
+    cfg = AgentConfig(url="https://collector:4318", token=os.environ["LLMWATCH_TOKEN"], ca_file="ca.pem")
     agent = Agent(cfg, run_id="my-run", rank=0, node="node0", coords={"dp": 0}) if enabled else NoopAgent()
     agent.start()
     for step in range(num_steps):
@@ -20,6 +20,10 @@ control commands. Example, for any loop:
     agent.record_scalar(num_steps, "eval/loss", eval_loss)
     agent.event("run_finished", step=num_steps)
     agent.close()                                         # final flush; the rest stays in the spool
+
+The token goes only into the Authorization header: never into a log line, the
+spool or a batch (`run_info` is scrubbed of secret-looking keys). https:// URLs
+are verified against `ca_file`, or the system's trust store.
 
 `Agent.collective(...)` has the signature of `trainer.comm.CommSink`: pass the
 agent as the comm layer's sink. Logs go to the "llmwatch.agent" logger.

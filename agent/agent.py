@@ -7,8 +7,20 @@ flusher, every `flush_interval_s`:
     heartbeat row (when due) -> swap buffers -> encode one wire batch
     -> bridges (OTel spans, Prometheus gauges) -> POST, or spool -> replay spool
 
+While batches go to the spool (the collector away, or a backlog to replay
+first), a batch is cut only every `spool_flush_interval_s` (or when a buffer is
+half full): replaying costs one round trip per batch, ~0.5 s against the
+collector's group commit, so ten 0.2 s batches would take five seconds where one
+2 s batch takes half of one. The bridges then see rows that often too.
+
+`flush()` and `close()` work to a deadline: they cut a batch and replay the
+spool at once, whatever the backoff state, and give up when the deadline
+passes; `close()` then logs how many batches it left in the spool, and where.
+
 Nothing here raises into the host program: failures are logged once on the
-"llmwatch.agent" logger and counted in `stats()`.
+"llmwatch.agent" logger and counted in `stats()`. The token is never logged,
+spooled or put in a batch; `run_info` is scrubbed of secret-looking keys
+(`scrub_secrets`) before it is encoded, in case a config with one slips in.
 """
 
 from __future__ import annotations
@@ -29,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from agent import wire
-from agent.ring import EVENT, STATS_KINDS, BufferSet, Recorder
+from agent.ring import EVENT, MAX_EVENTS, STATS_KINDS, BufferSet, Recorder
 from agent.spool import Spool, SpoolBusy
 from agent.transport import HttpClient, Shipper, ShipStats
 
@@ -38,8 +50,9 @@ log = logging.getLogger("llmwatch.agent")
 
 @dataclass(kw_only=True, slots=True)
 class AgentConfig:
-    url: str | None = None  # collector base URL; None: nothing is sent (bridges only)
-    token: str | None = None
+    url: str | None = None  # collector base URL (http:// or https://); None: nothing is sent (bridges only)
+    token: str | None = field(default=None, repr=False)  # bearer token; kept out of repr() and so out of logs
+    ca_file: str | None = None  # https: PEM bundle that verifies the collector; None: the system's trust store
     flush_interval_s: float = 0.2
     heartbeat_interval_s: float = 1.0
     spool_dir: str | None = None  # default: <tmp>/llmwatch-spool/<run_id>/rank<rank>
@@ -50,6 +63,14 @@ class AgentConfig:
     timeout_s: float = 2.0  # per HTTP request
     retry_min_s: float = 0.5  # probe backoff while the collector is away
     retry_max_s: float = 10.0
+    # While batches go to the spool, cut one this often (not every flush_interval_s):
+    # each spooled batch costs one round trip when it is replayed.
+    spool_flush_interval_s: float = 2.0
+    # A batch answered with this many real 5xx errors in a row (not 502/503/504, not a
+    # timeout or refused connection) is set aside in <spool_dir>/quarantine, at most
+    # quarantine_bytes of them, so that it does not block the rank's telemetry for good.
+    max_batch_failures: int = 5
+    quarantine_bytes: int = 32 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if self.flush_interval_s <= 0 or self.heartbeat_interval_s <= 0 or self.timeout_s <= 0:
@@ -58,6 +79,10 @@ class AgentConfig:
             raise ValueError("capacity and spool_bytes must be >= 1")
         if not 0 < self.retry_min_s <= self.retry_max_s:
             raise ValueError("need 0 < retry_min_s <= retry_max_s")
+        if self.spool_flush_interval_s <= 0:
+            raise ValueError("spool_flush_interval_s must be > 0")
+        if self.max_batch_failures < 1 or self.quarantine_bytes < 1:
+            raise ValueError("max_batch_failures and quarantine_bytes must be >= 1")
         if self.prometheus_port is not None and not 0 <= self.prometheus_port <= 65535:
             raise ValueError(f"prometheus_port {self.prometheus_port} is not a TCP port")
 
@@ -91,6 +116,36 @@ def json_safe(value, depth: int = 0):
         return str(value)
 
 
+REDACTED = "<redacted>"
+_SECRET_WORDS = frozenset(("token", "secret", "secrets", "password", "passwords", "passwd", "authorization",
+                           "apikey"))
+_CAMEL_BOUNDARY = re.compile(r"([a-z0-9])([A-Z])")
+_NOT_WORD = re.compile(r"[^a-z0-9]+")
+
+
+def is_secret_key(key: str) -> bool:
+    """A key that names a secret: one of its words (snake, kebab or camel case, any
+    case) is token, secret(s), password(s), passwd or authorization, or it says api
+    key(s). Whole words only: "tokens", "num_tokens" and "tokenizer" count tokens
+    of text in a training config and are not secrets."""
+    words = _NOT_WORD.split(_CAMEL_BOUNDARY.sub(r"\1_\2", key).lower())
+    return (not _SECRET_WORDS.isdisjoint(words)
+            or any(a == "api" and b in ("key", "keys") for a, b in zip(words, words[1:])))
+
+
+def scrub_secrets(value):
+    """A copy of a JSON-safe `value` with the value of every secret-looking key
+    (`is_secret_key`, at any depth, in lists too) replaced by "<redacted>".
+    None and "" stay: there is nothing to hide, and "<redacted>" would claim a
+    secret was set."""
+    if isinstance(value, dict):
+        return {k: REDACTED if v not in (None, "") and is_secret_key(k) else scrub_secrets(v)
+                for k, v in value.items()}
+    if isinstance(value, list):
+        return [scrub_secrets(v) for v in value]
+    return value
+
+
 def default_spool_dir(run_id: str, rank: int) -> str:
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", run_id)[:100] or "run"
     return os.path.join(tempfile.gettempdir(), "llmwatch-spool", safe, f"rank{rank}")
@@ -109,7 +164,7 @@ class Agent(Recorder):
         self.coords = json_safe(dict(coords or {}))
         self.world_size = int(world_size)
         self.incarnation = uuid.uuid4().hex
-        self._run_info = json_safe(run_info) if run_info is not None else None
+        self._run_info = scrub_secrets(json_safe(run_info)) if run_info is not None else None
         self._batch_seq = 0
         self._seq_source: Callable[[], int] | None = None
         self._mailbox: deque[Command] = deque()
@@ -129,7 +184,9 @@ class Agent(Recorder):
         self._flush_requested = 0
         self._flush_done = 0
         self._flush_ok = False
-        self._flush_budget_s = 1.0
+        self._flush_deadline = 0.0  # monotonic; of the newest flush request
+        self._next_cut = 0.0  # monotonic; while batches go to the spool, no batch is cut before this
+        self._last_fill = 0.0  # of the fullest active buffer at the last cycle (0..1)
         self._io_lock = threading.Lock()  # one cycle at a time (flusher, or inline when there is none)
         self._next_hb = 0.0
         self._closed = False
@@ -157,11 +214,12 @@ class Agent(Recorder):
         try:
             if self._closed:
                 return False
+            deadline = time.monotonic() + timeout_s
             if self._thread is None or not self._thread.is_alive():
-                return self._cycle_guarded(force=True, budget_s=timeout_s)
+                return self._cycle_guarded(deadline=deadline)
             with self._cv:
                 self._flush_requested += 1
-                self._flush_budget_s = timeout_s
+                self._flush_deadline = deadline
                 target = self._flush_requested
                 self._wake.set()
                 done = self._cv.wait_for(lambda: self._flush_done >= target, timeout_s)
@@ -171,7 +229,10 @@ class Agent(Recorder):
             return False
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Final flush, spool what cannot be sent, stop the threads. Idempotent."""
+        """Final flush: cut the last batch and deliver it and the spool now, whatever
+        the backoff state, within `timeout_s`; what cannot be delivered by then stays
+        in the spool (logged: how many batches, where). Stops the threads. Returns
+        within `timeout_s` plus ~0.5 s, never raises. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -186,7 +247,7 @@ class Agent(Recorder):
                 if thread.is_alive():
                     log.warning("llmwatch agent: flusher still busy after %.1f s; leaving it to finish", timeout_s)
             else:
-                self._cycle_guarded(force=True, budget_s=timeout_s)
+                self._cycle_guarded(deadline=time.monotonic() + timeout_s - 0.1)
                 self._release()
         except Exception as e:  # noqa: BLE001
             self._log_once("close", "llmwatch agent: close failed: %r", e)
@@ -237,10 +298,12 @@ class Agent(Recorder):
             "run_id": self.run_id, "rank": self.rank, "incarnation": self.incarnation,
             "recorded": recorded, "sent": dict(ship.sent), "spooled": dict(ship.spooled),
             "replayed": dict(ship.replayed), "rejected": dict(ship.rejected),
+            "quarantined": dict(ship.quarantined),
             "dropped": {k: self._buffer_dropped[k] + ship.dropped.get(k, 0) for k in STATS_KINDS},
             "batches": {"encoded": self._batch_seq, "sent": ship.num_batches_sent,
                         "spooled": ship.num_batches_spooled, "replayed": ship.num_batches_replayed,
-                        "rejected": ship.num_batches_rejected, "dropped": ship.num_batches_dropped},
+                        "rejected": ship.num_batches_rejected, "quarantined": ship.num_batches_quarantined,
+                        "dropped": ship.num_batches_dropped},
             "spool_bytes": spool.disk_bytes if spool is not None else 0,
             "spool_corrupt": spool.num_corrupt if spool is not None else 0,
             "commands_received": len(self._seen_commands),
@@ -256,12 +319,13 @@ class Agent(Recorder):
         cfg = self.config
         if cfg.url:
             try:
-                client = HttpClient(cfg.url, cfg.token, cfg.timeout_s)
-            except ValueError as e:
+                client = HttpClient(cfg.url, cfg.token, cfg.timeout_s, ca_file=cfg.ca_file)
+            except ValueError as e:  # a bad URL or CA file
                 client = None
-                self._log_once("url", "llmwatch agent: %s; nothing will be sent", e)
+                self._log_once("url", "llmwatch agent: %s; nothing will be sent (batches go to the spool)", e)
             self._shipper = Shipper(client, self._open_spool(), self._on_response, retry_min_s=cfg.retry_min_s,
-                                    retry_max_s=cfg.retry_max_s)
+                                    retry_max_s=cfg.retry_max_s, max_failures=cfg.max_batch_failures,
+                                    quarantine_bytes=cfg.quarantine_bytes)
         if cfg.otlp_endpoint or cfg.prometheus_port is not None:
             from agent import bridges  # lazy: the SDKs load only when a bridge is asked for
 
@@ -291,53 +355,81 @@ class Agent(Recorder):
             stopping = self._stopping
             with self._cv:
                 target = self._flush_requested
+                flush_deadline = self._flush_deadline
             now = time.monotonic()
             forced = stopping or target > self._flush_done
             if not forced and now < next_flush and now < self._next_hb:
                 continue
             next_flush = now + interval
-            budget_s = max(0.0, self._close_deadline - now - 0.1) if stopping else (
-                self._flush_budget_s if forced else 1.0)
-            ok = self._cycle_guarded(force=forced, budget_s=budget_s)
-            with self._cv:
-                self._flush_done = target
-                self._flush_ok = ok
-                self._cv.notify_all()
+            # close: leave 0.1 s of close()'s join for releasing the spool and bridges
+            deadline = (self._close_deadline - 0.1) if stopping else (flush_deadline if forced else None)
+            ok = self._cycle_guarded(deadline=deadline)
+            if forced:  # a periodic cycle's result must not overwrite the one a flush() waits for
+                with self._cv:
+                    self._flush_done = target
+                    self._flush_ok = ok
+                    self._cv.notify_all()
             if stopping:
                 break
         self._release()
 
-    def _cycle_guarded(self, *, force: bool, budget_s: float) -> bool:
-        with self._io_lock:
-            try:
-                self._open()
-                return self._cycle(force, budget_s)
-            except Exception as e:  # noqa: BLE001 - the flusher must survive anything
-                self._last_error = f"{type(e).__name__}: {e}"
-                self._log_once("cycle", "llmwatch agent: flush cycle failed: %r", e)
-                return False
+    def _cycle_guarded(self, *, deadline: float | None) -> bool:
+        # A deadline bounds the wait for the lock too (an inline flush() on another thread).
+        wait_s = -1 if deadline is None else max(0.0, deadline - time.monotonic())
+        if not self._io_lock.acquire(timeout=wait_s):
+            return False
+        try:
+            self._open()
+            return self._cycle(deadline)
+        except Exception as e:  # noqa: BLE001 - the flusher must survive anything
+            self._last_error = f"{type(e).__name__}: {e}"
+            self._log_once("cycle", "llmwatch agent: flush cycle failed: %r", e)
+            return False
+        finally:
+            self._io_lock.release()
 
-    def _cycle(self, force: bool, budget_s: float) -> bool:
-        if time.monotonic() >= self._next_hb:
-            self._next_hb = time.monotonic() + self.config.heartbeat_interval_s
+    def _cycle(self, deadline: float | None) -> bool:
+        """One flush. `deadline` None: periodic; else (flush, close) cut a batch and
+        deliver it and the spool by then (monotonic), backoff or not."""
+        now = time.monotonic()
+        if now >= self._next_hb:
+            self._next_hb = now + self.config.heartbeat_interval_s
             self._heartbeat()
+        shipper = self._shipper
+        if (deadline is None and shipper is not None and now < self._next_cut and shipper.away
+                and not self._buffers_filling()):
+            return shipper.pump()  # the rows wait in the buffers: fewer, larger spooled batches
+        self._next_cut = now + self.config.spool_flush_interval_s
+        self._last_fill = 0.0
         drained = self._swap()
         try:
             rows = self._account(drained)
             has_rows = any(rows.values())
-            payload = self._encode(drained, rows) if self._shipper is not None and has_rows else None
+            payload = self._encode(drained, rows) if shipper is not None and has_rows else None
             self._feed_bridges(drained)
         finally:
             self._recycle(drained)
-        if self._shipper is None:
+        if shipper is None:
             return True
+        num_quarantined = shipper.stats.num_batches_quarantined
         if payload is not None:
-            fate = self._shipper.ship(payload, rows)
+            fate = shipper.ship(payload, rows, deadline=deadline)
             if fate in ("sent", "spooled"):  # its drop counts reached (or will reach) the collector
                 self._drops_reported = self._drops_in_flight
         else:
             fate = "dropped" if has_rows else "sent"  # an encoding failure, or nothing to send
-        return self._shipper.pump(force=force, budget_s=budget_s) and fate in ("sent", "spooled")
+        delivered = shipper.pump() if deadline is None else shipper.drain(deadline=deadline)
+        return (delivered and fate in ("sent", "spooled")
+                and shipper.stats.num_batches_quarantined == num_quarantined)
+
+    def _buffers_filling(self) -> bool:
+        """Cut now rather than drop rows before the next cycle: the fullest buffer is
+        half full, or would fill if it grew twice as fast as since the last cycle.
+        (So holding rows back never drops more than a cut every cycle would.)"""
+        bufs = self._active
+        fill = max(len(bufs.events) / MAX_EVENTS, *(b.n / b.capacity for b in bufs.kinds()))
+        growth, self._last_fill = fill - self._last_fill, fill
+        return fill >= 0.5 or fill + 2 * growth >= 1.0
 
     def _heartbeat(self) -> None:
         last_seq = -1
@@ -373,7 +465,7 @@ class Agent(Recorder):
             "events": bufs.events, "run": self._run_info if self._batch_seq == 0 else None,
             "stats": {"dropped": dropped, "spooled": ship.num_batches_spooled,
                       "replayed": ship.num_batches_replayed, "rejected": ship.num_batches_rejected,
-                      "recorded": dict(self._recorded)},
+                      "quarantined": ship.num_batches_quarantined, "recorded": dict(self._recorded)},
         }
         sections = {b.kind: (b.n, b.views()) for b in bufs.kinds() if b.n}
         try:

@@ -12,17 +12,35 @@ Layout of the directory:
                              [u32 LE payload length][u32 LE crc32(payload)][payload]
     cursor                   "<segment> <offset>": where the next unread record starts
     lock                     flock'ed by the open Spool: one writer per directory
+    quarantine/              a spool of its own: batches the collector kept failing
+                             (agent/transport.py), kept for an operator to inspect or
+                             replay; created on first use, never replayed by itself
 
 A Spool never appends to a segment it did not create, so a record torn by a
 crash can only sit at the end of an old segment; the reader counts it as
 corrupt and moves on. A record whose crc does not match is skipped and counted.
 
-Costs: an append is one write() of the record (no fsync: a process crash keeps
-it, a power cut may not); a pop rewrites the 20-byte cursor file. The bound is
-on the bytes of all segment files on disk, consumed parts included; segments
-roll at `segment_bytes` (1/8 of the bound, at most 16 MiB) and are deleted as
-soon as they have been read through, so at most one segment's worth of
-consumed bytes still counts.
+Costs: an append is one write() of the record, no fsync; a pop rewrites the
+20-byte cursor file. The bound is on the bytes of all segment files on disk,
+consumed parts included; segments roll at `segment_bytes` (1/8 of the bound, at
+most 16 MiB) and are deleted as soon as they have been read through, so at most
+one segment's worth of consumed bytes still counts.
+
+Durability: a segment is fsync'ed when it rolls over and when the spool is
+closed, and so is the directory after a segment file was created in it (a new
+file's name is only durable once its directory is); the cursor is fsync'ed at
+close. No fsync per append: that would be a disk flush per spooled batch, a
+few ms on a quiet disk and up to seconds on one busy with checkpoints, spent
+on the flusher thread while its rows pile up.
+  - A crash of the process (kill -9, OOM, segfault) loses nothing appended:
+    write() has handed the bytes to the kernel, which writes them out anyway.
+  - A power cut or kernel crash keeps every segment that rolled over and
+    everything before the last close; records appended to the open segment
+    since may be lost, or torn at its end (the reader counts a torn record as
+    corrupt and moves on). The cursor and the deletion of read segments are not
+    forced to disk between closes either, so after a power cut some batches
+    already delivered may be replayed again: the collector stores a batch seen
+    twice once, so that costs bandwidth, not correctness.
 """
 
 from __future__ import annotations
@@ -39,10 +57,24 @@ except ImportError:  # pragma: no cover - Windows: no cross-process lock
 _REC = struct.Struct("<II")
 _PREFIX, _SUFFIX = "seg-", ".lws"
 _CURSOR = "cursor"
+QUARANTINE = "quarantine"  # subdirectory: batches set aside (see agent/transport.py), itself a spool
 
 
 class SpoolBusy(RuntimeError):
     """Another live Spool holds this directory."""
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return  # pragma: no cover - a platform whose directories cannot be opened
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # pragma: no cover - some filesystems refuse fsync on a directory
+    finally:
+        os.close(fd)
 
 
 def _seg_name(num: int) -> str:
@@ -61,7 +93,9 @@ class Spool:
         self.max_bytes = max_bytes
         self.segment_bytes = segment_bytes or max(64 * 1024, min(16 * 1024 * 1024, max_bytes // 8))
         self.num_corrupt = 0  # records skipped: bad crc, torn tail, impossible length
+        self._new_dir = not os.path.isdir(directory)  # its name in the parent is durable once fsync'ed
         os.makedirs(directory, exist_ok=True)
+        self._dir_dirty = False  # a file was created here since the directory was last fsync'ed
         self._lock_fd = self._take_lock()
         self._segs: list[int] = sorted(
             int(f[len(_PREFIX):-len(_SUFFIX)]) for f in os.listdir(directory)
@@ -126,7 +160,48 @@ class Spool:
         else:
             self._write_cursor()
 
+    def num_pending(self) -> int:
+        """Records not read yet. Walks the record headers (no payload is read):
+        for the close-time report and tools, not for a hot loop."""
+        num = 0
+        for i, seg in enumerate(self._segs):
+            off = self._head_off if i == 0 else 0
+            try:
+                with open(self._path(seg), "rb") as f:
+                    size = os.fstat(f.fileno()).st_size
+                    while off + _REC.size <= size:
+                        f.seek(off)
+                        length, _ = _REC.unpack(f.read(_REC.size))
+                        off += _REC.size + length
+                        if off > size:
+                            break  # torn at the end
+                        num += 1
+            except OSError:
+                continue
+        return num
+
+    def sync(self) -> None:
+        """Force what was appended, the cursor and new file names to disk (see the
+        module docstring for what that buys). Done at roll-over and close."""
+        if self._writer is not None:
+            self._writer.flush()
+            os.fsync(self._writer.fileno())
+        cursor = self._path(_CURSOR)
+        if os.path.exists(cursor):
+            fd = os.open(cursor, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self._dir_dirty = True  # the rename that installed it
+        self._sync_dirs()
+
     def close(self) -> None:
+        try:
+            if self._lock_fd is not None:
+                self.sync()
+        except OSError:
+            pass  # a disk that refuses fsync keeps what write() gave it; closing must go on
         for f in (self._writer, self._reader[1] if self._reader else None):
             if f is not None:
                 f.close()
@@ -170,6 +245,8 @@ class Spool:
 
     def _roll(self) -> None:
         if self._writer is not None:
+            self._writer.flush()
+            os.fsync(self._writer.fileno())  # a full segment is durable before the next one starts
             self._writer.close()
         seg = self._next_seg
         self._next_seg += 1
@@ -177,6 +254,18 @@ class Spool:
         self._writer_seg = seg
         self._writer_bytes = 0
         self._segs.append(seg)
+        self._dir_dirty = True
+        self._sync_dirs()
+
+    def _sync_dirs(self) -> None:
+        """fsync the directory after files were created in it (and its parent, once,
+        when this Spool created the directory itself)."""
+        if self._new_dir:
+            _fsync_dir(os.path.dirname(os.path.abspath(self.directory)))
+            self._new_dir = False
+        if self._dir_dirty:
+            _fsync_dir(self.directory)
+            self._dir_dirty = False
 
     def _read(self, seg: int, off: int) -> tuple[str, bytes | None, int | None]:
         """("ok", payload, next offset) | ("end", None, None) | ("corrupt", None, next offset or None)."""

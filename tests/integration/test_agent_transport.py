@@ -4,6 +4,9 @@ The server stands in for the collector (written elsewhere): it decodes every
 POST with `wire.decode_batch`, stores each batch key once (and counts repeats),
 answers with the collector's response shape, and can reject, stall or carry
 commands. Intervals are 0.05 s so the suite stays fast.
+
+No test sleeps to let something happen: each waits for the condition it needs
+(`_wait_for`, bounded), so a loaded machine makes it slower, not flaky.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import ssl
 import statistics
 import threading
 import time
@@ -25,7 +29,7 @@ pytestmark = pytest.mark.integration
 
 
 class FakeCollector:
-    def __init__(self, port: int = 0) -> None:
+    def __init__(self, port: int = 0, *, ssl_context: ssl.SSLContext | None = None) -> None:
         self.batches: list[wire.Batch] = []  # distinct batches in arrival order
         self.keys: set[tuple] = set()
         self.num_duplicates = 0
@@ -36,6 +40,10 @@ class FakeCollector:
         self.stall_s = 0.0
         self.num_stalls_left = -1  # how many requests still stall; -1: all while stall_s is set
         self.commands: list[dict] = []
+        self.fail_seqs: dict[int, int] = {}  # batch_seq -> HTTP status answered to it, every time
+        self.num_busy_left = 0  # answer this many more POSTs with 503 + Retry-After
+        self.echo_auth = False  # answer 500 with the Authorization header in the body (a careless server)
+        self.num_unauthorized = 0
         self.spans: list = []  # (name, span_id, parent_span_id, resource attributes)
         self.lock = threading.Lock()
         outer = self
@@ -63,9 +71,21 @@ class FakeCollector:
                         time.sleep(stall)
                     if outer.reject:
                         return self._reply(400, b'{"detail":"rejected by the test"}')
+                    if outer.echo_auth:
+                        return self._reply(500, json.dumps({"error": f"bad {self.headers['Authorization']}"}).encode())
+                    if self.headers["Authorization"] != "Bearer tok":
+                        with outer.lock:
+                            outer.num_unauthorized += 1
+                        return self._reply(401, b'{"error":"unauthorized"}')
+                    with outer.lock:
+                        busy = outer.num_busy_left > 0
+                        outer.num_busy_left -= busy
+                    if busy:
+                        return self._reply(503, b'{"error":"busy, retry later"}', extra={"Retry-After": "1"})
                     assert self.headers["Content-Type"] == wire.CONTENT_TYPE
-                    assert self.headers["Authorization"] == "Bearer tok"
                     batch = wire.decode_batch(body)
+                    if batch.header["batch_seq"] in outer.fail_seqs:
+                        return self._reply(outer.fail_seqs[batch.header["batch_seq"]], b'{"error":"test"}')
                     with outer.lock:
                         if batch.key in outer.keys:
                             outer.num_duplicates += 1
@@ -79,8 +99,10 @@ class FakeCollector:
                     with outer.lock:
                         outer.num_in_flight -= 1
 
-            def _reply(self, code: int, data: bytes, ctype: str = "application/json"):
+            def _reply(self, code: int, data: bytes, ctype: str = "application/json", extra: dict | None = None):
                 self.send_response(code)
+                for name, value in (extra or {}).items():
+                    self.send_header(name, value)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -88,8 +110,11 @@ class FakeCollector:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.server.daemon_threads = True
+        if ssl_context is not None:  # the handshake runs in accept(); a client that fails it is only logged
+            self.server.socket = ssl_context.wrap_socket(self.server.socket, server_side=True)
+            self.server.handle_error = lambda request, client_address: None
         self.port = self.server.server_address[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if ssl_context else 'http'}://127.0.0.1:{self.port}"
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self.thread.start()
 
@@ -128,7 +153,7 @@ def _free_port() -> int:
 
 def _config(url: str, tmp_path, **kw) -> AgentConfig:
     base = dict(url=url, token="tok", flush_interval_s=0.05, heartbeat_interval_s=0.05, spool_dir=str(tmp_path),
-                capacity=4096, timeout_s=1.0, retry_min_s=0.05, retry_max_s=0.2)
+                capacity=4096, timeout_s=1.0, retry_min_s=0.05, retry_max_s=0.2, spool_flush_interval_s=0.2)
     base.update(kw)
     return AgentConfig(**base)
 
@@ -163,7 +188,9 @@ def test_normal_flush_delivers_every_row_exactly_once(collector, tmp_path):
             agent.collective(step, 3 * step + seq, step, "all_reduce", "dp", 0, -1, 4096, time.time(), 1e-4, 1e-5)
         if step % 20 == 0:
             agent.record_scalar(step, "eval/loss", step / 10)
-            time.sleep(0.02)  # let several flushes happen
+        if step in (50, 100):  # several batches, however fast this loop runs against the flusher
+            sent = collector.num_posts
+            assert _wait_for(lambda: collector.num_posts > sent)
     agent.event("run_finished", step=199, status="completed")
     assert agent.flush(5.0)
     agent.close()
@@ -283,7 +310,7 @@ def test_commands_land_in_the_mailbox_once_and_acks_come_back(collector, tmp_pat
 
 
 def test_record_never_blocks_while_the_collector_stalls(collector, tmp_path):
-    collector.stall_s = 2.0
+    collector.stall_s = 3.0  # well past the 1 s of recording below, even on a loaded machine
     agent = Agent(_config(collector.url, tmp_path, timeout_s=5.0), run_id="run6", rank=0)
     agent.start()
     assert _wait_for(lambda: collector.num_in_flight > 0, 5.0)  # the flusher is stuck in a POST
@@ -311,7 +338,8 @@ def test_heartbeats_continue_while_the_training_thread_sleeps(collector, tmp_pat
     agent.bind_seq_source(lambda: 41)
     agent.start()
     agent.set_phase("backward", 7)
-    time.sleep(0.6)  # a "hung" training thread records nothing
+    # a "hung" training thread records nothing; the flusher's heartbeats go on
+    assert _wait_for(lambda: sum(1 for h in collector.rows("heartbeat") if h["step"] == 7) >= 5)
     agent.close()
     hbs = collector.rows("heartbeat")
     phases = [b.header["dicts"]["phase"] for b in collector.batches if b.num_rows("heartbeat")]
@@ -379,3 +407,152 @@ def test_drop_counts_reach_the_collector_once_even_past_a_lost_batch(collector, 
     # the 3 buffer drops rode on the refused batch, so the first delivered one carries them, once
     assert reported[0] == 3 and sum(reported) == 3
     assert stats["rejected"]["scalar"] == 2  # the refused rows: the collector counted those itself
+
+
+# -- close: deliver what the spool holds, within the deadline ----------------------------------------------------
+
+
+def _record_for(agent: Agent, duration_s: float, first_step: int = 0) -> int:
+    """A training loop's pace: one step every ~10 ms for `duration_s`. Returns the next step."""
+    step, end = first_step, time.monotonic() + duration_s
+    while time.monotonic() < end:
+        _step(agent, step)
+        step += 1
+        time.sleep(0.01)
+    return step
+
+
+def _left_in_spool(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "left in the spool" in r.getMessage()]
+
+
+def test_close_delivers_the_backlog_of_an_outage_to_a_collector_that_acks_slowly(tmp_path, caplog):
+    """The flake of test_collector_never_started_then_appears, in small: the collector
+    acks each POST only after its group commit (here 0.2 s), so replay costs a round
+    trip per batch; a batch per 0.05 s flush made the backlog outgrow close()'s budget.
+    While spooling the agent cuts a batch per spool_flush_interval_s instead."""
+    port = _free_port()
+    agent = Agent(_config(f"http://127.0.0.1:{port}", tmp_path, spool_flush_interval_s=2.0), run_id="slow", rank=0)
+    agent.start()
+    steps = _record_for(agent, 1.5)  # the collector is away: ~30 flush intervals
+    assert _wait_for(lambda: agent.stats()["batches"]["spooled"] >= 1)
+    server = FakeCollector(port)
+    server.stall_s = 0.2
+    try:
+        t0 = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="llmwatch.agent"):
+            agent.close(timeout_s=3.0)
+        close_s = time.monotonic() - t0
+        stats = agent.stats()
+        assert [r["step"] for r in server.rows("step")] == list(range(steps))
+        assert stats["spool_bytes"] == 0 and not _left_in_spool(caplog)
+        assert close_s < 3.5
+        print(f"{steps} steps, {stats['batches']['spooled']} spooled batches, close took {close_s:.2f} s")
+    finally:
+        server.close()
+
+
+def test_close_retries_a_busy_collector_within_its_deadline(collector, tmp_path, caplog):
+    agent = Agent(_config(collector.url, tmp_path), run_id="busy", rank=0)
+    agent.start()
+    _step(agent, 0)
+    assert agent.flush(5.0)
+    _step(agent, 1)
+    collector.num_busy_left = 3  # 503 + Retry-After for the next three POSTs
+    with caplog.at_level(logging.WARNING, logger="llmwatch.agent"):
+        agent.close(timeout_s=5.0)
+    assert [r["step"] for r in collector.rows("step")] == [0, 1]
+    assert collector.num_busy_left == 0 and not _left_in_spool(caplog)
+    assert agent.stats()["batches"]["quarantined"] == 0  # busy is not the batch's fault
+
+
+def test_close_without_a_collector_returns_at_once_and_says_what_stays_in_the_spool(tmp_path, caplog):
+    agent = Agent(_config(f"http://127.0.0.1:{_free_port()}", tmp_path), run_id="gone", rank=0)
+    agent.start()
+    for step in range(20):
+        _step(agent, step)
+    assert _wait_for(lambda: agent.stats()["batches"]["spooled"] >= 1)
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="llmwatch.agent"):
+        agent.close(timeout_s=5.0)
+    assert time.monotonic() - t0 < 2.0  # connection refused: nobody to wait for
+    (msg,) = _left_in_spool(caplog)
+    num = agent.stats()["batches"]["spooled"]
+    assert msg.startswith(f"llmwatch agent: {num} undelivered batches left in the spool {tmp_path}")
+
+
+def test_close_never_outlasts_its_timeout_against_a_stalled_collector(collector, tmp_path, caplog):
+    """Each request's timeout is cut to what is left of close()'s deadline (the
+    client's own timeout_s, 5 s here, would have run past it)."""
+    collector.stall_s = 2.0  # every POST hangs past close()'s deadline
+    agent = Agent(_config(collector.url, tmp_path, timeout_s=5.0), run_id="stall", rank=0)
+    _step(agent, 0)  # no flusher thread: close() runs the final cycle itself
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="llmwatch.agent"):
+        agent.close(timeout_s=0.5)
+    assert time.monotonic() - t0 < 1.0
+    (msg,) = _left_in_spool(caplog)
+    assert msg.startswith("llmwatch agent: 1 undelivered batches left in the spool")
+    assert _wait_for(lambda: collector.num_in_flight == 0)
+
+
+# -- retries: 4xx never, 5xx a bounded number of times ------------------------------------------------------------
+
+
+def test_a_batch_the_collector_keeps_failing_is_quarantined_and_replayable(collector, tmp_path, caplog, capsys,
+                                                                         monkeypatch):
+    from agent import replay
+
+    agent = Agent(_config(collector.url, tmp_path, max_batch_failures=3), run_id="poison", rank=0)
+    collector.fail_seqs = {1: 500}  # batch 1 always gets a 500
+    with caplog.at_level(logging.WARNING, logger="llmwatch.agent"):
+        flushed = []
+        for step in range(4):  # no flusher thread: each flush() is one batch
+            _step(agent, step)
+            flushed.append(agent.flush(5.0))
+        stats = agent.stats()
+        agent.close()
+    assert [r["step"] for r in collector.rows("step")] == [0, 2, 3]  # the rest flowed on
+    assert flushed == [True, False, True, True]  # a quarantined batch did not reach the collector
+    assert stats["batches"]["quarantined"] == 1 and stats["quarantined"]["step"] == 1
+    counts = [b.header["stats"]["quarantined"] for b in collector.batches]  # close() cut one more batch
+    assert counts == [0] + [1] * (len(counts) - 1) and len(counts) >= 3
+    quarantine = tmp_path / "quarantine"
+    assert any("set aside in " + str(quarantine) in r.getMessage() for r in caplog.records)
+    assert any("1 batches are in the quarantine" in r.getMessage() for r in caplog.records)
+    collector.fail_seqs = {}
+    monkeypatch.setenv("LLMWATCH_TOKEN", "tok")
+    assert replay.main([str(tmp_path), "--url", collector.url]) == 0  # the rank's spool: quarantine left out
+    assert "quarantine: batches set aside" in capsys.readouterr().err
+    assert replay.main([str(quarantine), "--url", collector.url]) == 0
+    assert sorted(r["step"] for r in collector.rows("step")) == [0, 1, 2, 3]
+
+
+def test_503_never_quarantines(collector, tmp_path):
+    collector.fail_seqs = {0: 503}
+    agent = Agent(_config(collector.url, tmp_path, max_batch_failures=2), run_id="busy2", rank=0)
+    _step(agent, 0)
+    for _ in range(4):
+        assert not agent.flush(0.3)
+    collector.fail_seqs = {}
+    assert agent.flush(5.0)
+    agent.close()
+    assert [r["step"] for r in collector.rows("step")] == [0]
+    assert agent.stats()["batches"]["quarantined"] == 0
+
+
+def test_token_never_reaches_a_log_line_even_when_the_server_echoes_it(collector, tmp_path, caplog):
+    collector.echo_auth = True
+    agent = Agent(_config(collector.url, tmp_path, max_batch_failures=1), run_id="echo", rank=0)
+    with caplog.at_level(logging.DEBUG, logger="llmwatch.agent"):
+        _step(agent, 0)
+        agent.flush(2.0)
+        stats = agent.stats()
+        agent.close()
+    assert "Bearer <redacted>" in stats["last_error"] and "tok" not in stats["last_error"].replace("<redacted>", "")
+    assert caplog.records
+    for r in caplog.records:
+        assert "Bearer tok" not in r.getMessage()
+    for f in tmp_path.rglob("*"):
+        if f.is_file():
+            assert b"Bearer tok" not in f.read_bytes()

@@ -130,3 +130,28 @@ def test_buffer_drops_are_reported_once_in_headers_and_in_stats(tmp_path):
     # headers carry drops not yet carried by a sent or spooled batch: the collector sums them
     assert first.header["stats"]["dropped"]["scalar"] == 3
     assert second.header["stats"]["dropped"]["scalar"] == 0
+
+
+def test_while_spooling_rows_wait_for_a_larger_batch_but_never_overflow_the_buffer(tmp_path):
+    """Collector away: a periodic cycle holds the rows back (one spooled batch per
+    spool_flush_interval_s, each replay costs a round trip) unless a buffer is half
+    full or filling fast enough to overflow before the next cycle."""
+    cfg = AgentConfig(url=f"http://127.0.0.1:{_closed_port()}", spool_dir=str(tmp_path), capacity=100,
+                      timeout_s=0.5, spool_flush_interval_s=3600.0)
+    agent = Agent(cfg, run_id="r", rank=0)
+    agent.record_scalar(0, "x", 1.0)
+    agent._cycle_guarded(deadline=None)  # the first cycle cuts, the POST is refused: spooled
+    assert agent.stats()["batches"]["spooled"] == 1
+    for step in range(1, 11):  # 10 % full, growing slowly: held back
+        agent.record_scalar(step, "x", 1.0)
+        agent._cycle_guarded(deadline=None)
+    assert agent.stats()["batches"]["spooled"] == 1
+    for step in range(11, 51):  # +40 % in one cycle: could overflow by the next one
+        agent.record_scalar(step, "x", 1.0)
+    agent._cycle_guarded(deadline=None)
+    assert agent.stats()["batches"]["spooled"] == 2
+    agent.record_scalar(51, "x", 1.0)
+    assert agent.flush(0.5) is False  # flush() always cuts
+    stats = agent.stats()
+    agent.close(timeout_s=0.5)
+    assert stats["batches"]["spooled"] == 3 and sum(stats["dropped"].values()) == 0

@@ -13,7 +13,7 @@ class ScriptedClient:
         self.received: list[int] = []
         self.num_posts = 0
 
-    def post(self, body):
+    def post(self, body, *, timeout_s=None):
         self.num_posts += 1
         if self.outcome.status == "ok":
             self.received.append(wire.decode_batch(body).header["batch_seq"])
@@ -100,3 +100,172 @@ def test_full_spool_drops_and_counts_rows_per_kind(tmp_path):
     assert [shipper.ship(_batch(s), ROWS) for s in range(3)] == ["spooled", "dropped", "dropped"]
     assert shipper.stats.dropped["scalar"] == 2 and shipper.stats.num_batches_dropped == 2
     shipper.close()
+
+
+def _sleeping_shipper(tmp_path, **kw):
+    """A shipper whose `sleep` advances the scripted clock (drain waits without waiting)."""
+    client, clock = ScriptedClient(), Clock()
+    clock.t = 100.0
+
+    def sleep(s):
+        clock.t += s
+
+    shipper = Shipper(client, Spool(str(tmp_path), 1 << 20), lambda body: None, retry_min_s=0.5, retry_max_s=10.0,
+                      clock=clock, sleep=sleep, **kw)
+    return shipper, client, clock
+
+
+def _pending(shipper) -> list[int]:
+    out = []
+    spool = shipper.spool
+    while (payload := spool.peek()) is not None:
+        out.append(wire.decode_batch(payload).header["batch_seq"])
+        spool.pop()
+    return out
+
+
+def test_a_batch_failing_with_5xx_n_times_in_a_row_is_quarantined_and_the_rest_flows(tmp_path):
+    shipper, client, clock = _sleeping_shipper(tmp_path, max_failures=3)
+    client.outcome = PostResult("unavailable", 500, reason="HTTP 500: boom")
+    assert shipper.ship(_batch(0), ROWS) == "spooled"  # failure 1 of batch 0, now the head of the spool
+    assert shipper.ship(_batch(1), ROWS) == "spooled"
+    for _ in range(2):  # failures 2 and 3, each after the backoff
+        clock.t += 20.0
+        assert not shipper.pump()
+    assert shipper.stats.num_batches_quarantined == 1 and shipper.stats.quarantined["scalar"] == 1
+    assert client.num_posts == 4  # 3 for batch 0, then batch 1 went at once (the collector had answered)
+    client.outcome = PostResult("ok", 200, {})
+    clock.t += 20.0
+    assert shipper.pump() and client.received == [1]
+    quarantine = shipper.quarantine
+    assert quarantine.directory == str(tmp_path / "quarantine")
+    assert wire.decode_batch(quarantine.peek()).header["batch_seq"] == 0  # kept, replayable
+    shipper.close()
+
+
+def test_away_and_busy_answers_never_count_against_a_batch(tmp_path):
+    shipper, client, clock = _sleeping_shipper(tmp_path, max_failures=2)
+    client.outcome = PostResult("unavailable", reason="ConnectionRefusedError")
+    shipper.ship(_batch(0), ROWS)
+    answers = [PostResult("unavailable", code, reason=f"HTTP {code}", retry_after_s=1.0)
+               for code in (503, 429, 408, 502, 504)]
+    answers += [PostResult("unavailable", reason="TimeoutError", timed_out=True),
+                PostResult("unavailable", reason="ConnectionResetError")]
+    for res in answers * 3:
+        client.outcome = res
+        clock.t += 20.0
+        assert not shipper.pump()
+    assert shipper.stats.num_batches_quarantined == 0 and _pending(shipper) == [0]
+    shipper.close()
+
+
+def test_failures_count_in_a_row_per_batch_and_restart_with_the_next_batch(tmp_path):
+    shipper, client, clock = _sleeping_shipper(tmp_path, max_failures=2)
+    client.outcome = PostResult("unavailable", reason="refused")
+    shipper.ship(_batch(0), ROWS)
+    shipper.ship(_batch(1), ROWS)
+    for outcome in (PostResult("unavailable", 500, reason="HTTP 500"),  # batch 0: 1 of 2
+                    PostResult("unavailable", 503, reason="busy", retry_after_s=1.0),  # neither counts nor resets
+                    PostResult("ok", 200, {}),  # batch 0 delivered; batch 1 too
+                    ):
+        client.outcome = outcome
+        clock.t += 20.0
+        shipper.pump()
+    assert client.received == [0, 1]
+    client.outcome = PostResult("unavailable", reason="refused")
+    shipper.ship(_batch(2), ROWS)
+    for outcome in (PostResult("unavailable", 500, reason="HTTP 500"),  # batch 2: 1 of 2, not 2 of 2
+                    PostResult("ok", 200, {})):
+        client.outcome = outcome
+        clock.t += 20.0
+        shipper.pump()
+    assert client.received == [0, 1, 2] and shipper.stats.num_batches_quarantined == 0
+    shipper.close()
+
+
+def test_spooled_batch_refused_with_409_is_rejected_not_retried(tmp_path):
+    shipper, client, clock = _sleeping_shipper(tmp_path)
+    client.outcome = PostResult("unavailable", reason="refused")
+    shipper.ship(_batch(0), ROWS)
+    shipper.ship(_batch(1), ROWS)
+    client.outcome = PostResult("rejected", 409, reason="HTTP 409: conflicting duplicate")
+    clock.t += 20.0
+    before = client.num_posts
+    assert shipper.pump()  # both refused for good: the spool is empty
+    assert client.num_posts - before == 2
+    st = shipper.stats
+    assert st.num_batches_rejected == 2 and st.rejected["scalar"] == 2 and st.num_batches_replayed == 0
+    assert shipper.spool.peek() is None and "409" in st.last_error
+    shipper.close()
+
+
+def test_full_quarantine_drops_and_counts(tmp_path):
+    shipper, client, clock = _sleeping_shipper(tmp_path, max_failures=1, quarantine_bytes=len(_batch(0)) + 8)
+    client.outcome = PostResult("unavailable", 500, reason="HTTP 500")
+    shipper.ship(_batch(0), ROWS)
+    shipper.ship(_batch(1), ROWS)
+    for _ in range(3):
+        clock.t += 20.0
+        shipper.pump()
+    st = shipper.stats
+    assert (st.num_batches_quarantined, st.num_batches_dropped) == (1, 1)
+    assert shipper.spool.peek() is None
+    shipper.close()
+
+
+def test_drain_ignores_backoff_retries_busy_answers_and_stops_when_nobody_answers(tmp_path):
+    shipper, client, clock = _sleeping_shipper(tmp_path)
+    client.outcome = PostResult("unavailable", reason="refused")
+    for seq in range(3):
+        shipper.ship(_batch(seq), ROWS)
+    shipper._backoff_s = 10.0
+    shipper.pump()  # refused again: backing off for 10 s
+    script = iter([PostResult("unavailable", 503, reason="busy", retry_after_s=1.0),
+                   PostResult("unavailable", reason="timeout", timed_out=True)])
+    real_post = client.post
+
+    def post(body, *, timeout_s=None):
+        posts.append(timeout_s)
+        res = next(script, None)
+        if res is None:
+            client.outcome = PostResult("ok", 200, {})
+            return real_post(body)
+        return res
+
+    posts = []
+    client.post = post
+    start = clock.t
+    assert shipper.drain(deadline=clock.t + 30.0)  # at once, despite the backoff; retried busy and slow
+    assert client.received == [0, 1, 2] and posts[0] == 30.0  # each request's timeout: what is left
+    assert clock.t - start < 30.0
+
+    client.post = real_post
+    client.outcome = PostResult("unavailable", reason="ConnectionRefusedError")
+    shipper.ship(_batch(3), ROWS)
+    before, start = client.num_posts, clock.t
+    assert not shipper.drain(deadline=clock.t + 30.0)
+    assert client.num_posts - before == 1 and clock.t == start  # nobody there: no waiting
+    shipper.close()
+
+
+def test_drain_gives_up_at_the_deadline(tmp_path):
+    shipper, client, clock = _sleeping_shipper(tmp_path)
+    client.outcome = PostResult("unavailable", 503, reason="busy", retry_after_s=2.0)
+    shipper.ship(_batch(0), ROWS)
+    deadline = clock.t + 5.0
+    assert not shipper.drain(deadline=deadline)
+    assert clock.t <= deadline and _pending(shipper) == [0]
+    shipper.close()
+
+
+def test_close_logs_how_many_batches_stay_in_the_spool_and_where(tmp_path, caplog):
+    import logging
+
+    shipper, client, _ = _sleeping_shipper(tmp_path)
+    client.outcome = PostResult("unavailable", reason="refused")
+    for seq in range(4):
+        shipper.ship(_batch(seq), ROWS)
+    with caplog.at_level(logging.WARNING, logger="llmwatch.agent"):
+        shipper.close()
+    (msg,) = [r.getMessage() for r in caplog.records if "left in the spool" in r.getMessage()]
+    assert msg.startswith("llmwatch agent: 4 undelivered batches left in the spool " + str(tmp_path))

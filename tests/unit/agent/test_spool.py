@@ -118,3 +118,50 @@ def test_second_open_of_a_live_spool_is_refused(tmp_path):
         Spool(str(tmp_path), max_bytes=1000)
     spool.close()
     Spool(str(tmp_path), max_bytes=1000).close()  # released on close
+
+
+def test_appends_do_not_fsync_rotation_and_close_do_file_and_directory(tmp_path, monkeypatch):
+    import stat
+
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        mode = os.fstat(fd).st_mode
+        synced.append("dir" if stat.S_ISDIR(mode) else "file")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    directory = tmp_path / "new" / "spool"
+    spool = Spool(str(directory), max_bytes=1 << 20, segment_bytes=100)
+    spool.append(b"a" * 40)  # creates the first segment: its name (and the new directory's) made durable
+    assert synced == ["dir", "dir"]
+    synced.clear()
+    spool.append(b"b" * 40)
+    assert synced == []  # a plain append costs no fsync
+    spool.append(b"c" * 40)  # rolls: the full segment, then the directory holding the new one
+    assert synced == ["file", "dir"]
+    synced.clear()
+    spool.peek()
+    spool.pop()  # rewrites the cursor: no fsync either
+    assert synced == []
+    spool.close()
+    assert synced == ["file", "file", "dir"]  # the open segment, the cursor, the directory
+
+
+def test_num_pending_counts_unread_records_across_segments(tmp_path):
+    spool = Spool(str(tmp_path), max_bytes=1 << 20, segment_bytes=100)
+    for i in range(7):
+        spool.append(bytes([i]) * 30)
+    assert spool.num_pending() == 7
+    spool.peek()
+    spool.pop()
+    spool.peek()
+    spool.pop()
+    assert spool.num_pending() == 5
+    spool.close()
+    with open(tmp_path / _segments(tmp_path)[-1], "ab") as f:
+        f.write(b"\x40\x00\x00\x00")  # a torn header is not a record
+    again = Spool(str(tmp_path), max_bytes=1 << 20)
+    assert again.num_pending() == 5
+    again.close()
