@@ -85,6 +85,10 @@ def serve(args: argparse.Namespace) -> int:
                         public_metrics=args.public_metrics, max_inflight_requests=args.max_inflight_requests,
                         body_timeout_s=args.body_timeout_s,
                         max_batch_bytes=args.max_batch_bytes, sql_timeout_s=args.sql_timeout_s,
+                        sql_max_bytes=args.sql_max_bytes, sql_max_concurrent=args.sql_max_concurrent,
+                        sql_queue_timeout_s=args.sql_queue_timeout_s, sql_max_waiting=args.sql_max_waiting,
+                        otlp_max_bytes=args.otlp_max_bytes, otlp_max_points=args.otlp_max_points,
+                        duckdb_max_temp_size=args.duckdb_max_temp_size,
                         sql_max_rows=args.sql_max_rows, group_linger_s=args.group_linger_s,
                         group_min_interval_s=args.group_min_interval_s,
                         group_min_rows=args.group_min_rows, duckdb_threads=args.duckdb_threads,
@@ -219,6 +223,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch-bytes", type=int, default=32 * MiB)
     s.add_argument("--sql-timeout-s", type=float, default=10.0)
     s.add_argument("--sql-max-rows", type=int, default=10_000)
+    s.add_argument("--sql-max-bytes", type=int, default=8 * MiB, help="an answer stops (truncated) past this")
+    s.add_argument("--sql-max-concurrent", type=int, default=4, help="queries running at once")
+    s.add_argument("--sql-queue-timeout-s", type=float, default=5.0,
+                   help="how long a query may wait for a slot (then 503 + Retry-After)")
+    s.add_argument("--sql-max-waiting", type=int, default=64, help="queries waiting at once (then 503)")
+    s.add_argument("--otlp-max-bytes", type=int, default=8 * MiB, help="OTLP body, compressed and decompressed")
+    s.add_argument("--otlp-max-points", type=int, default=100_000, help="OTLP data points per request")
     s.add_argument("--group-linger-s", type=float, default=0.05,
                    help="how long a small group commit may wait for more requests (0: never)")
     s.add_argument("--group-min-rows", type=int, default=131_072, help="a group this big commits without waiting")
@@ -226,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start a commit at most this often: small requests share one (0: commit each at once)")
     s.add_argument("--duckdb-threads", type=int, default=2)
     s.add_argument("--duckdb-memory-limit", default="2GB")
+    s.add_argument("--duckdb-max-temp-size", default="4GB", help="what queries may spill to disk beside the file")
     s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(func=serve)
 

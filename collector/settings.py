@@ -63,6 +63,7 @@ class Settings:
     duckdb_threads: int = 2
     duckdb_memory_limit: str = "2GB"
     duckdb_checkpoint_threshold: str = "64MB"
+    duckdb_max_temp_size: str = "4GB"  # what queries may spill to disk (DuckDB: 90% of the disk)
 
     def __post_init__(self) -> None:
         if self.token:

@@ -56,10 +56,12 @@ _JSON_FIELDS = frozenset({"evidence", "detail"})
 
 
 def connect(path: str | Path, *, read_only: bool = False, threads: int = 2, memory_limit: str = "2GB",
-            checkpoint_threshold: str = "64MB") -> duckdb.DuckDBPyConnection:
+            checkpoint_threshold: str = "64MB", max_temp_size: str = "4GB") -> duckdb.DuckDBPyConnection:
     """Open a database file with `DUCKDB_LOCKDOWN` (and, writable, the WAL size that
-    triggers an automatic checkpoint)."""
-    config = {**DUCKDB_LOCKDOWN, "threads": threads, "memory_limit": memory_limit}
+    triggers an automatic checkpoint). `max_temp_size` caps what queries may spill to
+    disk beside the file (DuckDB's default is 90% of the free disk)."""
+    config = {**DUCKDB_LOCKDOWN, "threads": threads, "memory_limit": memory_limit,
+              "max_temp_directory_size": max_temp_size}
     if not read_only:
         config["checkpoint_threshold"] = checkpoint_threshold
     return duckdb.connect(str(path), read_only=read_only, config=config)
@@ -86,7 +88,8 @@ class Storage:
         self._clock = clock
         self._con = connect(settings.db_path, threads=settings.duckdb_threads,
                             memory_limit=settings.duckdb_memory_limit,
-                            checkpoint_threshold=settings.duckdb_checkpoint_threshold)
+                            checkpoint_threshold=settings.duckdb_checkpoint_threshold,
+                            max_temp_size=settings.duckdb_max_temp_size)
         self._closed = False
         try:
             migrate(self._con)
