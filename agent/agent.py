@@ -148,7 +148,9 @@ def scrub_secrets(value):
 
 def default_spool_dir(run_id: str, rank: int) -> str:
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", run_id)[:100] or "run"
-    return os.path.join(tempfile.gettempdir(), "llmwatch-spool", safe, f"rank{rank}")
+    # per user: another user's directory of the same name in /tmp is not ours to write into
+    user = os.getuid() if hasattr(os, "getuid") else "user"
+    return os.path.join(tempfile.gettempdir(), f"llmwatch-spool-{user}", safe, f"rank{rank}")
 
 
 class Agent(Recorder):

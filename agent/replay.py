@@ -42,12 +42,12 @@ def replay_dir(directory: Path, client: HttpClient) -> tuple[int, int, bool]:
     try:
         while (payload := spool.peek()) is not None:
             res = client.post(payload)
-            if res.status == "unavailable":
-                print(f"{directory}: collector unavailable ({res.reason}); {sent} sent, the rest kept",
-                      file=sys.stderr)
-                return sent, refused, False
             if res.code in (401, 403):
                 print(f"{directory}: the collector refused the token ({res.reason}); {sent} sent, the rest kept",
+                      file=sys.stderr)
+                return sent, refused, False
+            if res.status == "unavailable":
+                print(f"{directory}: collector unavailable ({res.reason}); {sent} sent, the rest kept",
                       file=sys.stderr)
                 return sent, refused, False
             if res.status == "rejected":

@@ -77,6 +77,25 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _private_dirs(directory: str) -> None:
+    """Create `directory` and the parents it lacks with mode 0700: a spool holds a
+    run's telemetry (no secret, but nothing for other users either). An existing
+    directory keeps its mode (it may be a shared parent)."""
+    missing = []
+    d = os.path.abspath(directory)
+    while not os.path.isdir(d):
+        missing.append(d)
+        parent = os.path.dirname(d)
+        if parent == d:
+            break
+        d = parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            pass
+
+
 def _seg_name(num: int) -> str:
     return f"{_PREFIX}{num:010d}{_SUFFIX}"
 
@@ -94,7 +113,7 @@ class Spool:
         self.segment_bytes = segment_bytes or max(64 * 1024, min(16 * 1024 * 1024, max_bytes // 8))
         self.num_corrupt = 0  # records skipped: bad crc, torn tail, impossible length
         self._new_dir = not os.path.isdir(directory)  # its name in the parent is durable once fsync'ed
-        os.makedirs(directory, exist_ok=True)
+        _private_dirs(directory)
         self._dir_dirty = False  # a file was created here since the directory was last fsync'ed
         self._lock_fd = self._take_lock()
         self._segs: list[int] = sorted(

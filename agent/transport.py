@@ -6,10 +6,15 @@ training thread.
 
 Outcome of a POST to `{url}/v1/ingest`:
   2xx            delivered; the JSON body may carry control commands.
-  other 4xx      rejected for good (bad batch, bad token, too large, 409 for a
-                 key already stored with other bytes): counted, logged once,
-                 dropped; retrying would fail the same way. Spooled batches
-                 being replayed are treated the same.
+  401, 403       the collector refuses this agent's token: nothing is wrong with
+                 the batch, so it is not dropped. It is spooled like in an
+                 outage (and probed with the same backoff), and the log says so
+                 once: fix the token, and the next incarnation, or
+                 `python -m agent.replay --token-file`, ships what was spooled.
+  other 4xx      rejected for good (bad batch, too large, 409 for a key already
+                 stored with other bytes): counted, logged once, dropped;
+                 retrying would fail the same way. Spooled batches being
+                 replayed are treated the same.
   408, 429, 502, 503, 504, connection refused or reset, timeout, TLS failure
                  the collector is away or busy ("retry later"): the batch goes to
                  the spool and is replayed in order once a probe (backoff 0.5 s
@@ -62,6 +67,7 @@ log = logging.getLogger("llmwatch.agent")
 INGEST_PATH = "/v1/ingest"
 _RETRYABLE_4XX = (408, 429)  # timeouts and rate limits: the batch itself is fine
 _AWAY_5XX = (502, 503, 504)  # a proxy without its backend, back-pressure: the collector is away or busy
+_REFUSED_TOKEN = (401, 403)  # the credentials, not the batch: keep the batch
 
 
 @dataclass(slots=True)
@@ -171,6 +177,9 @@ class HttpClient:
                 parsed = None
             return PostResult("ok", code, parsed if isinstance(parsed, dict) else None)
         reason = self._redact(f"HTTP {code}: {data[:300].decode('utf-8', 'replace')}")
+        if code in _REFUSED_TOKEN:
+            return PostResult("unavailable", code, reason=reason + " (the collector refuses this agent's token; "
+                              "batches are kept in the spool)")
         if code >= 500 or code in _RETRYABLE_4XX:
             return PostResult("unavailable", code, reason=reason,
                               retry_after_s=_retry_after_s(resp.getheader("Retry-After")))
@@ -337,8 +346,8 @@ class Shipper:
             wait_s = self._went_down(res)
             if self._failed_head(payload, rows, res):
                 continue
-            if res.code == 0 and not res.timed_out:
-                return False
+            if (res.code == 0 and not res.timed_out) or res.code in _REFUSED_TOKEN:
+                return False  # nobody there, or a token it will refuse again: no use waiting
             if self._clock() + wait_s >= deadline:
                 return False
             self._sleep(wait_s)

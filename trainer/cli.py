@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="file holding the collector bearer token (keep it 0600); also under torchrun")
     g.add_argument("--token", help="collector bearer token; visible in `ps`: prefer --token-file or "
                                    "env LLMWATCH_TOKEN")
+    g.add_argument("--ca-file", metavar="PEM", help="CA bundle to verify an https:// --collector")
     g.add_argument("--telemetry-flush-s", type=float,
                    help="how often each agent ships a batch (default 0.2; longer costs less CPU, shows data later)")
     g.add_argument("--otlp-endpoint", help="also export step-phase spans over OTLP/HTTP to this endpoint")
@@ -89,7 +90,7 @@ _MAP = {
     "ckpt_dir": ("ckpt", "dir"), "ckpt_every": ("ckpt", "every"), "ckpt_persist_dir": ("ckpt", "persist_dir"),
     "ckpt_keep": ("ckpt", "keep"), "resume": ("ckpt", "resume"),
     "telemetry": ("telemetry", "enabled"), "collector": ("telemetry", "collector_url"),
-    "otlp_endpoint": ("telemetry", "otlp_endpoint"),
+    "otlp_endpoint": ("telemetry", "otlp_endpoint"), "ca_file": ("telemetry", "ca_file"),
     "telemetry_flush_s": ("telemetry", "flush_interval_s"),
     "prometheus_port": ("telemetry", "prometheus_port"),
 }

@@ -139,6 +139,7 @@ class CheckpointConfig:
 class TelemetryConfig:
     enabled: bool = False
     collector_url: str | None = None  # None with enabled=True: the launcher starts an embedded collector
+    ca_file: str | None = None  # PEM bundle that verifies an https:// collector (default: the system's)
     # No token here: this config is written to config.json, shipped into the runs table and
     # copied into every spool segment. The token comes from --token-file or $LLMWATCH_TOKEN.
     flush_interval_s: float = 0.2

@@ -70,7 +70,7 @@ def _make_agent(cfg: JobConfig, dims: ParallelDims, node: str, run_info: dict | 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     spool_dir = Path(cfg.run_dir) / "spool" / f"rank{dims.rank:05d}" if cfg.run_dir else None
     agent_cfg = AgentConfig(
-        url=t.collector_url, token=token,
+        url=t.collector_url, token=token, ca_file=t.ca_file,
         flush_interval_s=t.flush_interval_s, heartbeat_interval_s=t.heartbeat_interval_s,
         spool_dir=str(spool_dir) if spool_dir else None, spool_bytes=t.spool_bytes,
         otlp_endpoint=t.otlp_endpoint,

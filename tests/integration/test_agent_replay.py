@@ -83,3 +83,28 @@ def test_the_command_line_needs_no_token(collector, tmp_path):
     assert out.returncode == 0, out.stderr
     assert not any(a.startswith("--token") for a in argv) and "replayed 1 batches" in out.stdout
     assert [r["step"] for r in collector.rows("step")] == [0]
+
+
+def test_a_refused_token_at_run_time_keeps_every_batch_for_a_replay(tmp_path):
+    """A wrong token is the operator's mistake, not bad data: nothing is dropped."""
+    from tests.unit.collector.collector_server import CollectorProcess
+
+    col = CollectorProcess(tmp_path / "c.duckdb", args=("--group-linger-s", "0")).start()
+    try:
+        cfg = AgentConfig(url=col.url, token="not-the-token", spool_dir=str(tmp_path / "spool" / "rank00000"),
+                          timeout_s=5.0)
+        agent = Agent(cfg, run_id="wrongtok", rank=0)
+        agent.start()
+        for step in range(3):
+            _step(agent, step)
+            assert agent.flush(5.0) is False  # not delivered...
+        agent.close(timeout_s=5.0)
+        stats = agent.stats()
+        assert stats["rejected"]["step"] == 0 and stats["dropped"]["step"] == 0  # ...and not lost
+        assert col.sql("SELECT count(*) FROM steps") == [[0]]
+        token_file = tmp_path / "token"
+        token_file.write_text(col.token + "\n")
+        assert replay.main([str(tmp_path / "spool"), "--url", col.url, "--token-file", str(token_file)]) == 0
+        assert col.sql("SELECT list(step ORDER BY step) FROM steps WHERE run_id = 'wrongtok'") == [[[0, 1, 2]]]
+    finally:
+        assert col.stop() == 0

@@ -128,3 +128,30 @@ def test_spooled_batches_hold_no_token(tmp_path):
     assert any(b'"micro_batch_size"' in p.read_bytes() for p in segments)
     assert files_holding(r.run_dir, [token], skip=()) == []
     assert token not in r.stdout + r.stderr
+
+
+def test_ranks_ship_over_tls_with_only_the_ingest_token(tmp_path):
+    """A collector beyond loopback: HTTPS with a CA file, role tokens, the ranks
+    holding the ingest token alone."""
+    from tests.integration.test_collector_gate import _self_signed
+
+    cert, key = _self_signed(tmp_path)
+    tokens = {role: secrets.token_urlsafe(32) for role in ("ingest", "read", "control")}
+    args = ["--tls-cert", str(cert), "--tls-key", str(key)]
+    for role, token in tokens.items():
+        (tmp_path / role).write_text(token + "\n")
+        os.chmod(tmp_path / role, 0o600)
+        args += [f"--{role}-token-file", str(tmp_path / role)]
+    col = CollectorProcess(tmp_path / "tls.duckdb", token=None, scheme="https", args=tuple(args)).start()
+    try:
+        r = run_trainer(tmp_path / "run", "--telemetry", "--collector", col.url, "--ca-file", str(cert),
+                        "--token-file", str(tmp_path / "ingest"), *RUN, env=NO_TOKEN_ENV)
+    finally:
+        col.stop()
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not list((r.run_dir / "spool").glob("rank*/seg-*"))  # everything was delivered
+    con = duckdb.connect(str(tmp_path / "tls.duckdb"), read_only=True)
+    assert con.execute("SELECT count(*) FROM steps").fetchone()[0] == 3 * 2
+    assert con.execute("SELECT config->'telemetry'->>'ca_file' FROM runs").fetchone()[0] == str(cert)
+    con.close()
+    assert tables_holding(tmp_path / "tls.duckdb", list(tokens.values())) == []

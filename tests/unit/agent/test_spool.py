@@ -165,3 +165,15 @@ def test_num_pending_counts_unread_records_across_segments(tmp_path):
     again = Spool(str(tmp_path), max_bytes=1 << 20)
     assert again.num_pending() == 5
     again.close()
+
+
+def test_spool_directories_it_creates_are_private(tmp_path):
+    import stat
+
+    os.chmod(tmp_path, 0o755)
+    s = Spool(str(tmp_path / "a" / "b" / "rank0"), 1 << 20)
+    s.append(b"x")
+    s.close()
+    for d in (tmp_path / "a", tmp_path / "a" / "b", tmp_path / "a" / "b" / "rank0"):
+        assert stat.S_IMODE(os.stat(d).st_mode) == 0o700, d
+    assert stat.S_IMODE(os.stat(tmp_path).st_mode) == 0o755  # an existing parent keeps its mode
