@@ -6,6 +6,7 @@ import argparse
 import csv
 import json
 import os
+import re
 import signal
 import ssl
 import sys
@@ -30,6 +31,33 @@ def _tokens(args: argparse.Namespace, db_path: Path):
         print("collector: warning: --token is visible to every user in `ps`; prefer --token-file or "
               f"${ALL_ROLES_ENV}", file=sys.stderr, flush=True)
     return sources.resolve(os.environ, default_dir=Path(str(db_path) + ".tokens"))
+
+
+_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    """'6GB', '512MiB', '1000000' -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (e.g. 6GB, 512MiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def limit_memory(max_bytes: int) -> None:
+    """Cap the process's data segment (RLIMIT_DATA: heap and private mappings) at
+    `max_bytes`. DuckDB's memory_limit bounds its buffer pool, not a value built
+    inside one vector (a string concatenated with itself across CTEs reached 6 GB);
+    past this cap such an allocation fails, DuckDB answers the query with an
+    out-of-memory error, and the collector lives on instead of meeting the OOM killer.
+    It counts address space reserved, not resident (an idle collector reserves
+    ~1.8 GB to hold ~0.4 GB), hence a generous default."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    if hard != resource.RLIM_INFINITY:
+        max_bytes = min(max_bytes, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (max_bytes, hard))
 
 
 def _check_exposure(args: argparse.Namespace) -> str | None:
@@ -73,6 +101,13 @@ def serve(args: argparse.Namespace) -> int:
     if unsafe:
         print(f"collector: error: {unsafe}", file=sys.stderr)
         return 2
+    try:
+        max_memory = parse_bytes(args.max_memory)
+    except ValueError as e:
+        print(f"collector: error: --max-memory: {e}", file=sys.stderr)
+        return 2
+    if max_memory:
+        limit_memory(max_memory)
     db_path = Path(args.db).resolve()
     db_path.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -238,6 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--duckdb-threads", type=int, default=2)
     s.add_argument("--duckdb-memory-limit", default="2GB")
     s.add_argument("--duckdb-max-temp-size", default="4GB", help="what queries may spill to disk beside the file")
+    s.add_argument("--max-memory", default="8GB",
+                   help="cap on the process's data segment (RLIMIT_DATA; 0: none): a query past it fails, "
+                        "the collector lives on")
     s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(func=serve)
 
