@@ -7,8 +7,9 @@ committed step rows (per rank: the row with the highest step of its latest
 batch) and aggregated only when Prometheus scrapes. Open incidents are counted
 from the `incidents` table at scrape time.
 
-The exposition holds no data rows, only aggregates, which is why GET /metrics
-needs no token (like /healthz).
+The exposition holds no data rows, only aggregates; it still names runs and shows
+their live losses, so GET /metrics needs the read token (collector/gate.py) unless
+the collector runs with --public-metrics.
 """
 
 from __future__ import annotations
