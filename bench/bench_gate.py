@@ -19,46 +19,19 @@ A real `collector serve` in its own process; this script plays the attacker:
 from __future__ import annotations
 
 import argparse
-import os
-import re
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from collector_proc import rss_kib, start_collector  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "bench-gate-token-0123456789"
 PATHS = ("/v1/sql", "/v1/ingest", "/v1/metrics", "/v1/runs/x/commands")
-
-
-def rss_kib(pid: int) -> tuple[int, int]:
-    """(VmRSS, VmHWM) of a process, KiB."""
-    fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        name, _, value = line.partition(":")
-        if name in ("VmRSS", "VmHWM"):
-            fields[name] = int(value.split()[0])
-    return fields["VmRSS"], fields["VmHWM"]
-
-
-def start_collector(root: Path, db: Path) -> tuple[subprocess.Popen, int]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMWATCH_")}
-    env.update(PYTHONPATH=str(root), OMP_NUM_THREADS="1", LLMWATCH_TOKEN=TOKEN)
-    proc = subprocess.Popen([sys.executable, "-m", "collector", "serve", "--db", str(db), "--port", "0",
-                             "--token", TOKEN], cwd=root, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 60
-    for line in proc.stdout:
-        m = re.search(r"listening on https?://127\.0\.0\.1:(\d+)", line)
-        if m:
-            return proc, int(m.group(1))
-        if time.monotonic() > deadline:
-            break
-    proc.kill()
-    raise SystemExit("the collector did not start")
 
 
 def oversized_post(port: int, path: str, body_bytes: int, timeout_s: float = 60.0) -> tuple[int, float, int]:
@@ -114,7 +87,9 @@ def main() -> int:
     p.add_argument("--root", type=Path, default=ROOT, help="the checkout whose collector to attack")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        proc, port = start_collector(args.root, Path(tmp) / "gate.duckdb")
+        # --token: the attacked checkout may predate token files (the gate's own baseline)
+        proc, url = start_collector(args.root, Path(tmp) / "gate.duckdb", TOKEN, "--token", TOKEN)
+        port = int(url.rsplit(":", 1)[1])
         try:
             for _ in range(5):
                 authed_sql(port)  # warm: imports, first query

@@ -22,10 +22,7 @@ attacker with a read token):
 from __future__ import annotations
 
 import argparse
-import os
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -33,6 +30,9 @@ import time
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from collector_proc import rss_kib, start_collector  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "bench-sql-token-0123456789"
@@ -48,33 +48,6 @@ SIZES = [  # (what, sql, format)
         f"{n} AS (SELECT {'||'.join(['s'] * 10)} AS s FROM {p})" for p, n in zip("abcde", "bcdef"))
      + " SELECT s FROM f", "json"),
 ]
-
-
-def rss_kib(pid: int) -> tuple[int, int]:
-    """(VmRSS, VmHWM) of a process, KiB."""
-    fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        name, _, value = line.partition(":")
-        if name in ("VmRSS", "VmHWM"):
-            fields[name] = int(value.split()[0])
-    return fields["VmRSS"], fields["VmHWM"]
-
-
-def start_collector(root: Path, db: Path, *extra: str) -> tuple[subprocess.Popen, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMWATCH_")}
-    env.update(PYTHONPATH=str(root), OMP_NUM_THREADS="1", LLMWATCH_TOKEN=TOKEN)
-    proc = subprocess.Popen([sys.executable, "-m", "collector", "serve", "--db", str(db), "--port", "0", *extra],
-                            cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 60
-    for line in proc.stdout:
-        m = re.search(r"listening on (https?://127\.0\.0\.1:\d+)", line)
-        if m:
-            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-            return proc, m.group(1)
-        if time.monotonic() > deadline:
-            break
-    proc.kill()
-    raise SystemExit("the collector did not start")
 
 
 def client(url: str) -> httpx.Client:
@@ -156,7 +129,7 @@ def main() -> int:
     args = p.parse_args()
     parts = set(args.parts.split(","))
     with tempfile.TemporaryDirectory() as tmp:
-        proc, url = start_collector(args.root, Path(tmp) / "sql.duckdb", "--sql-timeout-s", str(args.sql_timeout_s),
+        proc, url = start_collector(args.root, Path(tmp) / "sql.duckdb", TOKEN, "--sql-timeout-s", str(args.sql_timeout_s),
                                     "--sql-max-rows", "10000000")
         try:
             with client(url) as c:
