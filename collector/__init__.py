@@ -1,7 +1,8 @@
 """The collector: ingest, DuckDB storage, control commands, read-only SQL, metrics.
 
-Public face: `Settings`, `Storage` (open a database, queue writes, query),
-`create_app` (the ASGI app around a Storage), and `commands.issue`.
+Public face: `Settings`, `Storage` (open a database, queue writes such as
+`issue_command` and `record_findings`, subscribe to commits, query), `read` (the
+queries, on any DuckDB cursor) and `create_app` (the ASGI app around a Storage).
 The CLI is `collector serve` / `collector sql` (collector/cli.py).
 """
 

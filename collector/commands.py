@@ -1,14 +1,16 @@
-"""Control commands for a run's ranks: issue, deliver once per rank, record acks.
-
-A command (rollback, skip, rerun, isolate, stop, ...) is stored in `commands`
-and handed to each target rank in the response to that rank's next ingest
-request, once. The rank acknowledges with an event of kind "command_ack"
-({command_id, status, detail}), which updates the command's row.
+"""Control commands: issued through the writer, delivered in ingest answers, acked.
 
 `CommandBook` is the writer thread's in-memory view of recent commands, so that
 answering an ingest request costs a dict lookup, not a query. Its changes are
 planned before a group commit (`plan`) and applied only after the commit
 succeeded (`apply`): a rolled-back transaction delivers nothing.
+`CommandsProjection` puts it in the writer's list of projections: it inserts the
+commands issued in the group (`IssueCommand` intents), updates the delivered and
+acked ones, and gives each ingest request the commands it delivers.
+
+Issuing never waits for the writer: `Storage.issue_command` queues an intent and
+returns a future (or calls `done` after the commit), so detection and the policy
+may issue from any thread, the writer's own included.
 
 Targets: a list of ranks, or None for every rank of the run. A command for
 every rank is resolved to range(world_size) when the run's size is known; if not,
@@ -23,15 +25,16 @@ marked expired (when its run next reports) and forgotten by the book.
 from __future__ import annotations
 
 import copy
+import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from collector.decode import CommandAck
+import duckdb
 
-if TYPE_CHECKING:
-    from collector.storage import Storage
+from collector.decode import CommandAck, json_text
+from collector.projection import Group, Ids, Projection
 
 KIND_RE = re.compile(r"^[a-z][a-z0-9_]{0,49}$")
 FAILED_ACKS = frozenset({"failed", "error", "rejected"})
@@ -90,7 +93,9 @@ class CommandPlan:
     """Changes one group commit would make: per request, the commands it delivers."""
 
     deliveries: list[list[dict[str, Any]]]
-    changed: dict[int, Command]  # updated copies, by id
+    changed: dict[int, Command]  # updated copies (and the new commands), by id
+    new: list[int] = field(default_factory=list)  # ids of the commands issued in this group
+    results: list[Any] = field(default_factory=list)  # per IssueCommand intent: its Command or an error
 
 
 class CommandBook:
@@ -106,10 +111,30 @@ class CommandBook:
     def get(self, run_id: str, command_id: int) -> Command | None:
         return self._by_run.get(run_id, {}).get(command_id)
 
+    @classmethod
+    def load(cls, con: duckdb.DuckDBPyConnection, ttl_s: float, now: float) -> "CommandBook":
+        """The book of a database's commands younger than `ttl_s`."""
+        book = cls(ttl_s)
+        rows = con.execute("""
+            SELECT id, run_id, kind, args, ranks, issued_ts, status, delivered, acks, updated_ts
+            FROM commands WHERE issued_ts > ?""", [now - ttl_s]).fetchall()
+        for cid, run_id, kind, args, ranks, issued_ts, status, delivered, acks, updated_ts in rows:
+            book.add(Command(
+                id=cid, run_id=run_id, kind=kind, args=json.loads(args) if args else {},
+                ranks=json.loads(ranks) if ranks else None, issued_ts=issued_ts, status=status,
+                delivered=json.loads(delivered) if delivered else [],
+                acks={int(k): v for k, v in json.loads(acks).items()} if acks else {}, updated_ts=updated_ts))
+        return book
+
     def plan(self, requests: Iterable[tuple[str, int]], acks: Iterable[tuple[str, int, float, CommandAck]],
-             now: float) -> CommandPlan:
-        """Deliveries for each (run_id, rank) request in order, then the acks."""
+             now: float, issued: Sequence[Command] = ()) -> CommandPlan:
+        """The `issued` commands first (so a request in the same group gets them), then
+        deliveries for each (run_id, rank) request in order, then the acks."""
         changed: dict[int, Command] = {}
+        new_by_run: dict[str, list[Command]] = {}
+        for cmd in issued:
+            changed[cmd.id] = cmd
+            new_by_run.setdefault(cmd.run_id, []).append(cmd)
 
         def edit(cmd: Command) -> Command:
             if cmd.id not in changed:
@@ -120,7 +145,8 @@ class CommandBook:
         for run_id, rank in requests:
             out: list[dict[str, Any]] = []
             deliveries.append(out)
-            for cmd in self._by_run.get(run_id, {}).values():
+            known = self._by_run.get(run_id, {}).values()
+            for cmd in [*known, *new_by_run[run_id]] if run_id in new_by_run else known:
                 cur = changed.get(cmd.id, cmd)
                 if now - cur.issued_ts > self.ttl_s:
                     if cur.status == "pending":
@@ -142,7 +168,7 @@ class CommandBook:
             cur.acks[rank] = {"status": ack.status, "detail": ack.detail, "ts": ts}
             cur.updated_ts = now
             cur._settle()
-        return CommandPlan(deliveries=deliveries, changed=changed)
+        return CommandPlan(deliveries=deliveries, changed=changed, new=[c.id for c in issued])
 
     def apply(self, plan: CommandPlan, now: float) -> None:
         for cmd in plan.changed.values():
@@ -154,14 +180,81 @@ class CommandBook:
                 del self._by_run[run_id]
 
 
-def issue(storage: "Storage", run_id: str, kind: str, *, args: dict[str, Any] | None = None,
-          ranks: list[int] | None = None, timeout_s: float = 30.0) -> dict[str, Any]:
-    """Store a command for a run and return it once committed (blocking).
+@dataclass(frozen=True, slots=True)
+class IssueCommand:
+    """An intent for the commands projection: store this command (validated already)."""
 
-    The detection/healing code calls this; HTTP clients use
-    POST /v1/runs/{run_id}/commands, which ends up in the same writer call."""
-    return storage.issue_command(run_id, kind, {} if args is None else args, ranks).result(timeout_s)
+    run_id: str
+    kind: str
+    args: dict[str, Any]
+    ranks: list[int] | None
 
 
-def list_for_run(storage: "Storage", run_id: str) -> list[dict[str, Any]]:
-    return storage.commands(run_id)
+class CommandsProjection(Projection):
+    """`commands` rows: the issued ones inserted, the delivered and acked ones updated.
+    Its plan also answers ingest requests: `deliveries(plan)`."""
+
+    name = "commands"
+
+    def __init__(self, con: duckdb.DuckDBPyConnection, *, ids: Ids, ttl_s: float, now: float) -> None:
+        self._con = con
+        self._ids = ids
+        self.book = CommandBook.load(con, ttl_s, now)
+
+    def _world_sizes(self, run_ids: set[str]) -> dict[str, int | None]:
+        """world_size of the known runs among `run_ids`, read before the transaction
+        (committed state: a run first seen in this very group is not known yet)."""
+        marks = ", ".join("?" * len(run_ids))
+        return dict(self._con.execute(f"SELECT run_id, world_size FROM runs WHERE run_id IN ({marks})",
+                                      sorted(run_ids)).fetchall())
+
+    def plan(self, group: Group) -> CommandPlan:
+        issues: list[IssueCommand] = group.intents.get(self.name, [])
+        issued, answers = [], []
+        if issues:
+            sizes = self._world_sizes({i.run_id for i in issues})
+            next_id = self._ids.peek("commands")
+            for it in issues:
+                if it.run_id not in sizes:
+                    answers.append(KeyError(f"unknown run {it.run_id!r}"))
+                    continue
+                size = sizes[it.run_id]
+                targets = sorted(set(it.ranks)) if it.ranks is not None else (list(range(size)) if size else None)
+                cmd = Command(id=next_id, run_id=it.run_id, kind=it.kind, args=it.args, ranks=targets,
+                              issued_ts=group.now, updated_ts=group.now)
+                next_id += 1
+                issued.append(cmd)
+                answers.append(cmd.id)
+        fresh_acks = [(b.run_id, b.rank, e.ts, e.special) for b in group.fresh for e in b.events
+                      if e.kind == "command_ack"]
+        plan = self.book.plan(group.requests, fresh_acks, group.now, issued)
+        # what the submitter gets: the row as this commit writes it
+        plan.results = [a if isinstance(a, BaseException) else plan.changed[a].as_dict() for a in answers]
+        return plan
+
+    def write(self, con: duckdb.DuckDBPyConnection, plan: CommandPlan, group: Group) -> None:
+        new = set(plan.new)
+        for cid in plan.new:
+            cmd = plan.changed[cid]
+            d = cmd.as_dict()
+            con.execute("INSERT INTO commands VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        [cmd.id, cmd.run_id, cmd.kind, json_text(cmd.args), json_text(cmd.ranks), cmd.issued_ts,
+                         cmd.status, json_text(d["delivered"]), json_text(d["acks"]), cmd.updated_ts])
+        for cmd in plan.changed.values():
+            if cmd.id not in new:
+                d = cmd.as_dict()
+                con.execute("UPDATE commands SET status = ?, delivered = ?, acks = ?, updated_ts = ? WHERE id = ?",
+                            [cmd.status, json_text(d["delivered"]), json_text(d["acks"]), cmd.updated_ts, cmd.id])
+
+    def apply(self, plan: CommandPlan, group: Group) -> None:
+        self.book.apply(plan, group.now)
+        if plan.new:
+            self._ids.advance("commands", max(plan.new) + 1)
+
+    def results(self, plan: CommandPlan) -> list[Any]:
+        return plan.results
+
+    @staticmethod
+    def deliveries(plan: CommandPlan) -> list[list[dict[str, Any]]]:
+        """Per answered request of the group (Group.requests), the commands it carries back."""
+        return plan.deliveries

@@ -13,6 +13,9 @@ hold and writes:
 
 So `last_seen_ts`/`updated_ts` lag the truth by at most `sweep_s` (and by up to
 that much after a crash); heartbeats hold the exact times.
+
+`Liveness` is the pure part (plan, apply); `LivenessProjection` puts it in the
+writer's list of projections with the SQL that writes its plan.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from dataclasses import dataclass, field
 
 import duckdb
 
+from collector import columns
 from collector.decode import DecodedBatch
+from collector.projection import Group, Projection
 
 RankKey = tuple[str, int]
 Identity = tuple
@@ -80,3 +85,46 @@ class Liveness:
             self._last_sweep = now
         else:
             self._pending = plan.pending
+
+
+class LivenessProjection(Projection):
+    """`ranks` and `runs` rows, written from a `Liveness` plan."""
+
+    name = "liveness"
+
+    def __init__(self, con: duckdb.DuckDBPyConnection, sweep_s: float = 2.0) -> None:
+        self.liveness = Liveness(con, sweep_s)
+
+    def plan(self, group: Group) -> LivenessPlan:
+        return self.liveness.plan(group.fresh, group.now)
+
+    def apply(self, plan: LivenessPlan, group: Group) -> None:
+        self.liveness.apply(plan, group.now)
+
+    def write(self, con: duckdb.DuckDBPyConnection, plan: LivenessPlan, group: Group) -> None:
+        """New runs and ranks, identity changes and drops now; last-seen times per sweep."""
+        now = group.now
+        if plan.new_runs:
+            con.executemany("INSERT INTO runs (run_id, created_ts, updated_ts) VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
+                            [(r, now, now) for r in plan.new_runs])
+        if plan.rank_rows:
+            con.register("__ranks", columns.ranks_table(plan.rank_rows, plan.drops, now))
+            con.execute("""
+                INSERT INTO ranks BY NAME SELECT * FROM __ranks
+                ON CONFLICT (run_id, rank) DO UPDATE SET
+                    node = excluded.node, pid = excluded.pid, incarnation = excluded.incarnation,
+                    dp = coalesce(excluded.dp, ranks.dp), tp = coalesce(excluded.tp, ranks.tp),
+                    pp = coalesce(excluded.pp, ranks.pp), last_seen_ts = excluded.last_seen_ts,
+                    agent_drops = ranks.agent_drops + excluded.agent_drops""")
+            con.unregister("__ranks")
+        if plan.last_seen:
+            con.register("__seen", columns.last_seen_table(plan.last_seen))
+            con.execute("""
+                UPDATE ranks SET last_seen_ts = greatest(ranks.last_seen_ts, s.last_seen_ts) FROM __seen s
+                WHERE ranks.run_id = s.run_id AND ranks.rank = s.rank""")
+            con.unregister("__seen")
+            run_ts: dict[str, float] = {}
+            for (run_id, _), ts in plan.last_seen.items():
+                run_ts[run_id] = max(ts, run_ts.get(run_id, ts))
+            con.executemany("UPDATE runs SET updated_ts = greatest(updated_ts, ?) WHERE run_id = ?",
+                            [(ts, run_id) for run_id, ts in run_ts.items()])

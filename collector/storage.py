@@ -1,22 +1,29 @@
-"""Storage: the one module that talks to DuckDB (with writer.py for the writes).
+"""Storage: one open collector database, and the one place that wires it.
 
 `Storage` opens the database locked down (no files, no network, no settings
-changes from SQL), applies migrations, starts the writer thread, and answers
-the dashboard's queries on cursors of their own: DuckDB's MVCC lets readers run
-beside the writer's transactions, so a query never waits for a commit and a
-commit never waits for a query.
+changes from SQL), applies migrations, starts the writer thread with its
+projections (collector/projection.py), and answers queries on cursors of their
+own: DuckDB's MVCC lets readers run beside the writer's transactions, so a
+query never waits for a commit and a commit never waits for a query. The
+queries themselves are collector/read.py's; the methods here open a cursor and
+call them.
 
 Writes (ingest, commands, incidents, actions, node status) all go through the
-writer thread; the methods here only queue them and return futures.
+writer thread; the methods here only queue them and return futures (or take a
+`done` callback): submitting never blocks, whatever thread calls it, and only
+`ingest_blocking` waits for its commit. Actions and node status are still
+`write` calls of their own transaction (the healing work makes them projections
+like commands and incidents). Subscribers
+(`subscribe`) get each commit's rows after it; detectors given to the
+constructor run on a subscriber thread of their own (collector/detection.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,14 +33,23 @@ import duckdb
 import pyarrow as pa
 from prometheus_client import Gauge
 
-from collector.commands import Command, validate_request
+from collector import read
+from collector.commands import CommandsProjection, IssueCommand, validate_request
 from collector.decode import DecodedBatch, json_text
+from collector.dedupe import BatchKeysProjection
+from collector.detection import DetectionRunner, Detector
+from collector.feed import Feed, Subscription
+from collector.incidents import (Finding, IncidentsProjection, OpenIncident, RecordFindings, UpdateIncident,
+                                 as_finding, check_fields)
+from collector.liveness import LivenessProjection
 from collector.metrics import CollectorMetrics
+from collector.projection import Ids, Projection
+from collector.runinfo import RunInfoProjection
 from collector.schema import migrate
 from collector.settings import Settings
 from collector.sqlguard import SelectResult, SqlRefused, run_select
 from collector.sqlslots import SqlDeadline, SqlSlots
-from collector.writer import IngestOutcome, WriteContext, Writer
+from collector.writer import Done, IngestOutcome, WriteContext, Writer
 
 # Applied to every connection we open: SQL can reach no file but the database,
 # no network, no extension, and cannot change these settings.
@@ -48,12 +64,6 @@ DUCKDB_LOCKDOWN = {
 # or not DuckDB has honoured the interrupt yet (it normally does within milliseconds).
 SQL_ANSWER_GRACE_S = 0.5
 
-STEP_METRICS = ("loss", "grad_norm", "loss_scale", "lr", "tokens", "step_s", "fwd_s", "bwd_s", "opt_s",
-                "data_s", "comm_exposed_s", "mem_bytes")
-INCIDENT_FIELDS = ("kind", "severity", "rank", "node", "step_from", "step_to", "status", "evidence",
-                   "root_cause", "confidence")
-_JSON_FIELDS = frozenset({"evidence", "detail"})
-
 
 def connect(path: str | Path, *, read_only: bool = False, threads: int = 2, memory_limit: str = "2GB",
             checkpoint_threshold: str = "64MB", max_temp_size: str = "4GB") -> duckdb.DuckDBPyConnection:
@@ -67,23 +77,17 @@ def connect(path: str | Path, *, read_only: bool = False, threads: int = 2, memo
     return duckdb.connect(str(path), read_only=read_only, config=config)
 
 
-def _records(cur: duckdb.DuckDBPyConnection, sql: str, params: list | None = None) -> list[dict[str, Any]]:
-    """Rows as dicts; JSON columns parsed."""
-    cur.execute(sql, params or [])
-    names = [d[0] for d in cur.description]
-    is_json = [str(d[1]) == "JSON" for d in cur.description]
-    out = []
-    for row in cur.fetchall():
-        out.append({n: (json.loads(v) if j and v is not None else v) for n, j, v in zip(names, is_json, row)})
-    return out
-
-
 class Storage:
     """One open collector database: its writer thread, its readers, its metrics.
-    Opening applies migrations; `close()` drains the writer and checkpoints."""
+    Opening applies migrations; `close()` stops detection, drains the writer and
+    checkpoints."""
 
     def __init__(self, settings: Settings, *, metrics: CollectorMetrics | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, detectors: Sequence[Detector] = (),
+                 detection_tick_s: float = 1.0, detection_queue_commits: int = 64,
+                 extra_projections: Sequence[Projection] = ()) -> None:
+        """`detectors`: run on a detection thread (collector/detection.py) when given.
+        `extra_projections`: more parts for the writer, after the built-in ones."""
         self.settings = settings
         self._clock = clock
         self._con = connect(settings.db_path, threads=settings.duckdb_threads,
@@ -94,11 +98,7 @@ class Storage:
         try:
             migrate(self._con)
             self.metrics = metrics or CollectorMetrics(live_run_s=settings.live_run_s, clock=clock)
-            self._writer = Writer(self._con, metrics=self.metrics, clock=clock,
-                                  group_max_rows=settings.group_max_rows, group_max_bytes=settings.group_max_bytes,
-                                  group_min_rows=settings.group_min_rows, group_linger_s=settings.group_linger_s,
-                                  group_gap_s=settings.group_gap_s, group_min_interval_s=settings.group_min_interval_s,
-                                  queue_max_bytes=settings.queue_max_bytes, command_ttl_s=settings.command_ttl_s)
+            self._writer = self._build_writer(extra_projections)
         except BaseException:
             self._con.close()
             raise
@@ -108,12 +108,37 @@ class Storage:
         self.metrics.watch_queue(self.queue_depth)
         self.metrics.watch_incidents(self.open_incidents)
         self._writer.start()
+        self.detection: DetectionRunner | None = None
+        if detectors:
+            self.detection = DetectionRunner(
+                self.subscribe("detection", max_commits=detection_queue_commits), detectors,
+                submit=self.record_findings, clock=clock, tick_s=detection_tick_s, registry=self.metrics.registry)
+            self.detection.start()
+
+    def _build_writer(self, extra: Sequence[Projection]) -> Writer:
+        """The writer and its projections, in the order their writes must run: runs
+        rows (liveness) before the statements that update them (run info)."""
+        s, con = self.settings, self._con
+        ids = Ids(con)
+        keys = BatchKeysProjection(con)
+        commands = CommandsProjection(con, ids=ids, ttl_s=s.command_ttl_s, now=self._clock())
+        projections = [LivenessProjection(con), keys, RunInfoProjection(), commands,
+                       IncidentsProjection(con, ids=ids), *extra]
+        return Writer(con, admission=keys, projections=projections, replies=commands, ids=ids,
+                      metrics=self.metrics, feed=Feed(self.metrics.registry), clock=self._clock,
+                      group_max_rows=s.group_max_rows, group_max_bytes=s.group_max_bytes,
+                      group_min_rows=s.group_min_rows, group_linger_s=s.group_linger_s,
+                      group_gap_s=s.group_gap_s, group_min_interval_s=s.group_min_interval_s,
+                      queue_max_bytes=s.queue_max_bytes)
 
     def close(self) -> None:
-        """Write what is queued, checkpoint (fold the WAL into the file), close."""
+        """Stop detection (its last findings are queued), write what is queued,
+        checkpoint (fold the WAL into the file), close."""
         if self._closed:
             return
         self._closed = True
+        if self.detection is not None:
+            self.detection.stop()
         self._close_sql()
         self._writer.stop()
         self._read_root.close()
@@ -131,6 +156,14 @@ class Storage:
         if not self._writer.alive():
             return False, "the writer thread has died; see the collector's log"
         return True, ""
+
+    def subscribe(self, name: str, *, max_commits: int = 64, max_bytes: int = 256 << 20) -> Subscription:
+        """A queue that gets every later commit's rows (collector/feed.py). Read it on a
+        thread of your own; a full queue drops commits and says so."""
+        return self._writer.feed.subscribe(name, max_commits=max_commits, max_bytes=max_bytes)
+
+    def on_writer_thread(self) -> bool:
+        return self._writer.on_writer_thread()
 
     # -- writes ----------------------------------------------------------------
     async def ingest(self, batch: DecodedBatch) -> IngestOutcome:
@@ -152,61 +185,39 @@ class Storage:
         return fut.result()
 
     def write(self, fn: Callable[[WriteContext], Any]) -> Future:
-        """Run `fn(ctx)` on the writer thread inside one transaction."""
+        """Run `fn(ctx)` on the writer thread inside one transaction of its own."""
         return self._writer.submit_call(fn)
 
-    def issue_command(self, run_id: str, kind: str, args: dict[str, Any], ranks: list[int] | None) -> Future:
-        """Store a command (see commands.py); the future gives its row, or KeyError for
-        an unknown run. Raises ValueError at once for a malformed request."""
+    def issue_command(self, run_id: str, kind: str, args: dict[str, Any], ranks: list[int] | None, *,
+                      done: Done | None = None) -> Future | None:
+        """Store a command (see commands.py), in the next group commit. Never blocks:
+        returns a future of its row (KeyError for an unknown run), or None and calls
+        `done(row, error)` on the writer thread after the commit. Raises ValueError at
+        once for a malformed request. Safe from any thread, the writer's included
+        (where only `done` can tell the outcome: waiting there would deadlock)."""
         validate_request(kind, args, ranks)
+        return self._writer.submit_intent("commands", IssueCommand(run_id, kind, args, ranks), done=done)
 
-        def call(ctx: WriteContext) -> dict[str, Any]:
-            found = ctx.con.execute("SELECT world_size FROM runs WHERE run_id = ?", [run_id]).fetchall()
-            if not found:
-                raise KeyError(f"unknown run {run_id!r}")
-            targets = sorted(set(ranks)) if ranks is not None else (
-                list(range(found[0][0])) if found[0][0] else None)
-            cmd = Command(id=ctx.next_id("commands"), run_id=run_id, kind=kind, args=args, ranks=targets,
-                          issued_ts=ctx.now, updated_ts=ctx.now)
-            ctx.con.execute("INSERT INTO commands VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                            [cmd.id, run_id, kind, json_text(args), json_text(targets), cmd.issued_ts, cmd.status,
-                             "[]", "{}", cmd.updated_ts])
-            ctx.after_commit(lambda: ctx.book.add(cmd))
-            return cmd.as_dict()
-        return self.write(call)
+    def record_findings(self, run_id: str, findings: Sequence[Finding | Any], *,
+                        done: Done | None = None) -> Future | None:
+        """Open, update or close incidents from detector findings (collector/incidents.py),
+        in the next group commit. Never blocks; the result is the incident id per finding."""
+        intent = RecordFindings(run_id, tuple(as_finding(f) for f in findings))
+        return self._writer.submit_intent("incidents", intent, done=done)
 
-    def open_incident(self, run_id: str, kind: str, severity: str, **fields: Any) -> Future:
-        """Insert an incident (fields: INCIDENT_FIELDS); the future gives its id."""
-        unknown = set(fields) - set(INCIDENT_FIELDS)
-        if unknown:
-            raise ValueError(f"unknown incident fields {sorted(unknown)}")
+    def open_incident(self, run_id: str, kind: str, severity: str, *, done: Done | None = None,
+                      **fields: Any) -> Future | None:
+        """Insert an incident (fields: incidents.INCIDENT_FIELDS); the future gives its id."""
+        check_fields(fields)
+        return self._writer.submit_intent("incidents", OpenIncident(run_id, {"kind": kind, "severity": severity,
+                                                                             **fields}), done=done)
 
-        def call(ctx: WriteContext) -> int:
-            iid = ctx.next_id("incidents")
-            row = {"id": iid, "run_id": run_id, "kind": kind, "severity": severity, "opened_ts": ctx.now,
-                   "updated_ts": ctx.now, "status": "open", **fields}
-            if "evidence" in row:
-                row["evidence"] = json_text(row["evidence"])
-            names = list(row)
-            ctx.con.execute(f"INSERT INTO incidents ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})",
-                            [row[n] for n in names])
-            return iid
-        return self.write(call)
-
-    def update_incident(self, incident_id: int, **fields: Any) -> Future:
-        """Change fields of an incident; status "closed" also sets closed_ts."""
-        unknown = set(fields) - set(INCIDENT_FIELDS)
-        if unknown or not fields:
-            raise ValueError(f"give some of {INCIDENT_FIELDS}; unknown {sorted(unknown)}")
-
-        def call(ctx: WriteContext) -> None:
-            row = {k: (json_text(v) if k in _JSON_FIELDS else v) for k, v in fields.items()}
-            row["updated_ts"] = ctx.now
-            if fields.get("status") == "closed":
-                row["closed_ts"] = ctx.now
-            sets = ", ".join(f"{k} = ?" for k in row)
-            ctx.con.execute(f"UPDATE incidents SET {sets} WHERE id = ?", [*row.values(), incident_id])
-        return self.write(call)
+    def update_incident(self, incident_id: int, *, done: Done | None = None, **fields: Any) -> Future | None:
+        """Change fields of an incident; a status other than "open" also sets closed_ts."""
+        if not fields:
+            raise ValueError("give some incident fields to change")
+        check_fields(fields)
+        return self._writer.submit_intent("incidents", UpdateIncident(incident_id, fields), done=done)
 
     def record_action(self, run_id: str, kind: str, status: str, *, incident_id: int | None = None,
                       dry_run: bool = False, detail: Any = None) -> Future:
@@ -311,117 +322,54 @@ class Storage:
                         self._sql_cursors.discard(cur)
         return job, timeout_s
 
-    def _q(self, sql: str, params: list | None = None) -> list[dict[str, Any]]:
+    # -- the read side's queries (collector/read.py), each on a cursor of its own --------
+    def read(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`fn(cursor, *args, **kwargs)` on a cursor of its own: any collector/read.py query."""
         with self.cursor() as cur:
-            return _records(cur, sql, params)
+            return fn(cur, *args, **kwargs)
 
     def open_incidents(self) -> dict[str, int]:
-        rows = self._q("SELECT run_id, count(*) AS n FROM incidents WHERE status = 'open' GROUP BY run_id")
-        return {r["run_id"]: r["n"] for r in rows}
+        return self.read(read.open_incidents)
 
     def runs(self) -> list[dict[str, Any]]:
-        return self._q("""
-            SELECT run_id, status, created_ts, updated_ts, started_ts, world_size, code_version, data_version
-            FROM runs ORDER BY created_ts DESC""")
+        return self.read(read.runs)
 
     def run(self, run_id: str) -> dict[str, Any] | None:
-        rows = self._q("""
-            SELECT r.*,
-                   (SELECT count(*) FROM ranks k WHERE k.run_id = r.run_id) AS num_ranks,
-                   (SELECT max(step) FROM steps s WHERE s.run_id = r.run_id) AS last_step,
-                   (SELECT max(attempt) FROM steps s WHERE s.run_id = r.run_id) AS last_attempt,
-                   (SELECT count(*) FROM incidents i WHERE i.run_id = r.run_id AND i.status = 'open') AS open_incidents
-            FROM runs r WHERE run_id = ?""", [run_id])
-        return rows[0] if rows else None
+        return self.read(read.run, run_id)
 
     def steps(self, run_id: str, metric: str, *, rank: int | None = None, step_from: int | None = None,
               step_to: int | None = None, max_points: int = 2000) -> list[dict[str, Any]]:
-        """A metric's effective curve, downsampled server-side to at most `max_points`
-        buckets of equal step width (min/max/avg per bucket, over the ranks asked for).
-        `metric` is a steps column or else a scalar name."""
-        if metric in STEP_METRICS:
-            source, params = f"SELECT step, rank, {metric} AS v FROM steps_effective WHERE run_id = ?", [run_id]
-        else:
-            source = """SELECT step, rank, value AS v FROM scalars WHERE run_id = ? AND name = ?
-                        QUALIFY attempt = max(attempt) OVER (PARTITION BY step, rank)"""
-            params = [run_id, metric]
-        conds = [(c, v) for c, v in (("rank = ?", rank), ("step >= ?", step_from), ("step <= ?", step_to))
-                 if v is not None]
-        where, wparams = [c for c, _ in conds], [v for _, v in conds]
-        filt = f"WHERE {' AND '.join(where)}" if where else ""
-        return self._q(f"""
-            WITH s AS (SELECT * FROM ({source}) {filt}),
-                 w AS (SELECT min(step) AS lo,
-                              greatest(1, ceil((max(step) - min(step) + 1) / ?))::BIGINT AS width FROM s)
-            SELECT min(step) AS step, max(step) AS step_to, min(v) AS min, max(v) AS max, avg(v) AS avg,
-                   count(*) AS num_points
-            FROM s, w GROUP BY (step - lo) // width ORDER BY 1""", [*params, *wparams, max(1, int(max_points))])
+        return self.read(read.steps, run_id, metric, rank=rank, step_from=step_from, step_to=step_to,
+                         max_points=max_points)
 
     def step_summary(self, run_id: str, *, step_from: int | None = None, step_to: int | None = None,
                      limit: int = 2000) -> list[dict[str, Any]]:
-        """Per step of the effective attempt: median/max/min step_s, slowest rank, mean loss.
-        The latest `limit` steps of the range."""
-        if step_from is None:  # aggregate only the steps that can be returned
-            (last,), = self._q_tuple("SELECT max(step) FROM steps WHERE run_id = ? AND step <= coalesce(?, step)",
-                                     [run_id, step_to])
-            step_from = None if last is None else last - limit + 1
-        return self._q("""
-            SELECT * FROM (
-                SELECT * FROM step_summary WHERE run_id = ? AND step >= coalesce(?, step) AND step <= coalesce(?, step)
-                QUALIFY attempt = max(attempt) OVER (PARTITION BY step)
-                ORDER BY step DESC LIMIT ?)
-            ORDER BY step""", [run_id, step_from, step_to, limit])
+        return self.read(read.step_summary, run_id, step_from=step_from, step_to=step_to, limit=limit)
 
     def ranks(self, run_id: str) -> list[dict[str, Any]]:
-        return self._q("""
-            SELECT k.*, h.ts AS heartbeat_ts, h.phase, h.step AS heartbeat_step, h.last_seq
-            FROM ranks k LEFT JOIN (
-                SELECT rank, max(ts) AS ts, arg_max(phase, ts) AS phase, arg_max(step, ts) AS step,
-                       arg_max(last_seq, ts) AS last_seq
-                FROM heartbeats WHERE run_id = ? GROUP BY rank) h USING (rank)
-            WHERE k.run_id = ? ORDER BY k.rank""", [run_id, run_id])
+        return self.read(read.ranks, run_id)
 
     def collectives(self, run_id: str, *, step_from: int | None = None, step_to: int | None = None,
                     last_steps: int = 20) -> list[dict[str, Any]]:
-        """collective_summary rows of the effective attempt; without a range, the last steps."""
-        if step_from is None and step_to is None:
-            (last,), = self._q_tuple("SELECT max(step) FROM collectives WHERE run_id = ?", [run_id])
-            if last is None:
-                return []
-            step_from = last - last_steps + 1
-        return self._q("""
-            SELECT * FROM collective_summary
-            WHERE run_id = ? AND step >= coalesce(?, step) AND step <= coalesce(?, step)
-            QUALIFY attempt = max(attempt) OVER (PARTITION BY step)
-            ORDER BY step, axis, op""", [run_id, step_from, step_to])
-
-    def _q_tuple(self, sql: str, params: list) -> list[tuple]:
-        with self.cursor() as cur:
-            return cur.execute(sql, params).fetchall()
+        return self.read(read.collectives, run_id, step_from=step_from, step_to=step_to, last_steps=last_steps)
 
     def incidents(self, run_id: str, *, status: str | None = None) -> list[dict[str, Any]]:
-        return self._q("SELECT * FROM incidents WHERE run_id = ? AND status = coalesce(?, status) ORDER BY opened_ts",
-                       [run_id, status])
+        return self.read(read.incidents, run_id, status=status)
 
     def actions(self, run_id: str) -> list[dict[str, Any]]:
-        return self._q("SELECT * FROM actions WHERE run_id = ? ORDER BY requested_ts", [run_id])
+        return self.read(read.actions, run_id)
 
     def checkpoints(self, run_id: str) -> list[dict[str, Any]]:
-        return self._q("SELECT * FROM checkpoints WHERE run_id = ? ORDER BY step, attempt", [run_id])
+        return self.read(read.checkpoints, run_id)
 
     def nodes(self, run_id: str) -> list[dict[str, Any]]:
-        return self._q("SELECT * FROM nodes WHERE run_id = ? ORDER BY node", [run_id])
+        return self.read(read.nodes, run_id)
 
     def events(self, run_id: str, *, kind: str | None = None, limit: int = 500) -> list[dict[str, Any]]:
-        return self._q("""
-            SELECT * FROM events WHERE run_id = ? AND kind = coalesce(?, kind)
-            ORDER BY ts DESC LIMIT ?""", [run_id, kind, limit])
+        return self.read(read.events, run_id, kind=kind, limit=limit)
 
     def heartbeats_latest(self, run_id: str) -> list[dict[str, Any]]:
-        return self._q("""
-            SELECT rank, max(ts) AS ts, arg_max(node, ts) AS node, arg_max(pid, ts) AS pid,
-                   arg_max(phase, ts) AS phase, arg_max(step, ts) AS step, arg_max(last_seq, ts) AS last_seq
-            FROM heartbeats WHERE run_id = ? GROUP BY rank ORDER BY rank""", [run_id])
+        return self.read(read.heartbeats_latest, run_id)
 
     def commands(self, run_id: str) -> list[dict[str, Any]]:
-        return self._q("SELECT * FROM commands WHERE run_id = ? ORDER BY id", [run_id])
+        return self.read(read.commands, run_id)

@@ -7,44 +7,54 @@ takes everything queued (up to a row and byte budget; a small group, under
 group is under `group_min_rows` and requests keep arriving (no pause longer
 than `group_gap_s`) it waits up to `group_linger_s` for more, because DuckDB's
 cost per row halves when one transaction appends a whole row group, 122,880
-rows, which it then writes straight to the file instead of through the WAL),
-sorts out batches whose key is taken (in this group or earlier: `BatchKeys`; the
-same bytes again are acknowledged as duplicates, other bytes refused with 409),
-builds one Arrow table per target table (`columns`), inserts them all, the
-batch keys, rank/run/node/checkpoint upserts and command deliveries in ONE
-transaction, commits, and only then resolves the futures. A request is thus
-acknowledged after its rows are durable, and the cost of a commit is shared by
-every request that arrived while the previous one ran.
+rows, which it then writes straight to the file instead of through the WAL).
+
+One group commit (see collector/projection.py for the parts):
+1. the admission sorts out batches whose key is taken (the same bytes again are
+   acknowledged as duplicates, other bytes refused with 409);
+2. one Arrow table per target table is built from the fresh batches (`columns`);
+3. every projection plans (liveness, batch keys, run info, commands, incidents);
+4. the row tables and every projection's writes go in ONE transaction, committed;
+5. every projection applies its plan, the subscribers are offered the committed
+   tables (collector/feed.py: never waited for), and only then are the futures
+   resolved. A request is thus acknowledged after its rows are durable, and the
+   cost of a commit is shared by every request that arrived while the previous
+   one ran.
+
+Intents (`submit_intent`: issue a command, record findings) join the group like
+batches, but a group holding one does not linger: it commits what is queued at
+once. Submitting never waits, from any thread, the writer's own included; what
+it returns is a future (whose `result()` refuses to wait on the writer thread,
+where it would wait forever) or, given `done`, a callback run after the commit.
 
 If a group's transaction fails, it is rolled back and each job retried alone,
 so one unstorable batch (which `decode` should already have refused) cannot
-sink its neighbours. Jobs that are not ingest (`submit_call`: commands,
-incidents, actions) run in order, each in its own transaction.
+sink its neighbours. `submit_call` functions (anything else) run in order, each
+in its own transaction.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import queue
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import duckdb
 import pyarrow as pa
 
 from collector import columns
-from collector.batchkeys import CONFLICT, DUPLICATE, FRESH, BatchKeys, Key
-from collector.commands import Command, CommandBook, CommandPlan
-from collector.liveness import Liveness, LivenessPlan
-from collector.decode import BatchRejected, CheckpointSaved, CheckpointVerified, DecodedBatch, RunFinished, json_text
+from collector.batchkeys import CONFLICT, DUPLICATE, FRESH
+from collector.decode import BatchRejected, DecodedBatch
+from collector.feed import Feed, committed_run_ids, committed_tables
 from collector.metrics import CollectorMetrics
+from collector.projection import Group, Ids, Projection
 
 log = logging.getLogger("collector.writer")
 
@@ -52,7 +62,9 @@ _STOP = object()
 # Errors that mean "this data cannot be stored" (answered 422), not "storage is broken" (503).
 _DATA_ERRORS = (duckdb.ConstraintException, duckdb.ConversionException, duckdb.InvalidInputException,
                 duckdb.OutOfRangeException, OverflowError, pa.ArrowException)
-ID_TABLES = ("commands", "incidents", "actions")
+SMALL_GROUP_ROWS = 10_000  # below this a commit's fixed cost dominates its per-row cost
+
+Done = Callable[[Any, BaseException | None], None]  # (result, error) after the commit, on the writer thread
 
 
 class QueueFull(RuntimeError):
@@ -74,57 +86,99 @@ class IngestOutcome:
     commands: list[dict[str, Any]]
 
 
-class _Job:
-    __slots__ = ("batch", "tables", "call", "nbytes", "nrows", "loop", "future")
+class Admission(Protocol):
+    """Which batches of a group are new (collector/dedupe.py)."""
 
-    def __init__(self, *, batch=None, tables=None, call=None, nbytes=0, nrows=0, loop=None, future=None) -> None:
+    def sort_out(self, batches: Sequence[DecodedBatch]) -> list[str]: ...
+
+
+class Replies(Protocol):
+    """The projection whose plan answers ingest requests (the commands they carry)."""
+
+    def deliveries(self, plan: Any) -> list[list[dict[str, Any]]]: ...
+
+
+class WriterFuture(Future):
+    """A writer job's future. `result()` on the writer thread itself, before the job
+    ran, would wait forever: it raises instead."""
+
+    def __init__(self, writer_thread: threading.Thread) -> None:
+        super().__init__()
+        self._writer_thread = writer_thread
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self.done() and threading.current_thread() is self._writer_thread:
+            raise RuntimeError("waiting for a writer job on the writer thread would deadlock; pass done=")
+        return super().result(timeout)
+
+
+class _Job:
+    __slots__ = ("batch", "tables", "intent", "target", "call", "nbytes", "nrows", "loop", "future")
+
+    def __init__(self, *, batch=None, tables=None, intent=None, target=None, call=None, nbytes=0, nrows=0,
+                 loop=None, future=None) -> None:
         self.batch: DecodedBatch | None = batch
         self.tables: dict[str, pa.Table] | None = tables
+        self.intent, self.target = intent, target  # an intent for the projection named `target`
         self.call: Callable[["WriteContext"], Any] | None = call
         self.nbytes, self.nrows = nbytes, nrows
         self.loop: asyncio.AbstractEventLoop | None = loop
-        self.future: asyncio.Future | Future = future
+        self.future: asyncio.Future | Future | Done = future
 
 
 class WriteContext:
     """What a `submit_call` function gets: the connection inside an open
-    transaction, id allocation, the command book and the clock. `after_commit`
-    callbacks run only if the transaction commits."""
+    transaction, id allocation and the clock. `after_commit` callbacks run only if
+    the transaction commits."""
 
     def __init__(self, writer: "Writer") -> None:
         self.con = writer._con
-        self.book = writer.book
         self.now = writer._clock()
-        self._writer = writer
+        self._ids = writer.ids
         self._after: list[Callable[[], None]] = []
 
     def next_id(self, table: str) -> int:
-        return self._writer._next_id(table)
+        return self._ids.take(table)
 
     def after_commit(self, fn: Callable[[], None]) -> None:
         self._after.append(fn)
 
 
+def _resolve(fut: asyncio.Future | Future | Done, result: Any, exc: BaseException | None) -> None:
+    if callable(fut) and not isinstance(fut, (asyncio.Future, Future)):
+        try:
+            fut(result, exc)
+        except Exception:  # a callback's bug must not stop the writer
+            log.exception("a writer callback failed")
+        return
+    if fut.done():  # the request was cancelled (client went away)
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
+
+
 def _resolve_many(items: list[tuple[asyncio.Future, Any, BaseException | None]]) -> None:
     for fut, result, exc in items:
-        if fut.done():  # the request was cancelled (client went away)
-            continue
-        if exc is not None:
-            fut.set_exception(exc)
-        else:
-            fut.set_result(result)
-
-
-SMALL_GROUP_ROWS = 10_000  # below this a commit's fixed cost dominates its per-row cost
+        _resolve(fut, result, exc)
 
 
 class Writer:
-    def __init__(self, con: duckdb.DuckDBPyConnection, *, metrics: CollectorMetrics,
+    def __init__(self, con: duckdb.DuckDBPyConnection, *, admission: Admission, projections: Sequence[Projection],
+                 replies: Replies, ids: Ids, metrics: CollectorMetrics, feed: Feed | None = None,
                  clock: Callable[[], float] = time.time, group_max_rows: int = 2_000_000,
                  group_max_bytes: int = 256 << 20, group_min_rows: int = 131_072, group_linger_s: float = 0.05,
-                 group_gap_s: float = 0.005, group_min_interval_s: float = 0.5, queue_max_bytes: int = 512 << 20,
-                 command_ttl_s: float = 3600.0, liveness_sweep_s: float = 2.0) -> None:
+                 group_gap_s: float = 0.005, group_min_interval_s: float = 0.5,
+                 queue_max_bytes: int = 512 << 20) -> None:
         self._con = con
+        self.admission = admission
+        self.projections = list(projections)
+        self._by_name = {p.name: i for i, p in enumerate(self.projections)}
+        self._replies = replies
+        self._replies_at = next(i for i, p in enumerate(self.projections) if p is replies)
+        self.ids = ids
+        self.feed = feed or Feed()
         self._metrics = metrics
         self._clock = clock
         self._group_max_rows = group_max_rows
@@ -139,11 +193,6 @@ class Writer:
         self._lock = threading.Lock()
         self._queued_bytes = 0
         self._queued_jobs = 0
-        self._keys = BatchKeys.load(con)
-        self.book = CommandBook(command_ttl_s)
-        self.liveness = Liveness(con, liveness_sweep_s)
-        self._load_commands()
-        self._ids = {t: con.execute(f"SELECT coalesce(max(id), 0) + 1 FROM {t}").fetchall()[0][0] for t in ID_TABLES}
         self._thread = threading.Thread(target=self._run, name="collector-writer", daemon=True)
 
     # -- submitting (any thread) --------------------------------------------
@@ -156,6 +205,9 @@ class Writer:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def on_writer_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
     def submit_batch(self, batch: DecodedBatch, future: asyncio.Future | Future) -> None:
         self._put(_Job(batch=batch, nbytes=batch.nbytes, nrows=batch.num_rows, future=future,
                        loop=future.get_loop() if isinstance(future, asyncio.Future) else None))
@@ -166,8 +218,19 @@ class Writer:
         self._put(_Job(tables=tables, nbytes=nbytes, nrows=nrows, future=future,
                        loop=future.get_loop() if isinstance(future, asyncio.Future) else None))
 
-    def submit_call(self, fn: Callable[[WriteContext], Any]) -> Future:
-        fut: Future = Future()
+    def submit_intent(self, target: str, intent: Any, *, done: Done | None = None) -> WriterFuture | None:
+        """Hand `intent` to the projection named `target` in the next group commit.
+        Never blocks and never refuses for back-pressure. Returns a future, or None
+        when `done(result, error)` is given (called on the writer thread after the
+        commit: it must not block)."""
+        if target not in self._by_name:
+            raise ValueError(f"no projection named {target!r}")
+        fut = done if done is not None else WriterFuture(self._thread)
+        self._put(_Job(intent=intent, target=target, future=fut), check_budget=False)
+        return None if done is not None else fut
+
+    def submit_call(self, fn: Callable[[WriteContext], Any]) -> WriterFuture:
+        fut = WriterFuture(self._thread)
         self._put(_Job(call=fn, future=fut), check_budget=False)
         return fut
 
@@ -184,6 +247,7 @@ class Writer:
         if self._thread.is_alive():
             self._q.put(_STOP)
             self._thread.join(timeout_s)
+        self.feed.close()
 
     # -- the thread ----------------------------------------------------------
     def _take(self, job: _Job) -> None:
@@ -203,6 +267,7 @@ class Writer:
                 self._run_call(job)
                 continue
             group, nrows, nbytes = [job], job.nrows, job.nbytes
+            urgent = job.intent is not None  # an intent's submitter is waiting: commit what is queued now
             now = time.monotonic()
             linger_until = now + self._group_linger_s
             # A trickle of small requests (a few ranks flushing 5x a second) would otherwise
@@ -212,7 +277,7 @@ class Writer:
             gather_until = self._last_commit + self._group_min_interval_s
             while nrows < self._group_max_rows and nbytes < self._group_max_bytes:
                 now = time.monotonic()
-                if nrows >= self._group_min_rows:
+                if urgent or nrows >= self._group_min_rows:
                     wait_s = 0.0
                 elif now < gather_until and nrows < SMALL_GROUP_ROWS:
                     wait_s = gather_until - now
@@ -227,6 +292,7 @@ class Writer:
                     break
                 self._take(nxt)
                 group.append(nxt)
+                urgent = urgent or nxt.intent is not None
                 nrows += nxt.nrows
                 nbytes += nxt.nbytes
             self._last_commit = time.monotonic()
@@ -244,11 +310,11 @@ class Writer:
             self._con.execute("COMMIT")
         except Exception as e:
             self._safe_rollback()
-            job.future.set_exception(e)
+            _resolve(job.future, None, e)
             return
         for fn in ctx._after:
             fn()
-        job.future.set_result(result)
+        _resolve(job.future, result, None)
 
     def _safe_rollback(self) -> None:
         try:
@@ -256,60 +322,31 @@ class Writer:
         except duckdb.Error:
             pass  # no transaction was open
 
-    def _next_id(self, table: str) -> int:
-        i = self._ids[table]
-        self._ids[table] = i + 1
-        return i
-
     # -- one group commit ----------------------------------------------------
-    def _stored_hashes(self, keys: list[Key]) -> dict[Key, bytes | None]:
-        """Stored content hashes of `keys` (all in `self._keys`: retries, spool replays).
-
-        DuckDB does not use the composite primary key's index for this, so it is a
-        filtered scan; row groups whose batch_seq range misses are skipped (a
-        sender's seqs grow with time), which keeps one key at ~1 ms on millions
-        of batches. Several keys are one join, whatever their number."""
-        if len(keys) == 1:
-            rows = self._con.execute(
-                "SELECT run_id, rank, incarnation, batch_seq, content_hash FROM batches "
-                "WHERE run_id = ? AND rank = ? AND incarnation = ? AND batch_seq = ?", list(keys[0])).fetchall()
-        else:
-            self._con.register("__keys", pa.table({
-                "run_id": pa.array([k[0] for k in keys], pa.string()),
-                "rank": pa.array([k[1] for k in keys], pa.int32()),
-                "incarnation": pa.array([k[2] for k in keys], pa.string()),
-                "batch_seq": pa.array([k[3] for k in keys], pa.int64())}))
-            try:
-                rows = self._con.execute(
-                    "SELECT run_id, rank, incarnation, batch_seq, content_hash FROM batches "
-                    "JOIN __keys USING (run_id, rank, incarnation, batch_seq)").fetchall()
-            finally:
-                self._con.unregister("__keys")
-        return {(r, k, i, s): h for r, k, i, s, h in rows}
-
     def _commit(self, jobs: list[_Job]) -> None:
         now = self._clock()
         t0 = time.perf_counter()
+        batches = [j.batch for j in jobs if j.batch is not None]
         try:
-            verdicts = iter(self._keys.sort_out(
-                [(j.batch.key, j.batch.content_hash) for j in jobs if j.batch is not None], self._stored_hashes))
+            verdicts = self.admission.sort_out(batches)
         except duckdb.Error as e:
             log.warning("batch keys could not be checked: %s", e)
             self._finish([(j, None, StorageError(f"batch keys could not be checked: {e}", 503)) for j in jobs])
             return
-        verdict = [next(verdicts) if j.batch is not None else None for j in jobs]
-        fresh = [j.batch for j, v in zip(jobs, verdict) if v == FRESH]
-        # a conflicting request is refused: no command is delivered to it
-        requests = [(j.batch.run_id, j.batch.rank) for j, v in zip(jobs, verdict) if v in (FRESH, DUPLICATE)]
-        acks = [(b.run_id, b.rank, e.ts, e.special) for b in fresh for e in b.events if e.kind == "command_ack"]
-        plan = self.book.plan(requests, acks, now)
-        live = self.liveness.plan(fresh, now)
-        tables: dict[str, pa.Table] = {}
-        extra = [(name, t) for j in jobs if j.tables for name, t in j.tables.items()]
+        group = Group(now=now, batches=batches, verdicts=verdicts,
+                      fresh=[b for b, v in zip(batches, verdicts) if v == FRESH],
+                      extra=[(name, t) for j in jobs if j.tables for name, t in j.tables.items()])
+        for j in jobs:
+            if j.intent is not None:
+                group.intents.setdefault(j.target, []).append(j.intent)
         try:
-            tables = columns.ingest_tables(fresh)
+            group.tables = columns.ingest_tables(group.fresh)
+            plans = [p.plan(group) for p in self.projections]
             self._con.execute("BEGIN TRANSACTION")
-            self._write_group(fresh, tables, extra, plan, live, now)
+            for name, t in list(group.tables.items()) + group.extra:
+                self._insert(name, t)
+            for p, plan in zip(self.projections, plans):
+                p.write(self._con, plan, group)
             self._con.execute("COMMIT")
         except Exception as e:
             self._safe_rollback()
@@ -317,21 +354,44 @@ class Writer:
                 for job in jobs:
                     self._commit([job])
                 return
-            log.warning("write refused: %s", e)
-            status = 422 if isinstance(e, _DATA_ERRORS) else 503
-            self._finish([(jobs[0], None, StorageError(f"rows could not be stored: {e}", status))])
+            self._fail_alone(jobs[0], e)
             return
-        for b in fresh:
-            self._keys.add(b.key)
-            self._metrics.runs.observe(b)
-        self.book.apply(plan, now)
-        self.liveness.apply(live, now)
-        self._count(tables, extra, fresh, verdict, len(jobs), time.perf_counter() - t0)
-        results, i = [], 0
-        for job, v in zip(jobs, verdict):
-            if job.batch is None:
+        for p, plan in zip(self.projections, plans):
+            try:
+                p.apply(plan, group)
+            except Exception:  # committed already: keep answering; the mirror may lag until restart
+                log.exception("projection %s could not apply a committed plan", p.name)
+        self._count(group, len(jobs), time.perf_counter() - t0)
+        if self.feed.active and (group.tables or group.extra):
+            self.feed.publish(commit_ts=now, run_ids=committed_run_ids(group.fresh, group.extra),
+                              tables=committed_tables(group.tables, group.extra))
+        self._finish(self._results(jobs, group, plans))
+
+    def _fail_alone(self, job: _Job, e: Exception) -> None:
+        if job.intent is not None:  # its submitter gets the error itself (as a submit_call would)
+            log.warning("intent for %s refused: %s", job.target, e)
+            self._finish([(job, None, e)])
+            return
+        log.warning("write refused: %s", e)
+        status = 422 if isinstance(e, _DATA_ERRORS) else 503
+        self._finish([(job, None, StorageError(f"rows could not be stored: {e}", status))])
+
+    def _results(self, jobs: list[_Job], group: Group, plans: list[Any]) -> list[tuple[_Job, Any, Any]]:
+        deliveries = iter(self._replies.deliveries(plans[self._replies_at]))
+        answers = {name: iter(self.projections[i].results(plans[i])) for name, i in self._by_name.items()
+                   if name in group.intents}
+        verdicts = iter(group.verdicts)
+        results = []
+        for job in jobs:
+            if job.intent is not None:
+                answer = next(answers[job.target])
+                if isinstance(answer, BaseException):
+                    results.append((job, None, answer))
+                else:
+                    results.append((job, answer, None))
+            elif job.batch is None:
                 results.append((job, sum(t.num_rows for t in job.tables.values()), None))
-            elif v == CONFLICT:
+            elif (v := next(verdicts)) == CONFLICT:
                 b = job.batch
                 log.warning("batch %s refused: its key was stored with other content", b.key)
                 results.append((job, None, BatchRejected(
@@ -340,17 +400,18 @@ class Writer:
                     f"be reused for other rows", 409)))
             else:
                 dup = v == DUPLICATE
-                results.append((job, IngestOutcome(0 if dup else job.batch.num_rows, dup, plan.deliveries[i]), None))
-                i += 1
-        self._finish(results)
+                results.append((job, IngestOutcome(0 if dup else job.batch.num_rows, dup, next(deliveries)), None))
+        return results
 
-    def _count(self, tables, extra, fresh, verdict, num_jobs, commit_s) -> None:
+    def _count(self, group: Group, num_jobs: int, commit_s: float) -> None:
         m = self._metrics
-        for name, t in list(tables.items()) + extra:
+        for name, t in list(group.tables.items()) + group.extra:
             m.rows_ingested.labels(name).inc(t.num_rows)
-        m.batches.inc(len(fresh))
-        m.duplicate_batches.inc(verdict.count(DUPLICATE))
-        m.conflicting_batches.inc(verdict.count(CONFLICT))
+        for b in group.fresh:
+            m.runs.observe(b)
+        m.batches.inc(len(group.fresh))
+        m.duplicate_batches.inc(group.verdicts.count(DUPLICATE))
+        m.conflicting_batches.inc(group.verdicts.count(CONFLICT))
         m.commit_seconds.observe(commit_s)
         m.group_size.observe(num_jobs)
 
@@ -359,10 +420,8 @@ class Writer:
         for job, result, exc in results:
             if job.loop is not None:
                 by_loop[job.loop].append((job.future, result, exc))
-            elif exc is not None:
-                job.future.set_exception(exc)
             else:
-                job.future.set_result(result)
+                _resolve(job.future, result, exc)
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_resolve_many, items)
@@ -375,109 +434,3 @@ class Writer:
             self._con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM __ingest")
         finally:
             self._con.unregister("__ingest")
-
-    def _write_group(self, fresh: list[DecodedBatch], tables: dict[str, pa.Table],
-                     extra: list[tuple[str, pa.Table]], plan: CommandPlan, live: LivenessPlan, now: float) -> None:
-        for name, t in list(tables.items()) + extra:
-            self._insert(name, t)
-        self._write_liveness(live, now)
-        if fresh:
-            self._insert("batches", columns.batches_table(fresh, now))
-            for b in fresh:
-                self._run_side_effects(b, now)
-        for cmd in plan.changed.values():
-            self._update_command(cmd)
-
-    def _write_liveness(self, live: LivenessPlan, now: float) -> None:
-        """New runs and ranks, identity changes and drops now; last-seen times per sweep."""
-        con = self._con
-        if live.new_runs:
-            con.executemany("INSERT INTO runs (run_id, created_ts, updated_ts) VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
-                            [(r, now, now) for r in live.new_runs])
-        if live.rank_rows:
-            con.register("__ranks", columns.ranks_table(live.rank_rows, live.drops, now))
-            con.execute("""
-                INSERT INTO ranks BY NAME SELECT * FROM __ranks
-                ON CONFLICT (run_id, rank) DO UPDATE SET
-                    node = excluded.node, pid = excluded.pid, incarnation = excluded.incarnation,
-                    dp = coalesce(excluded.dp, ranks.dp), tp = coalesce(excluded.tp, ranks.tp),
-                    pp = coalesce(excluded.pp, ranks.pp), last_seen_ts = excluded.last_seen_ts,
-                    agent_drops = ranks.agent_drops + excluded.agent_drops""")
-            con.unregister("__ranks")
-        if live.last_seen:
-            con.register("__seen", columns.last_seen_table(live.last_seen))
-            con.execute("""
-                UPDATE ranks SET last_seen_ts = greatest(ranks.last_seen_ts, s.last_seen_ts) FROM __seen s
-                WHERE ranks.run_id = s.run_id AND ranks.rank = s.rank""")
-            con.unregister("__seen")
-            run_ts: dict[str, float] = {}
-            for (run_id, _), ts in live.last_seen.items():
-                run_ts[run_id] = max(ts, run_ts.get(run_id, ts))
-            con.executemany("UPDATE runs SET updated_ts = greatest(updated_ts, ?) WHERE run_id = ?",
-                            [(ts, run_id) for run_id, ts in run_ts.items()])
-
-    def _run_side_effects(self, b: DecodedBatch, now: float) -> None:
-        """Run info, nodes, checkpoints and run status carried by one batch."""
-        con = self._con
-        if b.run is not None:
-            r = b.run
-            con.execute("""
-                UPDATE runs SET config = coalesce(?, config), mesh = coalesce(?, mesh),
-                    world_size = coalesce(?, world_size), code_version = coalesce(?, code_version),
-                    data_version = coalesce(?, data_version), node_map = coalesce(?, node_map),
-                    started_ts = coalesce(?, started_ts), status = 'running', updated_ts = ?
-                WHERE run_id = ?""",
-                [b.run_json["config"], b.run_json["mesh"], r.world_size, r.code_version, r.data_version,
-                 b.run_json["node_map"], r.started_ts, now, b.run_id])
-            if r.node_map:
-                by_node: dict[str, list[int]] = defaultdict(list)
-                for rank, node in r.node_map.items():  # keys checked to be rank numbers by decode
-                    by_node[node].append(int(rank))
-                con.register("__nodes", pa.table({  # one statement: executemany costs ~1 ms a row
-                    "node": pa.array(list(by_node), pa.string()),
-                    "ranks": pa.array([json_text(sorted(r)) for r in by_node.values()], pa.string())}))
-                con.execute("""
-                    INSERT INTO nodes (run_id, node, ranks, status, updated_ts)
-                    SELECT ?, node, ranks, 'healthy', ? FROM __nodes
-                    ON CONFLICT (run_id, node) DO UPDATE SET ranks = excluded.ranks, updated_ts = excluded.updated_ts""",
-                    [b.run_id, now])
-                con.unregister("__nodes")
-        for e in b.events:
-            s = e.special
-            if isinstance(s, CheckpointSaved):
-                # every rank reports the shards it wrote: the row adds them up
-                con.execute("""
-                    INSERT INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1)
-                    ON CONFLICT (run_id, step, attempt) DO UPDATE SET path = excluded.path,
-                        num_shards = checkpoints.num_shards + excluded.num_shards,
-                        bytes = checkpoints.bytes + excluded.bytes,
-                        checksums = json_merge_patch(coalesce(checkpoints.checksums, '{}'),
-                                                     coalesce(excluded.checksums, '{}')),
-                        verified = checkpoints.verified AND excluded.verified,
-                        write_s = greatest(checkpoints.write_s, excluded.write_s),
-                        ts = greatest(checkpoints.ts, excluded.ts),
-                        num_ranks = checkpoints.num_ranks + 1""",
-                    [b.run_id, s.step, e.attempt or 0, s.path, s.num_shards, s.bytes, json_text(s.checksums),
-                     s.verified, s.write_s, e.ts])
-            elif isinstance(s, CheckpointVerified):
-                con.execute("UPDATE checkpoints SET verified = ? WHERE run_id = ? AND step = ?",
-                            [s.verified, b.run_id, s.step])
-            elif isinstance(s, RunFinished):
-                con.execute("UPDATE runs SET status = ?, updated_ts = ? WHERE run_id = ?", [s.status, now, b.run_id])
-
-    def _update_command(self, cmd: Command) -> None:
-        d = cmd.as_dict()
-        self._con.execute(
-            "UPDATE commands SET status = ?, delivered = ?, acks = ?, updated_ts = ? WHERE id = ?",
-            [cmd.status, json_text(d["delivered"]), json_text(d["acks"]), cmd.updated_ts, cmd.id])
-
-    def _load_commands(self) -> None:
-        rows = self._con.execute("""
-            SELECT id, run_id, kind, args, ranks, issued_ts, status, delivered, acks, updated_ts
-            FROM commands WHERE issued_ts > ?""", [self._clock() - self.book.ttl_s]).fetchall()
-        for cid, run_id, kind, args, ranks, issued_ts, status, delivered, acks, updated_ts in rows:
-            self.book.add(Command(
-                id=cid, run_id=run_id, kind=kind, args=json.loads(args) if args else {},
-                ranks=json.loads(ranks) if ranks else None, issued_ts=issued_ts, status=status,
-                delivered=json.loads(delivered) if delivered else [],
-                acks={int(k): v for k, v in json.loads(acks).items()} if acks else {}, updated_ts=updated_ts))

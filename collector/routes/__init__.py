@@ -1,1 +1,1 @@
-"""HTTP routes, one thin module per resource; no SQL here (see storage.py)."""
+"""HTTP routes, one thin module per resource; no SQL here (see read.py)."""

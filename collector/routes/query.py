@@ -1,4 +1,4 @@
-"""The dashboard's read API: JSON, bearer auth, every query inside storage.py.
+"""The dashboard's read API: JSON, bearer auth, every query in collector/read.py.
 
 Handlers are plain `def`s: FastAPI runs them in its thread pool, where a
 storage query blocks only its own thread (each gets its own DuckDB cursor).

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future
+
 import pytest
 
 from agent import wire
-from collector.commands import Command, CommandBook, issue, list_for_run, validate_request
+from collector.commands import Command, CommandBook, validate_request
 from collector.decode import CommandAck, decode
 from tests.unit.collector.collector_batches import make_batch, steps_section
 
@@ -78,8 +81,8 @@ def test_issue_deliver_ack_through_storage(storage):
     run = {"world_size": 2}
     assert storage.ingest_blocking(decode(make_batch(rank=0, run=run))).commands == []
     with pytest.raises(KeyError):
-        issue(storage, "no-such-run", "stop")
-    cmd = issue(storage, "run1", "rollback", args={"to_step": 40})
+        storage.issue_command("no-such-run", "stop", {}, None).result(10)
+    cmd = storage.issue_command("run1", "rollback", {"to_step": 40}, None).result(10)
     assert (cmd["ranks"], cmd["status"]) == ([0, 1], "pending")  # every rank = range(world_size)
     got = storage.ingest_blocking(decode(make_batch(rank=1, batch_seq=1)))
     assert got.commands == [{"id": cmd["id"], "kind": "rollback", "args": {"to_step": 40}, "issued_ts": cmd["issued_ts"]}]
@@ -90,5 +93,76 @@ def test_issue_deliver_ack_through_storage(storage):
     for rank, seq in ((0, 3), (1, 3)):
         storage.ingest_blocking(decode(make_batch(rank=rank, batch_seq=seq, events=[ack],
                                                   sections={wire.STEP: steps_section([seq])})))
-    (row,) = list_for_run(storage, "run1")
+    (row,) = storage.commands("run1")
     assert (row["status"], row["delivered"], sorted(row["acks"])) == ("acked", [1, 0], ["0", "1"])
+
+
+def started_run(storage) -> None:
+    storage.ingest_blocking(decode(make_batch(rank=0, run={"world_size": 2})))
+
+
+def test_issuing_on_the_writer_thread_does_not_block_it(storage):
+    """Detection and the policy may issue from code the writer runs (a projection, a
+    write callback): the call returns at once and `done` reports the commit."""
+    started_run(storage)
+    done, got = threading.Event(), []
+
+    def on_writer(ctx):
+        assert storage.on_writer_thread()
+        storage.issue_command("run1", "stop", {}, [0], done=lambda row, err: (got.append((row, err)), done.set()))
+        return done.is_set()  # its commit cannot have happened yet: we are still inside this one
+
+    assert storage.write(on_writer).result(10) is False  # returned without waiting for its own commit
+    assert done.wait(10)
+    (row, err), = got
+    assert err is None and (row["kind"], row["ranks"], row["status"]) == ("stop", [0], "pending")
+    assert storage.ingest_blocking(decode(make_batch(rank=0, batch_seq=1))).commands[0]["id"] == row["id"]
+
+
+def test_issuing_from_a_subscriber_thread_does_not_block_the_writer(storage):
+    started_run(storage)
+    sub = storage.subscribe("policy")
+    issued, stop = [], threading.Event()
+
+    def policy() -> None:  # what the policy will do: react to committed rows with a command
+        while not stop.is_set():
+            d = sub.get(0.1)
+            if d is not None and d.commit is not None:
+                issued.append(storage.issue_command("run1", "checkpoint", {}, None).result(10))
+                return
+
+    thread = threading.Thread(target=policy)
+    thread.start()
+    try:
+        got = storage.ingest_blocking(decode(make_batch(rank=1, batch_seq=0, sections={
+            wire.STEP: steps_section([1])})))
+        assert got.accepted == 1
+        thread.join(10)
+        assert not thread.is_alive() and issued[0]["kind"] == "checkpoint"
+        # the next ingest of a rank carries it: the writer kept serving throughout
+        assert storage.ingest_blocking(decode(make_batch(rank=1, batch_seq=1))).commands[0]["id"] == issued[0]["id"]
+    finally:
+        stop.set()
+        thread.join(10)
+
+
+def test_a_command_issued_in_the_group_of_a_ranks_batch_reaches_it_at_once(storage):
+    started_run(storage)
+    release = threading.Event()
+    storage.write(lambda ctx: release.wait(10))  # hold the writer: what follows is one group
+    cmd = storage.issue_command("run1", "rollback", {"to_step": 3}, [1])
+    batch = Future()
+    storage._writer.submit_batch(decode(make_batch(rank=1, batch_seq=5)), batch)
+    release.set()
+    row = cmd.result(10)
+    assert batch.result(10).commands == [{"id": row["id"], "kind": "rollback", "args": {"to_step": 3},
+                                          "issued_ts": row["issued_ts"]}]
+    assert row["delivered"] == [1] and row["status"] == "delivered"
+    (stored,) = storage.commands("run1")
+    assert (stored["status"], stored["delivered"]) == ("delivered", [1])
+
+
+def test_an_unknown_run_is_told_through_done(storage):
+    done, got = threading.Event(), []
+    assert storage.issue_command("nope", "stop", {}, None, done=lambda r, e: (got.append(e), done.set())) is None
+    assert done.wait(10) and isinstance(got[0], KeyError)

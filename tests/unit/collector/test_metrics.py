@@ -31,7 +31,7 @@ def test_health_counters_and_run_gauges(storage):
     assert got[("llmwatch_collector_rows_ingested_total", (("table", "steps"),))] == 8
     assert got[("llmwatch_collector_batches_total", ())] == 4
     assert got[("llmwatch_collector_duplicate_batches_total", ())] == 1
-    assert got[("llmwatch_collector_commit_seconds_count", ())] == 5
+    assert got[("llmwatch_collector_commit_seconds_count", ())] == 6  # 5 ingests, the incident
     assert got[("llmwatch_collector_write_queue_depth", ())] == 0
     run_label = (("run_id", "run1"),)
     assert got[("llmwatch_run_step", run_label)] == 10

@@ -1,4 +1,5 @@
-"""The writer thread: group commit, isolation of a bad batch, back-pressure."""
+"""The writer thread: group commit, isolation of a bad batch, back-pressure, and the
+engine's contract with its projections (plan, write, apply; intents answered)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from agent import wire
 from collector.decode import BatchRejected, decode
+from collector.projection import Group, Projection
 from collector.settings import Settings
 from collector.storage import Storage
 from collector.writer import QueueFull, StorageError
@@ -129,8 +131,9 @@ def test_many_stored_repeats_cost_one_lookup(storage, monkeypatch):
     release.set()
     assert [f.result(10).accepted for f in stored] == [1] * 20
     calls = []
-    lookup = storage._writer._stored_hashes
-    monkeypatch.setattr(storage._writer, "_stored_hashes", lambda keys: calls.append(len(keys)) or lookup(keys))
+    admission = storage._writer.admission
+    lookup = admission._stored_hashes
+    monkeypatch.setattr(admission, "_stored_hashes", lambda keys: calls.append(len(keys)) or lookup(keys))
     release = hold_writer(storage)
     futures = [Future() for _ in range(21)]
     for body, f in zip(bodies + [steps_batch([99], batch_seq=3)], futures):
@@ -140,3 +143,100 @@ def test_many_stored_repeats_cost_one_lookup(storage, monkeypatch):
     with pytest.raises(BatchRejected):
         futures[20].result(10)
     assert calls == [20]  # one query for the whole group's repeats
+
+
+# -- the engine: projections and intents -------------------------------------------
+class Notes(Projection):
+    """A projection the engine has never heard of: it stores intents as events and
+    keeps what the table holds in memory, as the real ones do."""
+
+    name = "notes"
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.stored: list[str] = []
+
+    def plan(self, group: Group) -> list[str]:
+        self.calls.append("plan")
+        return list(group.intents.get(self.name, []))
+
+    def write(self, con, plan: list[str], group: Group) -> None:
+        self.calls.append("write")
+        for note in plan:
+            if note == "boom":
+                raise RuntimeError("this note cannot be stored")
+            con.execute("INSERT INTO events (run_id, rank, ts, kind) VALUES ('notes', 0, ?, ?)", [group.now, note])
+
+    def apply(self, plan: list[str], group: Group) -> None:
+        self.calls.append("apply")
+        self.stored.extend(plan)
+
+    def results(self, plan: list[str]) -> list:
+        return [f"noted {n}" for n in plan]
+
+
+@pytest.fixture
+def noted(settings):
+    notes = Notes()
+    storage = Storage(settings, extra_projections=[notes])
+    yield storage, notes
+    storage.close()
+
+
+def test_an_added_projection_plans_writes_and_applies_in_the_group(noted):
+    storage, notes = noted
+    release = hold_writer(storage)
+    batch, note = Future(), storage._writer.submit_intent("notes", "hello")
+    storage._writer.submit_batch(decode(steps_batch([1, 2])), batch)
+    release.set()
+    assert note.result(10) == "noted hello" and batch.result(10).accepted == 2
+    assert notes.calls == ["plan", "write", "apply"]  # one group: the intent and the batch together
+    assert notes.stored == ["hello"]
+    assert sample(storage, "llmwatch_collector_group_requests_count") == 1
+    with storage.cursor() as cur:
+        assert cur.execute("SELECT kind FROM events WHERE run_id = 'notes'").fetchall() == [("hello",)]
+
+
+def test_a_failed_group_applies_nothing_and_retries_each_job_alone(noted):
+    storage, notes = noted
+    release = hold_writer(storage)
+    boom, batch = storage._writer.submit_intent("notes", "boom"), Future()
+    storage._writer.submit_batch(decode(steps_batch([1])), batch)
+    release.set()
+    with pytest.raises(RuntimeError, match="cannot be stored"):
+        boom.result(10)  # the intent's own error, not a StorageError
+    assert batch.result(10).accepted == 1
+    # the group, then each alone: the batch's retry applied, the failures did not
+    assert notes.calls.count("plan") == 3 and notes.calls.count("apply") == 1
+    assert notes.stored == []
+    with storage.cursor() as cur:
+        assert cur.execute("SELECT count(*) FROM steps").fetchall() == [(1,)]
+        assert cur.execute("SELECT count(*) FROM events WHERE run_id = 'notes'").fetchall() == [(0,)]
+
+
+def test_an_intent_does_not_wait_for_the_small_group_interval(tmp_path):
+    storage = Storage(Settings(db_path=tmp_path / "i.duckdb", group_min_interval_s=30.0, group_linger_s=30.0),
+                      extra_projections=[Notes()])
+    try:
+        storage.ingest_blocking(decode(steps_batch([1])))  # the first group commits at once
+        assert storage._writer.submit_intent("notes", "now").result(10) == "noted now"  # not 30 s later
+    finally:
+        storage.close()
+
+
+def test_waiting_on_the_writer_thread_for_the_writer_raises_instead_of_hanging(noted):
+    storage, _ = noted
+
+    def on_writer(ctx):
+        fut = storage._writer.submit_intent("notes", "later")
+        with pytest.raises(RuntimeError, match="deadlock"):
+            fut.result(1)
+        return fut
+
+    fut = storage.write(on_writer).result(10)
+    assert fut.result(10) == "noted later"
+
+
+def test_an_unknown_projection_is_refused_at_once(storage):
+    with pytest.raises(ValueError, match="no projection"):
+        storage._writer.submit_intent("nope", object())

@@ -1,0 +1,302 @@
+"""Incidents: one row per cause, opened, updated and closed through the writer.
+
+Detectors (collector/detection.py, the analysis package) return findings; the
+runner hands them to the writer as a `RecordFindings` intent, and this projection
+turns them into rows. One incident per cause: a cause is (run_id, key), the key
+naming the cause within the run (analysis/findings.py: "straggler:node1#1"); a
+finding without one gets `default_key` ("kind:rank:node"). For a cause:
+
+- nothing open: a finding opens an incident (status 'open', step range, evidence);
+- open: a finding updates it (step range widened, severity, evidence, root cause and
+  confidence replaced by the newest given), and a resolved finding closes it
+  (status 'closed', closed_ts).
+
+Times: opened_ts and closed_ts are the finding's `ts` (the `now` of the pass
+that found it) when it has one, else the commit's time.
+
+After a restart the book reloads the open incidents under their default keys: the
+table has no column for a key, so an open incident whose finding had a key of its
+own is not matched again (the detectors' states are gone too; see the report of
+the seams work for the migration this wants).
+
+`IncidentBook` is the pure part, owned by the writer thread: plan against it,
+apply after the commit. Manual writes (`OpenIncident`, `UpdateIncident`: the
+Storage methods) take the same path, so the book never goes stale behind them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import duckdb
+
+from collector.decode import json_text
+from collector.projection import Group, Ids, Projection
+
+INCIDENT_FIELDS = ("kind", "severity", "rank", "node", "step_from", "step_to", "status", "evidence",
+                   "root_cause", "confidence")
+_JSON_FIELDS = frozenset({"evidence"})
+Cause = tuple[str, str]  # run_id, key
+
+
+@dataclass(slots=True, kw_only=True)
+class Finding:
+    """What a detector reports about one cause in one pass. Detectors may return
+    their own type with these attribute names (or a mapping): see `as_finding`."""
+
+    kind: str
+    key: str | None = None  # the cause within the run; None: default_key
+    severity: str = "warning"
+    rank: int | None = None
+    node: str | None = None
+    step_from: int | None = None
+    step_to: int | None = None
+    evidence: Any = None
+    root_cause: str | None = None
+    confidence: float | None = None
+    resolved: bool = False  # the cause is gone: close its open incident
+    ts: float | None = None  # the pass's `now`: the incident's opened_ts / closed_ts
+
+    @property
+    def cause_key(self) -> str:
+        return self.key or default_key(self.kind, self.rank, self.node)
+
+
+def default_key(kind: str, rank: int | None, node: str | None) -> str:
+    return f"{kind}:{'-' if rank is None else rank}:{node or '-'}"
+
+
+_FINDING_FIELDS = tuple(f.name for f in fields(Finding))
+
+
+def as_finding(obj: Any) -> Finding:
+    """A Finding from a Finding, a mapping, or any object with Finding's attributes
+    (analysis/findings.py's type: its `status` "resolved" means `resolved`), so
+    detectors need not import the collector."""
+    if isinstance(obj, Finding):
+        return obj
+    get = obj.get if isinstance(obj, Mapping) else (lambda k, d=None: getattr(obj, k, d))
+    values = {k: get(k) for k in _FINDING_FIELDS if get(k) is not None}
+    if get("status") is not None:
+        values["resolved"] = get("status") in ("resolved", "closed")
+    values["resolved"] = bool(values.get("resolved", False))
+    return Finding(**values)
+
+
+@dataclass(frozen=True, slots=True)
+class RecordFindings:
+    """Intent: one detector pass's findings for one run. Answered with, per finding,
+    the id of the incident it opened, updated or closed (None: nothing to close)."""
+
+    run_id: str
+    findings: tuple[Finding, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class OpenIncident:
+    """Intent: insert an incident as given (fields: INCIDENT_FIELDS). Answered with its id."""
+
+    run_id: str
+    values: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateIncident:
+    """Intent: change fields of an incident by id; a status other than 'open' closes it."""
+
+    incident_id: int
+    values: dict[str, Any]
+
+
+@dataclass(slots=True)
+class OpenRow:
+    """What the book knows of an open incident."""
+
+    id: int
+    cause: Cause
+    step_from: int | None
+    step_to: int | None
+
+
+@dataclass(slots=True)
+class IncidentPlan:
+    inserts: list[dict[str, Any]] = field(default_factory=list)  # full rows
+    updates: list[tuple[int, dict[str, Any]]] = field(default_factory=list)  # (id, columns to set)
+    opened: dict[Cause, OpenRow] = field(default_factory=dict)  # open after the commit
+    closed: set[int] = field(default_factory=set)  # ids closed by the commit
+    next_id: int = 0
+    results: list[Any] = field(default_factory=list)
+
+
+def _widen(lo: int | None, hi: int | None, f: Finding) -> tuple[int | None, int | None]:
+    los = [v for v in (lo, f.step_from) if v is not None]
+    his = [v for v in (hi, f.step_to, f.step_from) if v is not None]
+    return (min(los) if los else None), (max(his) if his else None)
+
+
+class IncidentBook:
+    """The open incidents by cause. Owned by the writer thread (no locking)."""
+
+    def __init__(self) -> None:
+        self._open: dict[Cause, OpenRow] = {}
+        self._cause_of: dict[int, Cause] = {}
+
+    @classmethod
+    def load(cls, con: duckdb.DuckDBPyConnection) -> "IncidentBook":
+        book = cls()
+        rows = con.execute("SELECT id, run_id, kind, rank, node, step_from, step_to FROM incidents "
+                           "WHERE status = 'open' ORDER BY id").fetchall()
+        for iid, run_id, kind, rank, node, lo, hi in rows:
+            book._add(OpenRow(iid, (run_id, default_key(kind, rank, node)), lo, hi))
+        return book
+
+    def _add(self, row: OpenRow) -> None:
+        self._open.setdefault(row.cause, row)  # two open rows for one cause (manual): the first counts
+        self._cause_of[row.id] = row.cause
+
+    def open_for(self, cause: Cause) -> OpenRow | None:
+        return self._open.get(cause)
+
+    def plan(self, intents: Sequence[Any], *, now: float, next_id: int) -> IncidentPlan:
+        """Rows to insert and update for `intents` in order, against the book and
+        what the earlier intents of the same plan did. Changes nothing."""
+        plan = IncidentPlan(next_id=next_id)
+        opened: dict[Cause, OpenRow | None] = {}  # this plan's view on top of the book: None = closed
+
+        def current(cause: Cause) -> OpenRow | None:
+            return opened[cause] if cause in opened else self._open.get(cause)
+
+        def insert(run_id: str, values: dict[str, Any]) -> int:
+            iid = plan.next_id
+            plan.next_id += 1
+            plan.inserts.append({"id": iid, "run_id": run_id, "opened_ts": now, "updated_ts": now,
+                                 "status": "open", **values})
+            return iid
+
+        for intent in intents:
+            if isinstance(intent, RecordFindings):
+                ids = []
+                for f in intent.findings:
+                    cause = (intent.run_id, f.cause_key)
+                    row = current(cause)
+                    at = now if f.ts is None else f.ts
+                    if f.resolved:
+                        if row is not None:
+                            plan.updates.append((row.id, _closing(f, at, now)))
+                            plan.closed.add(row.id)
+                            opened[cause] = None
+                        ids.append(row.id if row is not None else None)
+                    elif row is None:
+                        iid = insert(intent.run_id, {**_finding_columns(f), "opened_ts": at})
+                        opened[cause] = OpenRow(iid, cause, f.step_from, f.step_to if f.step_to is not None
+                                                else f.step_from)
+                        ids.append(iid)
+                    else:
+                        lo, hi = _widen(row.step_from, row.step_to, f)
+                        opened[cause] = OpenRow(row.id, cause, lo, hi)
+                        plan.updates.append((row.id, _updating(f, lo, hi, now)))
+                        ids.append(row.id)
+                plan.results.append(ids)
+            elif isinstance(intent, OpenIncident):
+                values = dict(intent.values)
+                iid = insert(intent.run_id, values)
+                if values.get("status", "open") == "open":
+                    cause = (intent.run_id, default_key(values["kind"], values.get("rank"), values.get("node")))
+                    if current(cause) is None:
+                        opened[cause] = OpenRow(iid, cause, values.get("step_from"), values.get("step_to"))
+                plan.results.append(iid)
+            elif isinstance(intent, UpdateIncident):
+                values = {**intent.values, "updated_ts": now}
+                if intent.values.get("status", "open") != "open":
+                    values["closed_ts"] = now
+                    plan.closed.add(intent.incident_id)
+                    cause = self._cause_of.get(intent.incident_id)
+                    if cause is not None and (row := current(cause)) is not None and row.id == intent.incident_id:
+                        opened[cause] = None
+                plan.updates.append((intent.incident_id, values))
+                plan.results.append(None)
+            else:
+                plan.results.append(TypeError(f"not an incident intent: {intent!r}"))
+        plan.opened = {c: r for c, r in opened.items() if r is not None}
+        return plan
+
+    def apply(self, plan: IncidentPlan) -> None:
+        for iid in plan.closed:
+            cause = self._cause_of.pop(iid, None)
+            if cause is not None and cause in self._open and self._open[cause].id == iid:
+                del self._open[cause]
+        for cause, row in plan.opened.items():
+            self._open[cause] = row
+            self._cause_of[row.id] = cause
+
+
+def _finding_columns(f: Finding) -> dict[str, Any]:
+    return {"kind": f.kind, "severity": f.severity, "rank": f.rank, "node": f.node, "step_from": f.step_from,
+            "step_to": f.step_to if f.step_to is not None else f.step_from, "evidence": f.evidence,
+            "root_cause": f.root_cause, "confidence": f.confidence}
+
+
+def _updating(f: Finding, lo: int | None, hi: int | None, now: float) -> dict[str, Any]:
+    """An open incident seen again: the range widened, the newest severity and, where
+    given, the newest evidence, root cause and confidence."""
+    values: dict[str, Any] = {"severity": f.severity, "step_from": lo, "step_to": hi, "updated_ts": now}
+    for name in ("evidence", "root_cause", "confidence"):
+        if getattr(f, name) is not None:
+            values[name] = getattr(f, name)
+    return values
+
+
+def _closing(f: Finding, at: float, now: float) -> dict[str, Any]:
+    values: dict[str, Any] = {"status": "closed", "closed_ts": at, "updated_ts": now}
+    for name in ("evidence", "root_cause"):
+        if getattr(f, name) is not None:
+            values[name] = getattr(f, name)
+    return values
+
+
+def check_fields(values: Mapping[str, Any], *, required: Sequence[str] = ()) -> None:
+    """ValueError unless `values` are INCIDENT_FIELDS (and hold `required`)."""
+    unknown = set(values) - set(INCIDENT_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown incident fields {sorted(unknown)}; give some of {INCIDENT_FIELDS}")
+    missing = [k for k in required if values.get(k) is None]
+    if missing:
+        raise ValueError(f"an incident needs {missing}")
+
+
+class IncidentsProjection(Projection):
+    """`incidents` rows from findings and manual intents."""
+
+    name = "incidents"
+
+    def __init__(self, con: duckdb.DuckDBPyConnection, *, ids: Ids) -> None:
+        self._ids = ids
+        self.book = IncidentBook.load(con)
+
+    def plan(self, group: Group) -> IncidentPlan | None:
+        intents = group.intents.get(self.name)
+        if not intents:
+            return None
+        return self.book.plan(intents, now=group.now, next_id=self._ids.peek("incidents"))
+
+    def write(self, con: duckdb.DuckDBPyConnection, plan: IncidentPlan | None, group: Group) -> None:
+        if plan is None:
+            return
+        for row in plan.inserts:
+            names = list(row)
+            con.execute(f"INSERT INTO incidents ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})",
+                        [json_text(row[n]) if n in _JSON_FIELDS else row[n] for n in names])
+        for iid, values in plan.updates:
+            sets = ", ".join(f"{k} = ?" for k in values)
+            con.execute(f"UPDATE incidents SET {sets} WHERE id = ?",
+                        [*(json_text(v) if k in _JSON_FIELDS else v for k, v in values.items()), iid])
+
+    def apply(self, plan: IncidentPlan | None, group: Group) -> None:
+        if plan is not None:
+            self.book.apply(plan)
+            self._ids.advance("incidents", plan.next_id)
+
+    def results(self, plan: IncidentPlan | None) -> list[Any]:
+        return plan.results if plan is not None else []

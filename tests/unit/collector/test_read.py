@@ -1,0 +1,115 @@
+"""The read side: the same function answers the same on the live collector and
+on its file once closed (opened read-only), which is what an offline replay and
+the dashboard's file mode read."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from agent import wire
+from collector import read
+from collector.decode import decode
+from collector.incidents import Finding
+from collector.settings import Settings
+from collector.storage import Storage, connect
+from tests.unit.collector.collector_batches import columns, make_batch, steps_section
+
+RUN = {"run_id": "run1", "config": {"lr": 0.001}, "mesh": {"dp": 2, "tp": 1, "pp": 1}, "world_size": 2,
+       "node_map": {"0": "n0", "1": "n1"}, "code_version": "abc", "data_version": "v1", "started_ts": 1.0}
+
+# every read function, with the arguments to call it with
+QUERIES = [
+    (read.runs, (), {}),
+    (read.run, ("run1",), {}),
+    (read.run, ("missing",), {}),
+    (read.open_incidents, (), {}),
+    (read.steps, ("run1", "loss"), {"max_points": 7}),
+    (read.steps, ("run1", "step_s"), {"rank": 1, "step_from": 3, "step_to": 30}),
+    (read.steps, ("run1", "eval_loss"), {}),
+    (read.step_summary, ("run1",), {"limit": 5}),
+    (read.ranks, ("run1",), {}),
+    (read.collectives, ("run1",), {"last_steps": 3}),
+    (read.incidents, ("run1",), {}),
+    (read.incidents, ("run1",), {"status": "open"}),
+    (read.actions, ("run1",), {}),
+    (read.checkpoints, ("run1",), {}),
+    (read.nodes, ("run1",), {}),
+    (read.events, ("run1",), {"limit": 10}),
+    (read.events, ("run1",), {"kind": "checkpoint_saved"}),
+    (read.heartbeats_latest, ("run1",), {}),
+    (read.commands, ("run1",), {}),
+]
+
+
+def populate(storage: Storage) -> None:
+    events = [{"ts": 5.0, "step": 10, "attempt": 0, "kind": "checkpoint_saved",
+               "data": {"step": 10, "path": "/ck/10", "num_shards": 1, "bytes": 10, "checksums": ["a"],
+                        "write_s": 0.5, "verified": True}}]
+    for rank in (0, 1):
+        coll = columns(wire.COLLECTIVE, 20, step=np.arange(20), attempt=0, op=0, axis=0, bytes=100,
+                       duration_s=0.5 + rank, wait_s=0.25 * rank)
+        hb = columns(wire.HEARTBEAT, 2, ts=[10.0 + rank, 11.0 + rank], step=[18, 19], phase=1, last_seq=[5, 6])
+        scal = columns(wire.SCALAR, 3, step=[5, 10, 15], attempt=0, ts=1.0, name=0, value=[2.0, 1.5, 1.2])
+        storage.ingest_blocking(decode(make_batch(
+            rank=rank, run=RUN if rank == 0 else None, events=events if rank == 0 else [],
+            sections={wire.STEP: steps_section(range(20), loss=np.linspace(3, 1, 20) + rank, step_s=1.0 + rank),
+                      wire.COLLECTIVE: (20, coll), wire.HEARTBEAT: (2, hb), wire.SCALAR: (3, scal)})))
+        storage.ingest_blocking(decode(make_batch(  # a rollback re-ran steps 15-19
+            rank=rank, batch_seq=1, sections={wire.STEP: steps_section(range(15, 20), attempt=1, loss=0.5)})))
+    storage.issue_command("run1", "checkpoint", {}, None).result(10)
+    storage.record_findings("run1", [Finding(kind="straggler", rank=1, node="n1", step_from=4,
+                                             evidence={"ratio": 2.0})]).result(10)
+    iid = storage.open_incident("run1", "hang", "critical", rank=0).result(10)
+    storage.update_incident(iid, status="closed").result(10)
+    storage.record_action("run1", "isolate", "done", incident_id=iid, detail={"node": "n1"}).result(10)
+    storage.set_node_status("run1", "n1", "suspect", "straggler").result(10)
+
+
+def test_the_same_answers_live_and_on_the_closed_file(tmp_path):
+    path = tmp_path / "r.duckdb"
+    storage = Storage(Settings(db_path=path, group_linger_s=0.0, group_min_interval_s=0.0))
+    try:
+        populate(storage)
+        live = [storage.read(fn, *args, **kwargs) for fn, args, kwargs in QUERIES]
+        # the thin Storage wrappers are the same functions
+        assert storage.incidents("run1") == live[10] and storage.steps("run1", "loss", max_points=7) == live[4]
+    finally:
+        storage.close()
+    con = connect(path, read_only=True)
+    try:
+        closed = [fn(con, *args, **kwargs) for fn, args, kwargs in QUERIES]
+    finally:
+        con.close()
+    for (fn, args, kwargs), a, b in zip(QUERIES, live, closed):
+        assert a == b, (fn.__name__, args, kwargs)
+    # and they are answers, not empty lists
+    by_name = {(fn.__name__, args, tuple(kwargs.items())): r for (fn, args, kwargs), r in zip(QUERIES, closed)}
+    assert by_name[("run", ("run1",), ())]["world_size"] == 2
+    assert by_name[("run", ("missing",), ())] is None
+    assert by_name[("open_incidents", (), ())] == {"run1": 1}
+    assert len(by_name[("steps", ("run1", "loss"), (("max_points", 7),))]) == 7
+    assert [r["num_points"] for r in by_name[("steps", ("run1", "eval_loss"), ())]] == [2, 2, 2]
+    assert [r["step"] for r in by_name[("step_summary", ("run1",), (("limit", 5),))]] == [15, 16, 17, 18, 19]
+    assert [r["rank"] for r in by_name[("ranks", ("run1",), ())]] == [0, 1]
+    assert {r["step"] for r in by_name[("collectives", ("run1",), (("last_steps", 3),))]} == {17, 18, 19}
+    assert [(i["kind"], i["status"]) for i in by_name[("incidents", ("run1",), ())]] == [
+        ("straggler", "open"), ("hang", "closed")]
+    assert by_name[("actions", ("run1",), ())][0]["detail"] == {"node": "n1"}
+    assert by_name[("checkpoints", ("run1",), ())][0]["path"] == "/ck/10"
+    assert [(n["node"], n["status"]) for n in by_name[("nodes", ("run1",), ())]] == [("n0", "healthy"),
+                                                                                    ("n1", "suspect")]
+    assert [h["last_seq"] for h in by_name[("heartbeats_latest", ("run1",), ())]] == [6, 6]
+    assert by_name[("commands", ("run1",), ())][0]["ranks"] == [0, 1]
+
+
+def test_a_read_only_connection_cannot_write(tmp_path):
+    path = tmp_path / "w.duckdb"
+    Storage(Settings(db_path=path)).close()
+    con = connect(path, read_only=True)
+    try:
+        assert read.runs(con) == []
+        with pytest.raises(Exception, match="read-only"):
+            con.execute("INSERT INTO runs (run_id, created_ts, updated_ts) VALUES ('x', 0, 0)")
+    finally:
+        con.close()
