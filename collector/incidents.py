@@ -14,10 +14,9 @@ finding without one gets `default_key` ("kind:rank:node"). For a cause:
 Times: opened_ts and closed_ts are the finding's `ts` (the `now` of the pass
 that found it) when it has one, else the commit's time.
 
-After a restart the book reloads the open incidents under their default keys: the
-table has no column for a key, so an open incident whose finding had a key of its
-own is not matched again (the detectors' states are gone too; see the report of
-the seams work for the migration this wants).
+The key is stored (`incidents.cause_key`), so after a restart the book reloads the
+open incidents under their causes and a finding about the same cause updates its
+incident rather than opening a second one.
 
 `IncidentBook` is the pure part, owned by the writer thread: plan against it,
 apply after the commit. Manual writes (`OpenIncident`, `UpdateIncident`: the
@@ -146,10 +145,10 @@ class IncidentBook:
     @classmethod
     def load(cls, con: duckdb.DuckDBPyConnection) -> "IncidentBook":
         book = cls()
-        rows = con.execute("SELECT id, run_id, kind, rank, node, step_from, step_to FROM incidents "
+        rows = con.execute("SELECT id, run_id, kind, rank, node, step_from, step_to, cause_key FROM incidents "
                            "WHERE status = 'open' ORDER BY id").fetchall()
-        for iid, run_id, kind, rank, node, lo, hi in rows:
-            book._add(OpenRow(iid, (run_id, default_key(kind, rank, node)), lo, hi))
+        for iid, run_id, kind, rank, node, lo, hi, key in rows:
+            book._add(OpenRow(iid, (run_id, key or default_key(kind, rank, node)), lo, hi))
         return book
 
     def _add(self, row: OpenRow) -> None:
@@ -168,11 +167,11 @@ class IncidentBook:
         def current(cause: Cause) -> OpenRow | None:
             return opened[cause] if cause in opened else self._open.get(cause)
 
-        def insert(run_id: str, values: dict[str, Any]) -> int:
+        def insert(run_id: str, values: dict[str, Any], cause_key: str) -> int:
             iid = plan.next_id
             plan.next_id += 1
             plan.inserts.append({"id": iid, "run_id": run_id, "opened_ts": now, "updated_ts": now,
-                                 "status": "open", **values})
+                                 "status": "open", **values, "cause_key": cause_key})
             return iid
 
         for intent in intents:
@@ -189,7 +188,7 @@ class IncidentBook:
                             opened[cause] = None
                         ids.append(row.id if row is not None else None)
                     elif row is None:
-                        iid = insert(intent.run_id, {**_finding_columns(f), "opened_ts": at})
+                        iid = insert(intent.run_id, {**_finding_columns(f), "opened_ts": at}, f.cause_key)
                         opened[cause] = OpenRow(iid, cause, f.step_from, f.step_to if f.step_to is not None
                                                 else f.step_from)
                         ids.append(iid)
@@ -201,9 +200,10 @@ class IncidentBook:
                 plan.results.append(ids)
             elif isinstance(intent, OpenIncident):
                 values = dict(intent.values)
-                iid = insert(intent.run_id, values)
+                key = default_key(values["kind"], values.get("rank"), values.get("node"))
+                iid = insert(intent.run_id, values, key)
                 if values.get("status", "open") == "open":
-                    cause = (intent.run_id, default_key(values["kind"], values.get("rank"), values.get("node")))
+                    cause = (intent.run_id, key)
                     if current(cause) is None:
                         opened[cause] = OpenRow(iid, cause, values.get("step_from"), values.get("step_to"))
                 plan.results.append(iid)

@@ -226,9 +226,16 @@ _VIEWS_V1 = [
 # before it keep NULL (unknown: any content under their key counts as the same).
 _BATCH_HASH_V2 = ["ALTER TABLE batches ADD COLUMN content_hash BLOB"]
 
+# v3: the cause an incident is about, as the detector named it ("straggler:node1#1"),
+# so that after a collector restart a finding about the same cause updates the open
+# incident instead of opening a second one. Rows from before keep NULL (their cause
+# is then "kind:rank:node").
+_INCIDENT_CAUSE_V3 = ["ALTER TABLE incidents ADD COLUMN cause_key VARCHAR"]
+
 MIGRATIONS: list[tuple[int, list[str]]] = [
     (1, _TABLES_V1 + _VIEWS_V1),
     (2, _BATCH_HASH_V2),
+    (3, _INCIDENT_CAUSE_V3),
 ]
 
 

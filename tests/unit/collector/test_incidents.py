@@ -116,3 +116,22 @@ def test_findings_of_another_type_or_a_mapping():
     assert (f.kind, f.key, f.rank, f.resolved, f.ts) == ("nan", "nan#1", 2, False, 3.0)
     assert as_finding(TheirFinding(kind="nan", key="nan#1", run_id="r", status="resolved")).resolved
     assert as_finding({"kind": "hang", "rank": 4, "unknown": 1}).cause_key == "hang:4:-"
+
+
+def test_a_restarted_collector_matches_a_keyed_cause_to_its_open_incident(settings):
+    """The detector's own key is stored: after a restart the same cause updates the
+    open incident instead of opening a second one."""
+    from collector.storage import Storage
+
+    s = Storage(settings)
+    try:
+        (iid,) = s.record_findings("run1", [straggler(key="straggler:n1#1", step_from=40, step_to=45)]).result(10)
+    finally:
+        s.close()
+    s = Storage(settings)
+    try:
+        assert s.record_findings("run1", [straggler(key="straggler:n1#1", step_from=46, step_to=50)]).result(10) == [iid]
+        (row,) = s.incidents("run1")
+        assert (row["id"], row["cause_key"], row["step_from"], row["step_to"]) == (iid, "straggler:n1#1", 40, 50)
+    finally:
+        s.close()
