@@ -1,0 +1,149 @@
+"""When is a step's picture whole? `StepAssembler` holds a run's incomplete steps.
+
+Ranks flush on their own schedules, so one step's rows arrive over several
+commits and out of order across ranks. A step is *complete* when every rank of
+the run has reported it, or `complete_timeout_s` after its first row arrived (a
+rank that died, or dropped the row, must not hold verdicts back forever), or
+when more than `max_open_steps` steps are waiting (the oldest go first). A
+complete step is released once, with all its rows; a row arriving for a step
+already released is late: dropped here and counted (`num_late_rows`). The NaN
+detector reads rows as they arrive, so a late non-finite row is still seen.
+Rows are counted, not deduplicated: the collector stores each batch once.
+
+Each pass also yields a first sight of the steps whose first rows came in it
+(`StepSight`: the median over the ranks seen so far). Loss, grad-norm and
+loss-scale are global (identical on every rank), so the first rows suffice: the
+spike and loss-scale verdicts need not wait for the slowest rank's flush.
+
+State: the rows of incomplete steps (as the chunks they came in), a count per
+open step, and a bounded memory of released steps.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+import numpy as np
+import polars as pl
+
+from analysis.frames import split_key, step_keys
+
+KEY = ("attempt", "step")
+_RELEASED_MEMORY = 1024  # released steps remembered (to recognise late rows)
+
+
+class StepSight(NamedTuple):
+    attempt: int
+    step: int
+    loss: float | None
+    grad_norm: float | None
+    loss_scale: float | None
+    ts: float | None
+    num_rows: int
+
+
+class StepAssembler:
+    __slots__ = ("complete_timeout_s", "max_open_steps", "_chunks", "_count", "_first_seen", "_released",
+                 "_released_order", "num_late_rows", "num_forced", "newest")
+
+    def __init__(self, *, complete_timeout_s: float, max_open_steps: int) -> None:
+        self.complete_timeout_s = complete_timeout_s
+        self.max_open_steps = max_open_steps
+        self._chunks: list[pl.DataFrame] = []
+        self._count: dict[tuple[int, int], int] = {}  # open step -> rows received
+        self._first_seen: dict[tuple[int, int], float] = {}
+        self._released: set[tuple[int, int]] = set()
+        self._released_order: deque[tuple[int, int]] = deque()
+        self.num_late_rows = 0
+        self.num_forced = 0  # steps released incomplete (timeout, or too many open)
+        self.newest: tuple[int, int] | None = None  # newest (attempt, step) seen
+
+    @property
+    def num_open_steps(self) -> int:
+        return len(self._count)
+
+    @property
+    def num_pending_rows(self) -> int:
+        return sum(c.height for c in self._chunks)
+
+    def add(self, rows: pl.DataFrame | None, now: float) -> list[StepSight]:
+        """Take a commit's step rows; returns the first sight of the steps new in this pass."""
+        if rows is None or not rows.height:
+            return []
+        if rows["step"].null_count() or rows["attempt"].null_count() or rows["rank"].null_count():
+            rows = rows.drop_nulls(["attempt", "step", "rank"])
+            if not rows.height:
+                return []
+        keys = step_keys(rows)
+        uniq, counts = np.unique(keys, return_counts=True)
+        sights: list[StepSight] = []
+        late: list[int] = []
+        for key, n in zip(uniq.tolist(), counts.tolist()):
+            k = split_key(key)
+            if k in self._released:
+                late.append(key)
+                self.num_late_rows += n
+                continue
+            if k not in self._count:
+                self._count[k] = 0
+                self._first_seen[k] = now
+                sights.append(self._sight(rows, keys, key, k, n, single=len(uniq) == 1))
+            self._count[k] += n
+            if self.newest is None or k > self.newest:
+                self.newest = k
+        if late:
+            rows = rows.filter(pl.Series(~np.isin(keys, late)))
+        if rows.height:
+            self._chunks.append(rows)
+        return sights
+
+    @staticmethod
+    def _sight(rows: pl.DataFrame, keys: np.ndarray, key: int, k: tuple[int, int], n: int, *,
+               single: bool) -> StepSight:
+        m = slice(None) if single else keys == key
+
+        def med(col: str) -> float | None:
+            v = rows[col].to_numpy()[m].astype(float)
+            v = v[~np.isnan(v)] if col != "loss" else v  # a NaN loss is kept: it is the finding
+            return float(np.median(v)) if len(v) else None
+
+        ts = rows["ts"].to_numpy()[m]
+        return StepSight(k[0], k[1], med("loss"), med("grad_norm"), med("loss_scale"),
+                         float(np.nanmax(ts)) if len(ts) else None, n)
+
+    def release(self, now: float, expected_ranks: int) -> pl.DataFrame | None:
+        """Rows of the steps that became complete, sorted by attempt, step, rank; or None."""
+        if not self._count:
+            return None
+        done, waiting = [], []
+        for k, n in self._count.items():
+            full = expected_ranks > 0 and n >= expected_ranks
+            if full or now - self._first_seen[k] >= self.complete_timeout_s:
+                done.append(k)
+                self.num_forced += not full
+            else:
+                waiting.append(k)
+        excess = len(waiting) - self.max_open_steps
+        if excess > 0:
+            waiting.sort()
+            done.extend(waiting[:excess])
+            self.num_forced += excess
+        if not done:
+            return None
+        pending = self._chunks[0] if len(self._chunks) == 1 else pl.concat(self._chunks, how="diagonal_relaxed")
+        if len(done) == len(self._count):
+            out, rest = pending, None
+        else:
+            is_done = np.isin(step_keys(pending), [(a << 40) + s for a, s in done])
+            out = pending.filter(pl.Series(is_done))
+            rest = pending.filter(pl.Series(~is_done))
+        self._chunks = [rest] if rest is not None and rest.height else []
+        for k in done:
+            del self._count[k]
+            del self._first_seen[k]
+            self._released.add(k)
+            self._released_order.append(k)
+        while len(self._released_order) > _RELEASED_MEMORY:
+            self._released.discard(self._released_order.popleft())
+        return out.sort(["attempt", "step", "rank"])

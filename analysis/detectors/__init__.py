@@ -1,0 +1,7 @@
+"""The built-in detectors, registered in the order they run.
+
+crash before hang (a hang whose culprit is silent is the crash), nan before the
+spikes, the loss spike before the grad-norm spike (which folds into it).
+"""
+
+from analysis.detectors import crash, hang, nan, spikes, loss_scale, straggler  # noqa: F401  (order matters)

@@ -1,0 +1,294 @@
+"""`loss_spike` and `grad_spike`: a value far above a robust rolling baseline.
+
+The baseline is robust and follows the trend: over the last `window_steps`
+unflagged steps of log(value), the *level* is the median of the newest
+`level_steps` and the *noise* the MAD of successive differences (divided by
+sqrt 2). A plain median/MAD over the window would lag a descending loss and the
+descent would widen its MAD until a real spike hides in it; differences do not
+see a slow trend. A step is flagged when its log value is `z_threshold` noise
+sigmas above the level *and* `min_ratio` times the level's value: the z-score
+alone would fire on tiny wiggles of a very quiet curve, the ratio alone on noise
+of a noisy one. One-sided: the early descent (values below the level) never
+fires, and nothing is judged before `min_history_steps` values are in (the
+warm-up). Flagged values stay out of the baseline; a shift that lasts
+`rebaseline_after_steps` is taken as the new level (the incident closes and the
+baseline is relearned).
+
+Verdicts come at first sight of a step (its first rows: loss and grad-norm are
+global), so a spike is reported at the step it happens. When the step is
+complete, the loss spike's evidence gains what only all ranks together tell:
+which data-parallel replica's `local_loss` jumped, against its own baseline
+(or against the other replicas while that is short), and that replica's sample
+window (`sample_epoch/from/to`), which the healing skips.
+
+A grad-norm spike at a step whose loss spiked too is the same cause: it is
+added to the loss spike's evidence rather than opened on its own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+import polars as pl
+
+from analysis.findings import Finding, json_number
+from analysis.frames import has
+from analysis.registry import register
+from analysis.robust import RollingBaseline, RollingBaselines
+
+_SHARED_LOSS_FLAGS = "loss_spike.flagged"  # (attempt, step) -> loss spike key, for the grad detector
+
+
+class _Episode:
+    __slots__ = ("key", "first", "last", "clean", "peak", "steps", "unenriched", "extra")
+
+    def __init__(self, key: str, step: int) -> None:
+        self.key = key
+        self.first = self.last = step
+        self.clean = 0
+        self.peak: dict = {}
+        self.steps: dict[tuple[int, int], dict] = {}  # flagged steps -> their numbers (bounded: rebaseline)
+        self.unenriched: set[tuple[int, int]] = set()  # flagged steps whose complete rows are not in yet
+        self.extra: dict = {}  # replica, samples (loss); folded grad-norm numbers
+
+
+class _State:
+    __slots__ = ("baseline", "replicas", "ep", "consecutive", "num_flagged")
+
+    def __init__(self, window: int) -> None:
+        self.baseline = RollingBaseline(window)
+        self.replicas = RollingBaselines(1, window)
+        self.ep: _Episode | None = None
+        self.consecutive = 0
+        self.num_flagged = 0
+
+    def footprint(self) -> dict[str, int]:
+        return {"baseline": len(self.baseline), "episode_steps": len(self.ep.steps) if self.ep else 0,
+                "replica_series": self.replicas.num_series}
+
+
+class _SpikeDetector:
+    column = ""
+    kind = ""
+
+    def __init__(self, rules) -> None:
+        self.cfg = rules[self.kind]
+
+    def new_state(self) -> _State:
+        return _State(self.cfg.window_steps)
+
+    def run(self, p, st: _State) -> None:
+        for sight in p.first_sight:
+            self._judge(p, st, sight.attempt, sight.step, getattr(sight, self.column))
+        self._complete(p, st)
+
+    # -- verdicts at first sight ------------------------------------------------------
+    def _judge(self, p, st: _State, attempt: int, step: int, value) -> None:
+        cfg = self.cfg
+        if value is None or not math.isfinite(value) or value <= 0:
+            return  # non-finite: the nan detector's
+        lx = math.log(value)
+        if len(st.baseline) < cfg.min_history_steps:
+            st.baseline.add(lx)
+            return
+        med, scale = st.baseline.level_scale(cfg.level_steps)
+        scale = max(scale, cfg.min_log_scale)
+        z = (lx - med) / scale
+        ratio = math.exp(lx - med)
+        if z >= cfg.z_threshold and ratio >= cfg.min_ratio:
+            self._flag(p, st, attempt, step, value=value, z=z, ratio=ratio, baseline=math.exp(med))
+            return
+        st.baseline.add(lx)
+        st.consecutive = 0
+        ep = st.ep
+        if ep is not None:
+            ep.clean += 1
+            self._maybe_resolve(p, st)
+
+    def _flag(self, p, st: _State, attempt: int, step: int, **numbers) -> None:
+        st.num_flagged += 1
+        st.consecutive += 1
+        if self._fold(p, attempt, step, numbers):
+            return
+        ep = st.ep
+        if ep is None:
+            ep = st.ep = _Episode(p.book.new_key(self.kind), step)
+        ep.first, ep.last = min(ep.first, step), max(ep.last, step)
+        ep.clean = 0
+        info = {"attempt": attempt, "step": step, **{k: json_number(v, 4) for k, v in numbers.items()}}
+        ep.steps[(attempt, step)] = info
+        ep.unenriched.add((attempt, step))
+        if not ep.peak or numbers["z"] > ep.peak["z"]:
+            ep.peak = info
+        if self.kind == "loss_spike":
+            p.run.shared.setdefault(_SHARED_LOSS_FLAGS, {})[(attempt, step)] = ep.key
+        self._report(p, ep)
+        if st.consecutive >= self.cfg.rebaseline_after_steps:  # not a spike: a new level
+            p.resolve(ep.key, evidence={**p.book.get(ep.key).evidence, "resolved_because": "level shift"})
+            st.ep, st.consecutive = None, 0
+            st.baseline.clear()
+
+    def _fold(self, p, attempt: int, step: int, numbers: dict) -> bool:
+        """Whether this flag belongs to another incident (the grad detector folds into loss)."""
+        return False
+
+    def _maybe_resolve(self, p, st: _State) -> None:
+        ep = st.ep
+        if ep is not None and ep.clean >= self.cfg.resolve_after_steps and not ep.unenriched:
+            if p.book.is_open(ep.key):
+                p.resolve(ep.key, evidence={**p.book.get(ep.key).evidence,
+                                            "resolved_because": f"{ep.clean} steps back on the baseline"})
+            st.ep = None
+
+    def _report(self, p, ep: _Episode) -> None:
+        peak = ep.peak
+        z = float(peak["z"])
+        cfg = self.cfg
+        evidence = {"column": self.column, "peak": peak, "steps": list(ep.steps.values())[-8:],
+                    "num_steps_flagged": len(ep.steps), "z_threshold": cfg.z_threshold, "min_ratio": cfg.min_ratio,
+                    "window_steps": cfg.window_steps, **ep.extra}
+        root = ep.extra.get("_root") or self._default_root(peak)
+        evidence.pop("_root", None)
+        p.report(Finding(kind=self.kind, key=ep.key, run_id=p.run.run_id,
+                         severity="critical" if float(peak["ratio"]) >= 2.0 else "warning",
+                         step_from=ep.first, step_to=ep.last, evidence=evidence, root_cause=root,
+                         confidence=round(0.6 + 0.4 * min(1.0, (z - cfg.z_threshold) / cfg.z_threshold), 3)))
+
+    def _default_root(self, peak: dict) -> str:
+        return f"{self.column} {peak['ratio']}x its baseline at step {peak['step']} (z {peak['z']})"
+
+    # -- when steps are complete ------------------------------------------------------
+    def _complete(self, p, st: _State) -> None:
+        ep = st.ep
+        if ep is not None and ep.unenriched:
+            rel = p.released
+            if rel is not None and rel.height:
+                keys = set(rel.select("attempt", "step").unique().iter_rows())
+                for k in sorted(ep.unenriched & keys):
+                    rows = rel.filter((pl.col("attempt") == k[0]) & (pl.col("step") == k[1]))
+                    self._enrich(p, st, ep, k, rows)
+                    ep.unenriched.discard(k)
+                self._report(p, ep)
+            self._maybe_resolve(p, st)
+
+    def _enrich(self, p, st: _State, ep: _Episode, key: tuple[int, int], rows: pl.DataFrame) -> None:
+        return None
+
+
+@register
+class LossSpikeDetector(_SpikeDetector):
+    name = "loss_spike"
+    kind = "loss_spike"
+    kinds = ("loss_spike",)
+    column = "loss"
+
+    def run(self, p, st: _State) -> None:
+        super().run(p, st)
+        self._learn_replicas(p, st)
+
+    def _learn_replicas(self, p, st: _State) -> None:
+        """Per-replica baselines of log(local_loss), from complete unflagged steps."""
+        rel = p.released
+        if rel is None or not has(rel, "local_loss"):
+            return
+        flagged = set(st.ep.steps) if st.ep else set()
+        per = self._replica_losses(p, rel)
+        for (attempt, step), part in per.partition_by("attempt", "step", as_dict=True).items():
+            if (attempt, step) in flagged:
+                continue
+            rep = part["replica"].to_numpy()
+            val = part["local_loss"].to_numpy()
+            ok = np.isfinite(val) & (val > 0)
+            if ok.any():
+                st.replicas.add(rep[ok], np.log(val[ok]))
+
+    def _replica_losses(self, p, rows: pl.DataFrame) -> pl.DataFrame:
+        ranks = rows["rank"].to_numpy().astype(np.int64)
+        return (rows.with_columns(pl.Series("replica", p.topo.replica_of(ranks)))
+                .group_by("attempt", "step", "replica").agg(pl.col("local_loss").median())
+                .sort("replica"))
+
+    def _enrich(self, p, st: _State, ep: _Episode, key: tuple[int, int], rows: pl.DataFrame) -> None:
+        cfg = self.cfg
+        suspects: list[int] = []
+        num_replicas = 0
+        if has(rows, "local_loss"):
+            per = self._replica_losses(p, rows)
+            rep = per["replica"].to_numpy()
+            val = per["local_loss"].to_numpy()
+            ok = np.isfinite(val) & (val > 0)
+            rep, val = rep[ok], val[ok]
+            num_replicas = len(rep)
+            if num_replicas:
+                lv = np.log(val)
+                known = st.replicas.count(rep) >= cfg.min_history_steps
+                med, scale = st.replicas.median_scale(rep)
+                scale = np.maximum(np.nan_to_num(scale, nan=cfg.min_log_scale), cfg.min_log_scale)
+                cross = float(np.median(lv))
+                base = np.where(known, np.nan_to_num(med, nan=cross), cross)
+                ratio = np.exp(lv - base)
+                z = np.where(known, (lv - base) / scale, np.inf)
+                jumped = (ratio >= cfg.min_ratio) & (z >= cfg.z_threshold)
+                order = np.argsort(-ratio)
+                suspects = [int(rep[i]) for i in order if jumped[i]]
+                ep.extra["replicas"] = [{"replica": int(rep[i]), "local_loss": json_number(val[i], 5),
+                                         "ratio": json_number(ratio[i], 4),
+                                         "z": json_number(z[i], 4) if np.isfinite(z[i]) else None}
+                                        for i in order[:8]]
+                ep.extra["num_replicas"] = num_replicas
+        windows = self._windows(p, rows)
+        whole = not suspects or len(suspects) == num_replicas
+        step = key[1]
+        if suspects and not whole:
+            d = suspects[0]
+            ep.extra["suspect_replica"] = d
+            w = windows.get(d)
+            ep.extra["samples"] = w
+            where = (f"replica {d}'s samples {w['from']}-{w['to'] - 1} (epoch {w['epoch']})" if w
+                     else f"replica {d}'s batch")
+            ep.extra["_root"] = f"data: {where} at step {step}"
+        else:
+            ep.extra["suspect_replica"] = None
+            if windows:
+                lo = min(w["from"] for w in windows.values())
+                hi = max(w["to"] for w in windows.values())
+                epoch = min(w["epoch"] for w in windows.values())
+                ep.extra["samples"] = {"epoch": epoch, "from": lo, "to": hi}
+                ep.extra["_root"] = f"data: the global batch of step {step}, samples {lo}-{hi - 1} (epoch {epoch})"
+            else:
+                ep.extra["samples"] = None
+                ep.extra["_root"] = (f"data: the batch of step {step} (loss {ep.peak['ratio']}x its baseline; "
+                                     "no sample positions recorded)")
+        if windows:
+            ep.extra["sample_windows"] = {str(d): w for d, w in list(windows.items())[:8]}
+
+    def _windows(self, p, rows: pl.DataFrame) -> dict[int, dict]:
+        if not has(rows, "sample_from") or not has(rows, "sample_to"):
+            return {}
+        ranks = rows["rank"].to_numpy().astype(np.int64)
+        epoch = pl.col("sample_epoch") if "sample_epoch" in rows.columns else pl.lit(0)
+        per = (rows.with_columns(pl.Series("replica", p.topo.replica_of(ranks)), epoch.alias("_epoch"))
+               .drop_nulls(["sample_from", "sample_to"])
+               .group_by("replica")
+               .agg(pl.col("_epoch").first(), pl.col("sample_from").min(), pl.col("sample_to").max())
+               .sort("replica"))
+        return {int(d): {"epoch": int(e or 0), "from": int(a), "to": int(b)} for d, e, a, b in per.iter_rows()}
+
+
+@register
+class GradSpikeDetector(_SpikeDetector):
+    name = "grad_spike"
+    kind = "grad_spike"
+    kinds = ("grad_spike",)
+    column = "grad_norm"
+
+    def _fold(self, p, attempt: int, step: int, numbers: dict) -> bool:
+        loss_key = p.run.shared.get(_SHARED_LOSS_FLAGS, {}).get((attempt, step))
+        if loss_key is None or not p.book.is_open(loss_key):
+            return False
+        f = p.book.get(loss_key)
+        ev = {**f.evidence, "grad_norm": {"step": step, **{k: json_number(v, 4) for k, v in numbers.items()}}}
+        p.report(replace(f, evidence=ev))
+        return True

@@ -1,0 +1,295 @@
+"""The input contract: which columns of which tables the detectors read.
+
+The collector's detection thread builds one `Frames` per group commit from the
+Arrow tables it just committed (`Frames.from_arrow`, zero copy: dictionary
+columns arrive as polars Categoricals, which the detectors accept); the offline
+replay builds them from a closed DuckDB file the same way. Names and meanings
+are those of docs/schema.md. Every table is optional (None: no rows of it in the
+commit) and a frame may hold rows of several runs: `Frames.split_runs` cuts it
+per run.
+
+`OPTIONAL` columns do not exist yet; the detectors use them when present (a
+column of nulls counts as absent) and fall back to what exists today:
+
+- steps `local_loss` (DOUBLE): the token-mean loss of this rank's data-parallel
+  replica over its own micro-batches, before the DP average; the same on every
+  rank of the replica (the trainer can carry it in the PP all-reduce it already
+  does: no new sync). Names the replica whose loss jumped (spikes) and the
+  replica where a NaN started. Fallback: `loss`, which is global.
+- steps `finite_fwd`, `finite_bwd` (TINYINT 1 finite / 0 not): whether the
+  activations this rank produced in its forward (its stage's output, before the
+  loss head's cross-rank reductions) and its local gradients (before the DP
+  reduction) were all finite: `torch.isfinite(...).all()` on the device, read at
+  the step's one existing host sync. Name the NaN's origin rank and phase.
+  Fallback: non-finite `loss`/`grad_norm`, global, so the origin stays unknown.
+- steps `sample_epoch`, `sample_from`, `sample_to` (BIGINT): this rank's
+  replica's samples of the step, positions `[sample_from, sample_to)` in the
+  epoch's order (trainer/data.py: `lo + dp_rank * micro_batches * mbs`, that
+  many). A spike finding carries them; the healing skips them. Fallback: the
+  finding names the step only.
+- heartbeats `last_op`, `last_axis`, `last_group_id`, `last_group_seq`: the
+  collective `last_seq` names (the one the rank entered last). Makes a hang's
+  waited-on collective exact. Fallback: predicted from the culprit's previous
+  step.
+- events `agent_closed` (sent by `Agent.close()`; data `{}`): the rank finished
+  cleanly, its silence is not a crash. `rank_exited` (sent by the launcher;
+  `rank` -1, data `{"rank", "exit_code", "signal", "cause": "exited" |
+  "stopped"}`, `cause` "stopped" for the ranks the launcher stopped itself after
+  another failed): names a crashed rank at once, with its exit code or signal.
+
+Builders (`steps_frame`, ...) make frames from rows for tests and benchmarks;
+they fill columns left out with nulls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
+
+import numpy as np
+import polars as pl
+
+F64, I64, I32, I8, STR = pl.Float64, pl.Int64, pl.Int32, pl.Int8, pl.String
+
+# table -> column -> (dtype, meaning). REQUIRED: what a detector reads; a table
+# given without one of these is refused (`check`).
+REQUIRED: dict[str, dict[str, tuple]] = {
+    "steps": {
+        "run_id": (STR, "the run"), "attempt": (I32, "rollback lineage"), "step": (I64, "step number"),
+        "rank": (I32, "global rank"), "ts": (F64, "when the step ended (rank clock, s)"),
+        "loss": (F64, "training loss, global (NaN/Inf kept)"), "grad_norm": (F64, "global grad norm"),
+        "loss_scale": (F64, "dynamic loss scale (1 without fp16)"),
+        "step_s": (F64, "whole step, wall clock"), "fwd_s": (F64, "forward compute"),
+        "bwd_s": (F64, "backward compute"), "opt_s": (F64, "optimizer compute"),
+    },
+    "collectives": {
+        "run_id": (STR, ""), "attempt": (I32, ""), "step": (I64, ""), "rank": (I32, ""),
+        "seq": (I64, "the rank's op counter"), "group_seq": (I64, "the group's op counter"),
+        "op": (STR, "all_reduce, send, ..."), "axis": (STR, "dp, tp, pp, embed, world"),
+        "group_id": (I32, "lowest global rank of the group"), "peer": (I32, "send/recv peer, -1 else"),
+        "start_ts": (F64, "when the rank entered the op (comparable across ranks)"),
+        "wait_s": (F64, "time the rank's compute thread was blocked on it"),
+    },
+    "heartbeats": {
+        "run_id": (STR, ""), "rank": (I32, ""), "ts": (F64, "sent (rank clock)"), "node": (STR, ""),
+        "pid": (I64, ""), "phase": (STR, "forward, data, checkpoint, eval, idle, ..."),
+        "step": (I64, "step in progress"), "last_seq": (I64, "latest collective seq entered"),
+    },
+    "events": {
+        "run_id": (STR, ""), "rank": (I32, "the reporting rank"), "ts": (F64, ""), "step": (I64, ""),
+        "kind": (STR, "run_started, run_finished, checkpoint_saved, ..."), "data": (STR, "JSON"),
+    },
+    "ranks": {
+        "run_id": (STR, ""), "rank": (I32, ""), "node": (STR, "host"),
+        "dp": (I32, "mesh coordinate or null"), "tp": (I32, ""), "pp": (I32, ""),
+    },
+    "runs": {
+        "run_id": (STR, ""), "world_size": (I32, "number of ranks"), "status": (STR, "running, finished..."),
+        "config": (STR, "JSON: eval_every, ckpt.every are read"), "mesh": (STR, "JSON {dp, tp, pp}"),
+        "node_map": (STR, 'JSON {"rank": "node"}'),
+    },
+    "nodes": {"run_id": (STR, ""), "node": (STR, ""), "ranks": (STR, "JSON [ranks]")},
+    "scalars": {"run_id": (STR, ""), "attempt": (I32, ""), "step": (I64, ""), "rank": (I32, ""),
+                "name": (STR, "eval/... names mark eval steps"), "value": (F64, "")},
+}
+
+OPTIONAL: dict[str, dict[str, tuple]] = {
+    "steps": {
+        "node": (STR, "the rank's node"), "skipped": (pl.Boolean, "optimizer step skipped"),
+        "local_loss": (F64, "replica loss before the DP average"),
+        "finite_fwd": (I8, "1: forward all finite"), "finite_bwd": (I8, "1: local grads all finite"),
+        "sample_epoch": (I64, "epoch of the replica's samples"),
+        "sample_from": (I64, "first sample position"), "sample_to": (I64, "end sample position"),
+    },
+    "collectives": {"duration_s": (F64, "entry to completion (not used)"), "bytes": (I64, "payload (not used)")},
+    "heartbeats": {"last_op": (STR, "op of the collective last_seq names"),
+                   "last_axis": (STR, "its axis"), "last_group_id": (I32, "its group"),
+                   "last_group_seq": (I64, "its group_seq")},
+    "events": {"attempt": (I32, "attempt of a restart or checkpoint event")},
+    "ranks": {},
+    "runs": {},
+    "nodes": {"status": (STR, "healthy, suspect, isolated (not used)")},
+    "scalars": {"ts": (F64, "sample time (not used)")},
+}
+
+TABLES = tuple(REQUIRED)
+
+
+class FrameError(ValueError):
+    """A frame that lacks a column the detectors need."""
+
+
+def has(df: pl.DataFrame | None, column: str) -> bool:
+    """`column` is in `df` and not entirely null."""
+    return df is not None and column in df.columns and df[column].null_count() < df.height
+
+
+def ints(s: pl.Series, fill: int = -1) -> np.ndarray:
+    """An integer column as int64 numpy, nulls as `fill` (no query unless there are nulls)."""
+    if s.null_count():
+        s = s.fill_null(fill)
+    return s.to_numpy().astype(np.int64, copy=False)
+
+
+def floats(s: pl.Series) -> np.ndarray:
+    """A float column as float64 numpy, nulls as NaN."""
+    return s.to_numpy().astype(float, copy=False)
+
+
+class Interner:
+    """Small ints for the strings of a column (axis names, ops), equal for equal
+    strings across frames: a numpy key without hashing strings per row. Polars'
+    own categorical codes are not stable across frames, so the table is ours."""
+
+    __slots__ = ("index", "names")
+
+    def __init__(self) -> None:
+        self.index: dict[str, int] = {}
+        self.names: list[str] = []
+
+    def codes(self, s: pl.Series) -> np.ndarray:
+        s = s.cast(pl.String)
+        for v in s.unique().to_list():
+            if v is not None and v not in self.index:
+                self.index[v] = len(self.names)
+                self.names.append(v)
+        return s.replace_strict(self.index, default=-1, return_dtype=pl.Int64).to_numpy()
+
+
+def step_keys(df: pl.DataFrame) -> np.ndarray:
+    """One int64 per row for (attempt, step): attempt * 2**40 + step."""
+    return (ints(df["attempt"], 0) << 40) + ints(df["step"])
+
+
+def split_key(key: int) -> tuple[int, int]:
+    return int(key) >> 40, int(key) - ((int(key) >> 40) << 40)
+
+
+def iter_steps(df: pl.DataFrame):
+    """(attempt, step, rows) of a frame sorted by attempt, step: zero-copy slices."""
+    keys = step_keys(df)
+    if not len(keys):
+        return
+    bounds = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1], True])
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        attempt, step = split_key(keys[lo])
+        yield attempt, step, df.slice(int(lo), int(hi - lo))
+
+
+def finite_or_null(s: pl.Series) -> np.ndarray:
+    """True where a float column is finite or null (a null is not a non-finite value)."""
+    a = s.to_numpy()
+    ok = np.isfinite(a)
+    if s.null_count():
+        ok |= s.is_null().to_numpy()
+    return ok
+
+
+@dataclass(slots=True)
+class Frames:
+    """The rows of one commit (or of one run in it). None: no rows of that table."""
+
+    steps: pl.DataFrame | None = None
+    collectives: pl.DataFrame | None = None
+    heartbeats: pl.DataFrame | None = None
+    events: pl.DataFrame | None = None
+    ranks: pl.DataFrame | None = None
+    runs: pl.DataFrame | None = None
+    nodes: pl.DataFrame | None = None
+    scalars: pl.DataFrame | None = None
+
+    @classmethod
+    def from_arrow(cls, tables: Mapping[str, object]) -> "Frames":
+        """From the Arrow tables of a commit, keyed by table name (others ignored).
+        `polars.from_arrow` shares the buffers; nothing is copied."""
+        out = {}
+        for name in TABLES:
+            t = tables.get(name)
+            if t is not None and t.num_rows:
+                out[name] = pl.from_arrow(t)
+        return cls(**out)
+
+    def tables(self) -> dict[str, pl.DataFrame]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    def check(self) -> None:
+        for name, df in self.tables().items():
+            missing = [c for c in REQUIRED[name] if c not in df.columns]
+            if missing:
+                raise FrameError(f"{name}: missing column(s) {', '.join(missing)} (see analysis/frames.py)")
+
+    def run_ids(self) -> list[str]:
+        ids: set[str] = set()
+        for df in self.tables().values():
+            if df.height:
+                ids.update(str(v) for v in df["run_id"].unique().to_list() if v is not None)
+        return sorted(ids)
+
+    def split_runs(self) -> dict[str, "Frames"]:
+        """One `Frames` per run id in these rows."""
+        per_run: dict[str, dict[str, pl.DataFrame]] = {}
+        for name, df in self.tables().items():
+            if not df.height:
+                continue
+            ids = df["run_id"].unique()
+            if ids.len() == 1:  # the usual case: one run per commit, no copy
+                parts = {(ids[0],): df}
+            else:
+                parts = df.partition_by("run_id", as_dict=True, maintain_order=True)
+            for (run_id,), part in parts.items():
+                if run_id is not None:
+                    per_run.setdefault(str(run_id), {})[name] = part
+        return {run_id: Frames(**t) for run_id, t in per_run.items()}
+
+
+def _frame(table: str, rows: Iterable[Mapping] | Mapping[str, list]) -> pl.DataFrame:
+    schema = {c: spec[0] for c, spec in {**REQUIRED[table], **OPTIONAL[table]}.items()}
+    if isinstance(rows, Mapping):
+        data = dict(rows)
+        n = len(next(iter(data.values()))) if data else 0
+    else:
+        rows = list(rows)
+        n = len(rows)
+        data = {c: [r.get(c) for r in rows] for c in {k for r in rows for k in r}}
+    cols = {}
+    for c, dtype in schema.items():
+        if c in data:
+            cols[c] = pl.Series(c, data[c], dtype=dtype, strict=False)
+        elif c in REQUIRED[table]:
+            cols[c] = pl.Series(c, [None] * n, dtype=dtype)
+    for c in data:
+        if c not in cols:  # a column this contract does not name: kept as it is
+            cols[c] = pl.Series(c, data[c])
+    return pl.DataFrame(cols)
+
+
+def steps_frame(rows) -> pl.DataFrame:
+    return _frame("steps", rows)
+
+
+def collectives_frame(rows) -> pl.DataFrame:
+    return _frame("collectives", rows)
+
+
+def heartbeats_frame(rows) -> pl.DataFrame:
+    return _frame("heartbeats", rows)
+
+
+def events_frame(rows) -> pl.DataFrame:
+    return _frame("events", rows)
+
+
+def ranks_frame(rows) -> pl.DataFrame:
+    return _frame("ranks", rows)
+
+
+def runs_frame(rows) -> pl.DataFrame:
+    return _frame("runs", rows)
+
+
+def nodes_frame(rows) -> pl.DataFrame:
+    return _frame("nodes", rows)
+
+
+def scalars_frame(rows) -> pl.DataFrame:
+    return _frame("scalars", rows)

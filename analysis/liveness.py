@@ -1,0 +1,141 @@
+"""Per-rank liveness from heartbeats and collectives, as arrays indexed by rank.
+
+Times that decide (silence, stagnation) are the collector's: `now` of the pass
+in which a heartbeat arrived. The ranks' own clocks may be skewed against each
+other and the collector's; arrival times are not, and the offline replay
+passes the commits' `received_ts` as `now`, so it sees the same.
+
+- `arrival_s[r]`: when rank r's latest heartbeat arrived;
+- `seq[r]`, `seq_since_s[r]`: its latest `last_seq` (the collective it entered
+  last) and when that value first arrived: stagnation is `now - seq_since_s`;
+- `hb_step[r]`, `phase[r]`: the step in progress and what it was doing;
+- `done_seq[r]`: the highest `seq` among its collectives rows (completed ops):
+  `seq - done_seq` is how many ops it entered that have not completed;
+- `last_step[r]`: the newest step it reported a steps row for (the step a rank
+  died or hung in is the one after).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+
+from analysis.frames import floats, ints
+from analysis.topology import _grow
+
+_NAN = float("nan")
+
+
+class Liveness:
+    __slots__ = ("arrival_s", "hb_ts", "seq", "seq_since_s", "hb_step", "phase", "pid", "done_seq", "last_step",
+                 "phase_names", "_phase_index", "num_heartbeats")
+
+    def __init__(self) -> None:
+        self.arrival_s = np.full(0, _NAN)
+        self.hb_ts = np.full(0, _NAN)
+        self.seq = np.full(0, -1, np.int64)
+        self.seq_since_s = np.full(0, _NAN)
+        self.hb_step = np.full(0, -1, np.int64)
+        self.phase = np.full(0, -1, np.int16)
+        self.pid = np.full(0, -1, np.int64)
+        self.done_seq = np.full(0, -1, np.int64)
+        self.last_step = np.full(0, -1, np.int64)  # newest step row the rank sent
+        self.phase_names: list[str] = []
+        self._phase_index: dict[str, int] = {}
+        self.num_heartbeats = 0
+
+    def ensure(self, n: int) -> None:
+        if n <= len(self.arrival_s):
+            return
+        self.arrival_s = _grow(self.arrival_s, n, _NAN)
+        self.hb_ts = _grow(self.hb_ts, n, _NAN)
+        self.seq = _grow(self.seq, n, -1)
+        self.seq_since_s = _grow(self.seq_since_s, n, _NAN)
+        self.hb_step = _grow(self.hb_step, n, -1)
+        self.phase = _grow(self.phase, n, -1)
+        self.pid = _grow(self.pid, n, -1)
+        self.done_seq = _grow(self.done_seq, n, -1)
+        self.last_step = _grow(self.last_step, n, -1)
+
+    @property
+    def known(self) -> np.ndarray:
+        """Ranks that ever heartbeat."""
+        return ~np.isnan(self.arrival_s)
+
+    def phase_name(self, rank: int) -> str | None:
+        code = int(self.phase[rank]) if 0 <= rank < len(self.phase) else -1
+        return self.phase_names[code] if code >= 0 else None
+
+    def phase_codes(self, names) -> list[int]:
+        return [self._phase_index[n] for n in names if n in self._phase_index]
+
+    def update_heartbeats(self, hb: pl.DataFrame | None, now: float) -> np.ndarray:
+        """Take a commit's heartbeats; returns the ranks whose latest heartbeat changed."""
+        if hb is None or not hb.height:
+            return np.zeros(0, np.int64)
+        self.num_heartbeats += hb.height
+        rank = ints(hb["rank"], -1)
+        ts = floats(hb["ts"])
+        ok = (rank >= 0) & np.isfinite(ts)
+        idx = np.flatnonzero(ok)
+        if not len(idx):
+            return np.zeros(0, np.int64)
+        order = idx[np.lexsort((ts[idx], rank[idx]))]
+        rs = rank[order]
+        latest = order[np.r_[rs[1:] != rs[:-1], True]]  # the newest heartbeat of each rank
+        r = rank[latest]
+        self.ensure(int(r.max()) + 1)
+        self.arrival_s[r] = now  # an old heartbeat arriving late still says the agent is alive
+        newer = np.isnan(self.hb_ts[r]) | (ts[latest] > self.hb_ts[r])
+        latest, r = latest[newer], r[newer]
+        if not len(r):
+            return r
+        seq = ints(hb["last_seq"], -1)[latest]
+        changed = (seq != self.seq[r]) | np.isnan(self.seq_since_s[r])
+        self.seq_since_s[r[changed]] = now
+        self.seq[r] = seq
+        self.hb_ts[r] = ts[latest]
+        self.hb_step[r] = ints(hb["step"], -1)[latest]
+        self.pid[r] = ints(hb["pid"], -1)[latest]
+        phases = hb["phase"].gather(latest).cast(pl.String)
+        for name in phases.unique().to_list():
+            if name is not None and name not in self._phase_index:
+                self._phase_index[name] = len(self.phase_names)
+                self.phase_names.append(name)
+        self.phase[r] = phases.replace_strict(self._phase_index, default=-1, return_dtype=pl.Int16).to_numpy()
+        return r
+
+    def update_steps(self, steps: pl.DataFrame | None) -> None:
+        if steps is None or not steps.height:
+            return
+        r = ints(steps["rank"], -1)
+        s = ints(steps["step"], -1)
+        ok = r >= 0
+        if not ok.all():
+            r, s = r[ok], s[ok]
+        if not len(r):
+            return
+        self.ensure(int(r.max()) + 1)
+        np.maximum.at(self.last_step, r, s)
+
+    def died_in_step(self, rank: int) -> int | None:
+        """The step a silent or stuck rank did not finish: its last step row + 1 (else
+        the heartbeat's step in progress)."""
+        if not 0 <= rank < len(self.last_step):
+            return None
+        if self.last_step[rank] >= 0:
+            return int(self.last_step[rank]) + 1
+        return int(self.hb_step[rank]) if self.hb_step[rank] >= 0 else None
+
+    def update_collectives(self, coll: pl.DataFrame | None) -> None:
+        if coll is None or not coll.height:
+            return
+        r = ints(coll["rank"], -1)
+        s = ints(coll["seq"], -1)
+        ok = r >= 0
+        if not ok.all():
+            r, s = r[ok], s[ok]
+        if not len(r):
+            return
+        self.ensure(int(r.max()) + 1)
+        np.maximum.at(self.done_seq, r, s)

@@ -1,0 +1,176 @@
+"""What happened to a run besides its steps: starts, restarts, checkpoints, evals, the end.
+
+Read from events, scalars and heartbeat phases, and kept small:
+
+- *excluded steps*: steps whose timings say nothing about a rank's speed. The
+  first `steps_after_start` of a run, an attempt or a restart (compile, warm
+  caches), a checkpoint step and `steps_after_checkpoint` after it (background
+  writes compete for the host), an eval step and `steps_after_eval` after it.
+  Known ahead from the run's config (`eval_every`, `ckpt.every`) when it has
+  them, and from what the ranks report (`checkpoint_saved`, `eval/...` scalars,
+  heartbeats in phase `eval` or `checkpoint`) when not.
+- *finished*: a `run_finished` event (from any rank); cleared when the run
+  starts again (`run_started`, or the runs row back to `running`).
+- *closed ranks*: ranks whose agent closed cleanly (`agent_closed`).
+- *exits*: the launcher's `rank_exited` reports, queued for the crash detector.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import polars as pl
+
+from analysis.frames import Frames, has, ints
+from analysis.topology import Topology, _grow
+
+_EXCLUDED_MEMORY = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class RankExit:
+    ts: float
+    rank: int
+    exit_code: int | None
+    signal: str | None
+    cause: str  # "exited" (on its own) | "stopped" (by the launcher, after another failed)
+
+    @property
+    def failed(self) -> bool:
+        return self.cause != "stopped" and (self.signal is not None or self.exit_code not in (0, None))
+
+
+def _data(raw) -> dict:
+    if isinstance(raw, dict):
+        return raw
+    try:
+        d = json.loads(raw) if raw else {}
+    except (TypeError, ValueError):
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
+class RunMarks:
+    __slots__ = ("steps_after_start", "steps_after_checkpoint", "steps_after_eval", "_excluded",
+                 "_excluded_order", "_warm", "finished", "finished_ts", "closed", "exits", "_first_step")
+
+    def __init__(self, *, steps_after_start: int, steps_after_checkpoint: int, steps_after_eval: int) -> None:
+        self.steps_after_start = steps_after_start
+        self.steps_after_checkpoint = steps_after_checkpoint
+        self.steps_after_eval = steps_after_eval
+        self._excluded: set[tuple[int, int]] = set()  # (attempt, step); attempt -1: any
+        self._excluded_order: deque[tuple[int, int]] = deque()
+        self._warm: dict[int, int] = {}  # attempt -> last step of its warm-up
+        self._first_step: dict[int, int] = {}  # attempt -> first step seen
+        self.finished = False
+        self.finished_ts: float | None = None
+        self.closed = np.zeros(0, bool)
+        self.exits: list[RankExit] = []  # not yet taken by the crash detector
+
+    # -- queries ---------------------------------------------------------------
+    def is_excluded(self, attempt: int, step: int, topo: Topology) -> bool:
+        if step <= self._warm.get(attempt, -1):
+            return True
+        if (attempt, step) in self._excluded or (-1, step) in self._excluded:
+            return True
+        for every, after in ((topo.eval_every, self.steps_after_eval), (topo.ckpt_every, self.steps_after_checkpoint)):
+            if every > 0 and step > 0 and (step % every) <= after and step >= every:
+                return True
+        return False
+
+    def is_closed(self, rank: int) -> bool:
+        return 0 <= rank < len(self.closed) and bool(self.closed[rank])
+
+    # -- updates ---------------------------------------------------------------
+    def _exclude(self, attempt: int, first: int, last: int) -> None:
+        for s in range(first, last + 1):
+            k = (attempt, s)
+            if k not in self._excluded:
+                self._excluded.add(k)
+                self._excluded_order.append(k)
+        while len(self._excluded_order) > _EXCLUDED_MEMORY:
+            self._excluded.discard(self._excluded_order.popleft())
+
+    def _warm_up(self, attempt: int, from_step: int) -> None:
+        self._warm[attempt] = max(self._warm.get(attempt, -1), from_step + self.steps_after_start)
+
+    def update(self, f: Frames, now: float) -> None:
+        if f.steps is not None and f.steps.height:
+            attempts = ints(f.steps["attempt"])
+            steps = ints(f.steps["step"])
+            for attempt in np.unique(attempts).tolist():
+                if attempt < 0:
+                    continue
+                step = int(steps[attempts == attempt].min()) if len(attempts) > 1 else int(steps[0])
+                if attempt not in self._first_step or step < self._first_step[attempt]:
+                    self._first_step[attempt] = step
+                    self._warm_up(attempt, step - 1)
+        if f.runs is not None and has(f.runs, "status"):
+            if "running" in f.runs["status"].cast(pl.String).to_list() and self.finished:
+                self.finished, self.finished_ts = False, None
+        if f.events is not None and f.events.height:
+            self._from_events(f.events)
+        if f.scalars is not None and f.scalars.height:
+            ev = f.scalars.filter(pl.col("name").cast(pl.String).str.starts_with("eval"))
+            for attempt, step in ev.select("attempt", "step").unique().iter_rows():
+                if step is not None:
+                    self._exclude(-1 if attempt is None else attempt, step, step + self.steps_after_eval)
+
+    def note_phases(self, live, ranks: np.ndarray) -> None:
+        """Heartbeats just in: a rank in phase eval or checkpoint at step s marks s (and after)."""
+        if not len(ranks):
+            return
+        for name, after in (("eval", self.steps_after_eval), ("checkpoint", self.steps_after_checkpoint)):
+            codes = live.phase_codes([name])
+            if not codes:
+                continue
+            at = ranks[live.phase[ranks] == codes[0]]
+            for step in np.unique(live.hb_step[at]).tolist():
+                if step >= 0 and (-1, step) not in self._excluded:
+                    self._exclude(-1, step, step + after)
+
+    def _from_events(self, events: pl.DataFrame) -> None:
+        kinds = events["kind"].cast(pl.String)
+        wanted = kinds.is_in(["run_finished", "run_started", "restart", "checkpoint_loaded", "checkpoint_saved",
+                              "agent_closed", "rank_exited"])
+        if not wanted.any():
+            return
+        cols = ["ts", "rank", "step", "kind", "data"] + (["attempt"] if "attempt" in events.columns else [])
+        rows = events.filter(wanted).with_columns(pl.col("kind").cast(pl.String)).select(cols).sort("ts")
+        for row in rows.iter_rows(named=True):
+            kind, step, rank = row["kind"], row["step"], row["rank"]
+            attempt = row.get("attempt")
+            if kind == "run_finished":
+                self.finished, self.finished_ts = True, row["ts"]
+            elif kind in ("run_started", "restart", "checkpoint_loaded"):
+                if kind == "run_started" or kind == "restart":
+                    self.finished, self.finished_ts = False, None
+                if step is not None and step >= 0:
+                    if attempt is None:
+                        for a in list(self._warm) or [0]:
+                            self._warm_up(a, step)
+                    else:
+                        self._warm_up(attempt, step)
+            elif kind == "checkpoint_saved":
+                data = _data(row["data"])
+                s = data.get("step", step)
+                if isinstance(s, int) and s >= 0:
+                    self._exclude(-1, s, s + self.steps_after_checkpoint)
+            elif kind == "agent_closed":
+                if rank is not None and rank >= 0:
+                    self.closed = _grow(self.closed, rank + 1, False)
+                    self.closed[rank] = True
+            elif kind == "rank_exited":
+                data = _data(row["data"])
+                r = data.get("rank", rank)
+                if not isinstance(r, int) or r < 0:
+                    continue
+                code = data.get("exit_code")
+                sig = data.get("signal")
+                self.exits.append(RankExit(ts=float(row["ts"] or 0.0), rank=r,
+                                           exit_code=int(code) if isinstance(code, int) else None,
+                                           signal=str(sig) if sig is not None else None,
+                                           cause=str(data.get("cause") or "exited")))

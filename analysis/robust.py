@@ -1,0 +1,146 @@
+"""Robust statistics the detectors share: rolling median/MAD, leave-one-out medians.
+
+Median and MAD rather than mean and standard deviation because the values we
+watch have outliers by nature (the spikes we look for, a GC pause, an eval
+step): one of them must neither fire a verdict on its own nor widen the
+baseline enough to hide the next.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution is 0.6745 sigma
+
+
+class RollingBaseline:
+    """The last `window` values (log space by the caller), their median and MAD."""
+
+    __slots__ = ("_buf", "_n", "_i")
+
+    def __init__(self, window: int) -> None:
+        self._buf = np.empty(window)
+        self._n = 0
+        self._i = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def add(self, x: float) -> None:
+        self._buf[self._i] = x
+        self._i = (self._i + 1) % len(self._buf)
+        self._n = min(self._n + 1, len(self._buf))
+
+    def clear(self) -> None:
+        self._n = self._i = 0
+
+    def ordered(self) -> np.ndarray:
+        """The values, oldest first."""
+        if self._n < len(self._buf):
+            return self._buf[:self._n]
+        return np.roll(self._buf, -self._i)
+
+    def median_scale(self) -> tuple[float, float]:
+        """(median, MAD scaled to a normal sigma)."""
+        v = self._buf[:self._n]
+        med = float(np.median(v))
+        return med, MAD_TO_SIGMA * float(np.median(np.abs(v - med)))
+
+    def level_scale(self, level_steps: int) -> tuple[float, float]:
+        """(level, noise): the median of the newest `level_steps` values, which follows
+        a trend (a descending loss), and the step-to-step noise, the MAD of successive
+        differences over the whole window divided by sqrt(2), which a slow trend does
+        not inflate the way it inflates the MAD around the median."""
+        v = self.ordered()
+        level = float(np.median(v[-level_steps:]))
+        if len(v) < 3:
+            return level, 0.0
+        d = np.diff(v)
+        return level, MAD_TO_SIGMA * float(np.median(np.abs(d - np.median(d)))) / math.sqrt(2.0)
+
+
+class RollingBaselines:
+    """`RollingBaseline` for many series at once (one per replica): a [series, window] ring."""
+
+    __slots__ = ("_buf", "_n", "_i")
+
+    def __init__(self, num_series: int, window: int) -> None:
+        self._buf = np.full((num_series, window), np.nan)
+        self._n = np.zeros(num_series, np.int64)
+        self._i = np.zeros(num_series, np.int64)
+
+    @property
+    def num_series(self) -> int:
+        return self._buf.shape[0]
+
+    def ensure(self, num_series: int) -> None:
+        if num_series <= self._buf.shape[0]:
+            return
+        n = max(num_series, 2 * self._buf.shape[0])
+        buf = np.full((n, self._buf.shape[1]), np.nan)
+        buf[:self._buf.shape[0]] = self._buf
+        self._buf = buf
+        self._n = np.concatenate([self._n, np.zeros(n - len(self._n), np.int64)])
+        self._i = np.concatenate([self._i, np.zeros(n - len(self._i), np.int64)])
+
+    def add(self, series: np.ndarray, values: np.ndarray) -> None:
+        self.ensure(int(series.max()) + 1 if len(series) else 0)
+        self._buf[series, self._i[series]] = values
+        self._i[series] = (self._i[series] + 1) % self._buf.shape[1]
+        self._n[series] = np.minimum(self._n[series] + 1, self._buf.shape[1])
+
+    def count(self, series: np.ndarray) -> np.ndarray:
+        self.ensure(int(series.max()) + 1 if len(series) else 0)
+        return self._n[series]
+
+    def median_scale(self, series: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        rows = self._buf[series]
+        med = np.nanmedian(rows, axis=1) if rows.size else np.zeros(0)
+        mad = np.nanmedian(np.abs(rows - med[:, None]), axis=1) if rows.size else np.zeros(0)
+        return med, MAD_TO_SIGMA * mad
+
+
+def loo_median(values: np.ndarray, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each element, the median of the *other* elements of its group, and how
+    many there are (0: alone, the median is NaN). Leave-one-out so that in a small
+    group (two ranks per pipeline stage) a slow rank is compared with its peers, not
+    with a median it pulls up itself. Vectorised: one lexsort, no loop over groups."""
+    n = len(values)
+    out = np.full(n, np.nan)
+    peers = np.zeros(n, np.int64)
+    if n == 0:
+        return out, peers
+    order = np.lexsort((values, groups))
+    g, v = groups[order], values[order]
+    starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
+    sizes = np.diff(np.r_[starts, n])
+    gi = np.repeat(np.arange(len(starts)), sizes)
+    start = starts[gi]
+    pos = np.arange(n) - start
+    m = sizes[gi] - 1  # peers of each element
+    lo = np.maximum((m - 1) // 2, 0)
+    hi = m // 2
+
+    def at(k: np.ndarray) -> np.ndarray:  # k-th smallest of the group without this element
+        idx = start + k + (k >= pos)
+        return v[np.minimum(idx, n - 1)]
+
+    med = 0.5 * (at(lo) + at(hi))
+    med[m == 0] = np.nan
+    out[order] = med
+    peers[order] = m
+    return out, peers
+
+
+def popcount(x: np.ndarray) -> np.ndarray:
+    """Set bits of each (non-negative, < 2**32) integer."""
+    if hasattr(np, "bitwise_count"):  # numpy >= 2.0
+        return np.bitwise_count(x.astype(np.uint64)).astype(np.int64)
+    x = x.astype(np.uint64)
+    count = np.zeros(x.shape, np.int64)
+    while np.any(x):
+        count += (x & np.uint64(1)).astype(np.int64)
+        x >>= np.uint64(1)
+    return count

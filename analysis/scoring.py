@@ -1,0 +1,225 @@
+"""Precision, recall, latency and culprit accuracy of findings against injected faults.
+
+    truths = truths_from_rows(json.loads(line) for line in open("injections.jsonl"))   # the caller reads
+    report = score(findings, truths)
+    print(report.table())
+
+The ground truth is what trainer/faults.py writes to `injections.jsonl`: one row
+per (fault, rank that fired it), with `kind` (nan, spike, straggler, hang,
+crash), `rank` (-1: every rank), `node`, `step`, `attempt`, `ts`. Rows of one
+fault fired on several ranks (a spike on every rank) are one truth. Only
+`collector replay` and tests read that file; this module takes its rows.
+
+Findings are first collapsed into incidents (one per key: first open, widest
+step range, last culprit named). An incident matches a truth when its kind is
+the truth's (spike: `loss_spike` or `grad_spike`) and its step range meets the
+truth's step window (`WINDOWS`: a straggler is found some steps after onset, a
+crash's last reported step is before the one it died in). Matching is one to
+one, nearest first; an incident matching no truth is a false positive (a second
+incident for one fault too).
+
+- precision = matched incidents / incidents, recall = matched truths / truths;
+- latency: seconds from the truth's `ts` to the incident's first finding `ts`
+  (when the truth has a `ts`), and steps from the truth's step to the newest step
+  the run had reported then (`detected_step`, or the straggler's `fired_at_step`);
+- culprit accuracy, over matched truths that name a rank: the incident names the
+  same rank, or (a node incident, rank not named) the same node.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from analysis.findings import Finding
+
+TRUTH_KINDS = {"nan": ("nan",), "spike": ("loss_spike", "grad_spike"), "straggler": ("straggler",),
+               "hang": ("hang",), "crash": ("crash",), "loss_scale_collapse": ("loss_scale_collapse",),
+               "loss_spike": ("loss_spike",), "grad_spike": ("grad_spike",)}
+# steps around a truth's step an incident's range may start: (before, after)
+WINDOWS = {"nan": (0, 2), "spike": (0, 2), "straggler": (-1, 12), "hang": (-2, 2), "crash": (-6, 2),
+           "loss_scale_collapse": (-60, 60), "loss_spike": (0, 2), "grad_spike": (0, 2)}
+
+
+@dataclass(frozen=True, slots=True)
+class Truth:
+    kind: str
+    rank: int  # -1: not about one rank
+    node: str | None
+    step: int
+    attempt: int = 0
+    ts: float | None = None
+    run_id: str | None = None  # None: matches an incident of any run
+
+
+@dataclass(slots=True)
+class Incident:
+    kind: str
+    key: str
+    run_id: str
+    rank: int | None
+    node: str | None
+    step_from: int | None
+    step_to: int | None
+    opened_ts: float
+    opened_step: int | None
+    closed_ts: float | None = None
+
+
+@dataclass(slots=True)
+class KindScore:
+    kind: str
+    num_truths: int = 0
+    num_incidents: int = 0
+    num_matched: int = 0  # truths matched (= incidents matched)
+    num_culprit_checked: int = 0
+    num_culprit_right: int = 0
+    latency_s: list[float] = field(default_factory=list)
+    latency_steps: list[int] = field(default_factory=list)
+
+    @property
+    def precision(self) -> float | None:
+        return self.num_matched / self.num_incidents if self.num_incidents else None
+
+    @property
+    def recall(self) -> float | None:
+        return self.num_matched / self.num_truths if self.num_truths else None
+
+    @property
+    def culprit_accuracy(self) -> float | None:
+        return self.num_culprit_right / self.num_culprit_checked if self.num_culprit_checked else None
+
+
+@dataclass(slots=True)
+class Score:
+    by_kind: dict[str, KindScore]
+    matches: list[tuple[Truth, Incident]]
+    false_positives: list[Incident]
+    missed: list[Truth]
+
+    def table(self) -> str:
+        def f(x, fmt="{:.3f}"):
+            return "-" if x is None else fmt.format(x)
+
+        lines = [f"{'kind':<20}{'truths':>7}{'found':>7}{'FP':>5}{'prec':>7}{'recall':>7}{'lat_s p50':>10}"
+                 f"{'lat_steps p50':>14}{'culprit':>9}"]
+        for k in sorted(self.by_kind):
+            s = self.by_kind[k]
+            lat_s = statistics.median(s.latency_s) if s.latency_s else None
+            lat_st = statistics.median(s.latency_steps) if s.latency_steps else None
+            lines.append(f"{k:<20}{s.num_truths:>7}{s.num_matched:>7}{s.num_incidents - s.num_matched:>5}"
+                         f"{f(s.precision):>7}{f(s.recall):>7}{f(lat_s, '{:.2f}'):>10}{f(lat_st, '{:.0f}'):>14}"
+                         f"{f(s.culprit_accuracy):>9}")
+        return "\n".join(lines)
+
+
+def _node(x) -> str | None:
+    """Node names compare as written, or by number ("node1" == 1)."""
+    if x is None:
+        return None
+    s = str(x)
+    return s[4:] if s.startswith("node") and s[4:].isdigit() else s
+
+
+def truths_from_rows(rows: Iterable[Mapping], run_id: str | None = None) -> list[Truth]:
+    """injections.jsonl rows -> truths, one per fault occurrence (kind, step, attempt,
+    and rank unless it fired everywhere). `run_id`: the run they belong to (the file
+    is per run directory), so that several runs can be scored together."""
+    seen: dict[tuple, Truth] = {}
+    for r in rows:
+        kind = str(r.get("kind", ""))
+        rank = int(r.get("rank", -1) if r.get("rank") is not None else -1)
+        key = (kind, int(r.get("step", -1)), int(r.get("attempt", 0) or 0), rank, run_id)
+        if key in seen:
+            continue
+        ts = r.get("ts")
+        node = r.get("node")
+        seen[key] = Truth(kind=kind, rank=rank, node=None if node is None or rank < 0 else str(node),
+                          step=key[1], attempt=key[2], ts=float(ts) if ts is not None else None, run_id=run_id)
+    return list(seen.values())
+
+
+def incidents(findings: Iterable[Finding]) -> list[Incident]:
+    """One incident per key: opened by its first finding, its range the widest, its
+    culprit the last one named."""
+    out: dict[str, Incident] = {}
+    for f in findings:
+        key = f"{f.run_id}/{f.key}"
+        inc = out.get(key)
+        opened_step = f.evidence.get("fired_at_step", f.detected_step) if f.kind == "straggler" else f.detected_step
+        if inc is None:
+            out[key] = Incident(kind=f.kind, key=key, run_id=f.run_id, rank=f.rank, node=f.node, step_from=f.step_from,
+                                step_to=f.step_to, opened_ts=f.ts, opened_step=opened_step,
+                                closed_ts=f.ts if f.resolved else None)
+            continue
+        if f.step_from is not None:
+            inc.step_from = f.step_from if inc.step_from is None else min(inc.step_from, f.step_from)
+        if f.step_to is not None:
+            inc.step_to = f.step_to if inc.step_to is None else max(inc.step_to, f.step_to)
+        if not f.resolved:
+            inc.rank, inc.node = f.rank, f.node
+        else:
+            inc.closed_ts = f.ts
+    return list(out.values())
+
+
+def _distance(t: Truth, inc: Incident) -> int | None:
+    before, after = WINDOWS.get(t.kind, (0, 2))
+    lo, hi = t.step + before, t.step + after
+    a = inc.step_from if inc.step_from is not None else inc.step_to
+    b = inc.step_to if inc.step_to is not None else a
+    if a is None:
+        return None
+    if b < lo or a > hi:
+        return None
+    return abs(a - t.step)
+
+
+def score(findings_or_incidents: Iterable[Finding | Incident], truths: Iterable[Truth]) -> Score:
+    items = list(findings_or_incidents)
+    incs = [i for i in items if isinstance(i, Incident)] + incidents(i for i in items if isinstance(i, Finding))
+    truths = list(truths)
+    by_kind: dict[str, KindScore] = {}
+
+    def ks(kind: str) -> KindScore:
+        return by_kind.setdefault(kind, KindScore(kind))
+
+    for t in truths:
+        ks(t.kind).num_truths += 1
+    truth_kind_of = {}
+    for inc in incs:
+        tk = next((k for k, kinds in TRUTH_KINDS.items() if inc.kind in kinds and k in {t.kind for t in truths}),
+                  inc.kind)
+        truth_kind_of[inc.key] = tk
+        ks(tk).num_incidents += 1
+    pairs = []
+    for ti, t in enumerate(truths):
+        for ii, inc in enumerate(incs):
+            if inc.kind in TRUTH_KINDS.get(t.kind, (t.kind,)) and (t.run_id is None or t.run_id == inc.run_id):
+                d = _distance(t, inc)
+                if d is not None:
+                    pairs.append((d, ti, ii))
+    pairs.sort()
+    used_t, used_i, matches = set(), set(), []
+    for _, ti, ii in pairs:
+        if ti in used_t or ii in used_i:
+            continue
+        used_t.add(ti)
+        used_i.add(ii)
+        t, inc = truths[ti], incs[ii]
+        matches.append((t, inc))
+        s = ks(t.kind)
+        s.num_matched += 1
+        if t.ts is not None:
+            s.latency_s.append(inc.opened_ts - t.ts)
+        if inc.opened_step is not None:
+            s.latency_steps.append(int(inc.opened_step) - t.step)
+        if t.rank >= 0:
+            s.num_culprit_checked += 1
+            right = inc.rank == t.rank or (inc.rank is None and inc.node is not None
+                                           and _node(inc.node) == _node(t.node))
+            s.num_culprit_right += bool(right)
+    return Score(by_kind=by_kind, matches=matches,
+                 false_positives=[inc for ii, inc in enumerate(incs) if ii not in used_i],
+                 missed=[t for ti, t in enumerate(truths) if ti not in used_t])

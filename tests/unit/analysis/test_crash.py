@@ -1,0 +1,75 @@
+"""Crashes: heartbeats stop (within 5 s), or the launcher reports the exit (at once); never a clean end."""
+
+from analysis import Analyzer, Frames
+from analysis.frames import events_frame, heartbeats_frame
+from tests.unit.analysis.sim import Crash, Layout, Sim, feed, last_of, opened
+
+LAYOUT = Layout(dp=2, tp=2, nodes=2)
+
+
+def crash_run(**kw):
+    sim = Sim(layout=LAYOUT, steps=200, seed=7, finish=False, faults=(Crash(rank=2, step=100, **kw),))
+    commits = sim.build()
+    findings = feed(Analyzer(), commits, tick_to=sim.truth[-1]["ts"] + 30.0)
+    return sim, findings
+
+
+def test_a_silent_rank_is_a_crash_within_five_seconds_and_its_waiting_peers_are_no_hang():
+    sim, findings = crash_run()
+    first = opened(findings)
+    assert [f.kind for f in first.values()] == ["crash"]
+    f = next(iter(first.values()))
+    assert (f.rank, f.node) == (2, "node1")
+    assert f.ts - sim.truth[-1]["ts"] <= 5.0
+    assert f.step_from <= 100 <= f.step_to
+
+
+def test_the_launchers_report_names_the_rank_at_once():
+    sim, findings = crash_run(launcher=True)
+    first = opened(findings)
+    (f,) = first.values()
+    assert f.rank == 2 and f.confidence == 1.0 and f.evidence["exit"]["exit_code"] == 17
+    assert f.ts - sim.truth[-1]["ts"] <= 1.0
+    assert last_of(findings)[f.key].evidence["num_silent"] == LAYOUT.world  # the others, stopped: same incident
+
+
+def test_peers_failing_right_after_are_the_same_incident():
+    sim, findings = crash_run(cascade=True)
+    first = opened(findings)
+    (f,) = first.values()
+    assert f.rank == 2
+
+
+def test_a_run_that_finished_normally_is_never_a_crash():
+    sim = Sim(layout=LAYOUT, steps=150, seed=8)
+    commits = sim.build()
+    assert feed(Analyzer(), commits, tick_to=commits[-1][0] + 60.0) == []
+
+
+def beats(rank, ts, step=5, seq=10):
+    return {"run_id": "r", "rank": rank, "ts": ts, "node": f"n{rank}", "pid": 100 + rank, "phase": "train",
+            "step": step, "last_seq": seq}
+
+
+def test_a_rank_whose_agent_closed_cleanly_is_finished_not_crashed():
+    a = Analyzer()
+    out = []
+    for t in range(10):
+        rows = [beats(0, float(t), seq=t)] + ([beats(1, float(t), seq=t)] if t < 3 else [])
+        ev = events_frame([{"run_id": "r", "rank": 1, "ts": 2.5, "step": 5, "kind": "agent_closed", "data": "{}"}]) \
+            if t == 3 else None
+        out += a.feed(Frames(heartbeats=heartbeats_frame(rows), events=ev), now=float(t))
+    assert out == []
+
+
+def test_every_rank_silent_without_run_finished_is_one_crash_and_a_restart_resolves_it():
+    a = Analyzer()
+    for t in range(5):
+        a.feed(Frames(heartbeats=heartbeats_frame([beats(r, float(t), seq=t) for r in range(3)])), now=float(t))
+    out = []
+    for t in range(5, 20):
+        out += a.tick(now=float(t))
+    assert [(f.kind, f.rank) for f in out] == [("crash", None)]
+    assert out[0].ts >= 4.0 + 10.0  # run_silence_s
+    back = a.feed(Frames(heartbeats=heartbeats_frame([beats(r, 30.0, seq=1) for r in range(3)])), now=30.0)
+    assert [f.resolved for f in back] == [True]

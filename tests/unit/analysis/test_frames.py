@@ -1,0 +1,57 @@
+"""The input contract: builders, zero-copy from Arrow (dictionary columns), one frame per run."""
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pytest
+
+from analysis.frames import (OPTIONAL, REQUIRED, FrameError, Frames, Interner, iter_steps, steps_frame,
+                             heartbeats_frame, step_keys)
+
+
+def test_builders_fill_missing_required_columns_with_nulls():
+    df = steps_frame([{"run_id": "r", "attempt": 0, "step": 1, "rank": 0, "loss": 2.0}])
+    assert set(REQUIRED["steps"]) <= set(df.columns)
+    assert df["grad_norm"].null_count() == 1
+    assert "local_loss" not in df.columns  # optional columns only when given
+
+
+def test_from_arrow_accepts_dictionary_columns_and_splits_runs():
+    run = pa.DictionaryArray.from_arrays(pa.array([0, 0, 1], pa.int16()), pa.array(["a", "b"]))
+    hb = pa.table({"run_id": run, "rank": pa.array([0, 1, 0], pa.int32()), "ts": [1.0, 1.0, 2.0],
+                   "node": pa.DictionaryArray.from_arrays(pa.array([0, 0, 0], pa.int16()), pa.array(["n0"])),
+                   "pid": pa.array([1, 2, 3], pa.int64()),
+                   "phase": pa.DictionaryArray.from_arrays(pa.array([0, 0, 0], pa.int16()), pa.array(["train"])),
+                   "step": pa.array([1, 1, 1], pa.int64()), "last_seq": pa.array([5, 5, 7], pa.int64())})
+    f = Frames.from_arrow({"heartbeats": hb, "unknown_table": hb})
+    f.check()
+    assert f.heartbeats["run_id"].dtype == pl.Categorical
+    per = f.split_runs()
+    assert sorted(per) == ["a", "b"] and per["a"].heartbeats.height == 2 and per["b"].steps is None
+
+
+def test_check_names_the_missing_column():
+    with pytest.raises(FrameError, match="last_seq"):
+        Frames(heartbeats=pl.DataFrame({"run_id": ["r"], "rank": [0]})).check()
+
+
+def test_interned_codes_are_equal_for_equal_strings_across_frames():
+    table = Interner()
+    a = table.codes(pl.Series(["tp", "dp", "tp"]))
+    b = table.codes(pl.Series(["dp", "tp"], dtype=pl.Categorical))
+    assert a[0] == a[2] == b[1] and a[1] == b[0] and a[0] != a[1]
+
+
+def test_iter_steps_slices_a_sorted_frame():
+    df = steps_frame({"run_id": ["r"] * 5, "attempt": [0, 0, 0, 1, 1], "step": [1, 1, 2, 1, 1],
+                      "rank": [0, 1, 0, 0, 1]})
+    got = [(a, s, rows.height) for a, s, rows in iter_steps(df)]
+    assert got == [(0, 1, 2), (0, 2, 1), (1, 1, 2)]
+    assert len(np.unique(step_keys(df))) == 3
+
+
+def test_optional_columns_are_documented_with_a_meaning():
+    for table, cols in OPTIONAL.items():
+        for name, (_, meaning) in cols.items():
+            assert meaning, (table, name)
+    assert heartbeats_frame([]).height == 0

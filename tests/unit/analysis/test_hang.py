@@ -1,0 +1,63 @@
+"""Hangs: within max(5 s, 3 step intervals) of the last progress, naming the rank that never entered
+the collective its group waits in, and that collective."""
+
+import pytest
+
+from analysis import Analyzer
+from tests.unit.analysis.sim import Hang, Layout, Sim, _group_index, _ops, feed, opened
+
+
+def hang_run(layout, rank, step=100, seed=0, **kw):
+    sim = Sim(layout=layout, steps=200, seed=seed, finish=False, faults=(Hang(rank=rank, step=step),), **kw)
+    commits = sim.build()
+    last_progress = sim.step_end_ts(step - 1)
+    analyzer = Analyzer()
+    findings = feed(analyzer, commits, until=last_progress + 20.0)
+    return sim, analyzer, findings, last_progress
+
+
+@pytest.mark.parametrize("name, layout, rank", [
+    ("dp2xtp2", Layout(dp=2, tp=2, nodes=2), 1),
+    ("dp4", Layout(dp=4, nodes=2), 2),
+    ("dp2xpp2", Layout(dp=2, pp=2, nodes=2, stage_speed=(1.0, 1.3)), 3),
+    ("dp2xtp2xpp2", Layout(dp=2, tp=2, pp=2, nodes=2), 5),
+])
+def test_hang_names_the_rank_and_the_collective(name, layout, rank):
+    sim, analyzer, findings, last_progress = hang_run(layout, rank)
+    first = opened(findings)
+    assert [f.kind for f in first.values()] == ["hang"], [f.summary() for f in first.values()]
+    f = next(iter(first.values()))
+    assert (f.rank, f.node, f.step_from) == (rank, layout.node(rank), 100)
+    interval = analyzer.runs["sim"].clock.interval_s
+    assert f.ts - last_progress <= max(5.0, 3 * interval)
+    # the collective: the culprit's first op of step 100, with its group_seq
+    op, axis, gid, peer, _ = _ops(layout, rank)[0]
+    gseq = 99 * _group_index(_ops(layout, rank))["per_step"][0]
+    c = f.evidence["collective"]
+    assert (c["op"], c["axis"], c["group_id"], c["group_seq"]) == (op, axis, gid, gseq)
+    assert f.evidence["num_waiting"] >= 1 and str(rank) not in f.evidence["waiting"]
+
+
+def test_the_collective_from_heartbeats_when_the_agent_sends_it():
+    layout = Layout(dp=2, tp=2, nodes=2)
+    sim, _, findings, _ = hang_run(layout, 1, hb_ops=True)
+    (f,) = opened(findings).values()
+    c = f.evidence["collective"]
+    assert c["source"] == "heartbeats"
+    assert (c["op"], c["axis"], c["group_id"], c["group_seq"]) == ("all_reduce", "tp", 0, 495)
+
+
+def test_long_checkpoints_and_evals_are_not_hangs():
+    sim = Sim(layout=Layout(dp=2, tp=2, nodes=2), steps=300, seed=7, eval_every=40, ckpt_every=50, pause_s=8.0)
+    assert feed(Analyzer(), sim.build()) == []
+
+
+def test_the_hang_resolves_when_the_run_finishes():
+    from analysis import Frames
+    from analysis.frames import events_frame
+
+    sim, analyzer, findings, last_progress = hang_run(Layout(dp=2, nodes=2), 0)
+    assert opened(findings)
+    out = analyzer.feed(Frames(events=events_frame([{"run_id": "sim", "rank": 1, "ts": 1.0, "step": 100,
+                                                     "kind": "run_finished", "data": "{}"}])), now=last_progress + 21)
+    assert [f.resolved for f in out] == [True]

@@ -1,0 +1,78 @@
+"""Scoring findings against injected faults: matching, precision, recall, latency, culprit accuracy."""
+
+from analysis import Analyzer, Finding, score, truths_from_rows
+from analysis.scoring import incidents
+from tests.unit.analysis.sim import Crash, Layout, Nan, Sim, Spike, Straggler, feed
+
+
+def f(kind, key, step_from, step_to=None, rank=None, node=None, ts=0.0, resolved=False, run_id="r", **ev):
+    return Finding(kind=kind, key=key, run_id=run_id, rank=rank, node=node, step_from=step_from,
+                   step_to=step_to if step_to is not None else step_from, ts=ts, detected_step=step_from + 1,
+                   status="resolved" if resolved else "open", evidence=ev)
+
+
+def test_truth_rows_of_one_fault_on_every_rank_are_one_truth():
+    rows = [{"kind": "spike", "rank": -1, "node": r // 2, "step": 60, "attempt": 0, "ts": 5.0} for r in range(4)]
+    rows += [{"kind": "spike", "rank": -1, "node": 0, "step": 60, "attempt": 1, "ts": 9.0, "replay": True}]
+    truths = truths_from_rows(rows)
+    assert [(t.step, t.attempt, t.node) for t in truths] == [(60, 0, None), (60, 1, None)]
+
+
+def test_incidents_collapse_findings_by_key():
+    incs = incidents([f("straggler", "s#1", 10, rank=None, node="node1", ts=1.0, fired_at_step=12),
+                      f("straggler", "s#1", 10, 20, rank=3, node="node1", ts=2.0),
+                      f("straggler", "s#1", 10, 25, rank=3, node="node1", ts=3.0, resolved=True)])
+    (inc,) = incs
+    assert (inc.step_from, inc.step_to, inc.rank) == (10, 25, 3)
+    assert (inc.opened_ts, inc.closed_ts, inc.opened_step) == (1.0, 3.0, 12)
+
+
+def test_precision_recall_latency_and_culprits():
+    truths = truths_from_rows([
+        {"kind": "straggler", "rank": 3, "node": 1, "step": 30, "ts": 100.0},
+        {"kind": "nan", "rank": 2, "node": 1, "step": 50, "ts": 200.0},
+        {"kind": "crash", "rank": 0, "node": 0, "step": 80, "ts": 300.0},
+        {"kind": "hang", "rank": 1, "node": 0, "step": 90, "ts": 400.0},
+    ])
+    findings = [
+        f("straggler", "s#1", 30, 40, rank=3, node="node1", ts=103.0, fired_at_step=33),
+        f("straggler", "s#2", 31, 40, rank=None, node="node0", ts=104.0),  # a second one: FP
+        f("nan", "n#1", 50, rank=1, node="node0", ts=200.5),  # right step, wrong origin
+        f("crash", "c#1", 77, 80, rank=0, node="node0", ts=303.0),
+        f("loss_spike", "l#1", 10, ts=1.0),  # nothing injected there: FP
+    ]
+    s = score(findings, truths)
+    st, nan, crash, hang = (s.by_kind[k] for k in ("straggler", "nan", "crash", "hang"))
+    assert (st.precision, st.recall, st.culprit_accuracy, st.latency_s, st.latency_steps) == (0.5, 1.0, 1.0, [3.0], [3])
+    assert (nan.recall, nan.culprit_accuracy) == (1.0, 0.0)
+    assert (crash.recall, crash.culprit_accuracy, crash.latency_s) == (1.0, 1.0, [3.0])
+    assert (hang.recall, hang.precision) == (0.0, None) and [t.kind for t in s.missed] == ["hang"]
+    assert sorted(i.kind for i in s.false_positives) == ["loss_spike", "straggler"]
+    assert "straggler" in s.table()
+
+
+def test_a_node_incident_counts_as_the_right_culprit_by_node():
+    truths = truths_from_rows([{"kind": "straggler", "rank": 3, "node": "node1", "step": 30}])
+    s = score([f("straggler", "s#1", 30, rank=None, node="node1")], truths)
+    assert s.by_kind["straggler"].culprit_accuracy == 1.0
+
+
+def test_scoring_simulated_runs_end_to_end():
+    """One run per fault kind, scored together: every fault found once, the right culprit, no false positive."""
+    runs = [Sim(layout=Layout(dp=2, tp=2, nodes=2), steps=160, seed=20, run_id="straggler",
+                faults=(Straggler(rank=2, start=70, factor=1.5),)),
+            Sim(layout=Layout(dp=2, pp=2, nodes=2), steps=160, seed=21, run_id="nan", faults=(Nan(step=90, rank=1),)),
+            Sim(layout=Layout(dp=4, nodes=2), steps=160, seed=22, run_id="spike", faults=(Spike(step=100),)),
+            Sim(layout=Layout(dp=2, tp=2, nodes=2), steps=160, seed=23, run_id="crash", finish=False,
+                faults=(Crash(rank=1, step=120),))]
+    findings, truths = [], []
+    for sim in runs:
+        commits = sim.build()
+        findings += feed(Analyzer(), commits, tick_to=commits[-1][0] + 10)
+        truths += truths_from_rows(sim.truth, run_id=sim.run_id)
+    s = score(findings, truths)
+    assert not s.false_positives and not s.missed, s.table()
+    for kind in ("straggler", "nan", "spike", "crash"):
+        k = s.by_kind[kind]
+        assert (k.precision, k.recall) == (1.0, 1.0), kind
+        assert k.culprit_accuracy in (1.0, None), kind

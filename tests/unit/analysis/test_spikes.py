@@ -1,0 +1,42 @@
+"""Spikes: at the step (within 1.5 s), with the replica whose local loss jumped and its samples."""
+
+from analysis import Analyzer
+from tests.unit.analysis.sim import Layout, Sim, Spike, feed, last_of, opened
+
+
+def test_a_replica_spike_names_the_replica_and_its_sample_window():
+    sim = Sim(layout=Layout(dp=2, tp=2, nodes=2), steps=200, seed=4, local_signals=True,
+              faults=(Spike(step=120, replica=1, factor=2.0),))
+    findings = feed(Analyzer(), sim.build())
+    first = opened(findings)
+    assert [f.kind for f in first.values()] == ["loss_spike"]  # the grad-norm spike folded into it
+    f = next(iter(first.values()))
+    assert f.step_from == 120 and f.ts - sim.step_end_ts(120) <= 1.5
+    last = last_of(findings)[f.key]
+    assert last.evidence["suspect_replica"] == 1
+    lo = (119 * 2 + 1) * 64  # the sim's replica 1 samples of step 120
+    assert last.evidence["samples"] == {"epoch": 0, "from": lo, "to": lo + 64}
+    assert last.root_cause == f"data: replica 1's samples {lo}-{lo + 63} (epoch 0) at step 120"
+    assert "grad_norm" in last.evidence and last.resolved
+
+
+def test_a_global_batch_spike_without_local_signals():
+    sim = Sim(layout=Layout(dp=2, tp=2, nodes=2), steps=200, seed=5, faults=(Spike(step=90, factor=3.0),))
+    findings = feed(Analyzer(), sim.build())
+    first = opened(findings)
+    (f,) = first.values()
+    assert f.kind == "loss_spike" and f.step_from == f.step_to == 90 and f.rank is None
+    assert last_of(findings)[f.key].evidence["suspect_replica"] is None
+
+
+def test_a_grad_norm_spike_alone_is_a_grad_spike():
+    sim = Sim(layout=Layout(dp=4, nodes=2), steps=200, seed=6, faults=(Spike(step=100, factor=1.0, grad_factor=6.0),))
+    first = opened(feed(Analyzer(), sim.build()))
+    assert [(f.kind, f.step_from) for f in first.values()] == [("grad_spike", 100)]
+
+
+def test_a_small_spike_megatron_would_miss_is_caught():
+    """1.3x the loss: far below the 10x-of-the-first-100 rule."""
+    sim = Sim(layout=Layout(dp=2, nodes=2), steps=200, seed=7, faults=(Spike(step=150, factor=1.3, grad_factor=1.0),))
+    first = opened(feed(Analyzer(), sim.build()))
+    assert [(f.kind, f.step_from) for f in first.values()] == [("loss_spike", 150)]

@@ -1,0 +1,82 @@
+"""Stragglers: named within the goal (1.5x in 5 steps, 1.25x in 10), right rank and node, nobody else."""
+
+import pytest
+
+from analysis import Analyzer, score, truths_from_rows
+from tests.unit.analysis.sim import Layout, Sim, Straggler, feed, last_of, opened
+
+CASES = [  # layout, rank, factor, goal (steps from onset)
+    ("dp2xtp2", Layout(dp=2, tp=2, nodes=2), 3, 1.5, 5),
+    ("dp2xtp2", Layout(dp=2, tp=2, nodes=2), 1, 1.25, 10),
+    ("dp4", Layout(dp=4, nodes=2), 0, 1.25, 10),
+    ("dp2xpp2_slow_stage", Layout(dp=2, pp=2, nodes=2, stage_speed=(1.0, 1.4)), 2, 1.5, 5),
+    ("dp2xpp2_fast_stage", Layout(dp=2, pp=2, nodes=2, stage_speed=(1.0, 1.4)), 1, 1.25, 10),
+    ("dp4xpp2", Layout(dp=4, pp=2, nodes=4, stage_speed=(1.2, 1.0)), 6, 1.25, 10),
+]
+
+
+@pytest.mark.parametrize("name, layout, rank, factor, goal", CASES, ids=[f"{c[0]}-r{c[2]}-{c[3]}x" for c in CASES])
+def test_straggler_named_within_goal(name, layout, rank, factor, goal):
+    onset = 80
+    sim = Sim(layout=layout, steps=180, seed=rank + int(10 * factor), eval_every=50, ckpt_every=60,
+              faults=(Straggler(rank=rank, start=onset, factor=factor),))
+    findings = feed(Analyzer(), sim.build())
+    first = opened(findings)
+    assert [f.kind for f in first.values()] == ["straggler"], [f.summary() for f in first.values()]
+    f = next(iter(first.values()))
+    assert f.rank == rank and f.node == layout.node(rank)
+    fired = f.evidence["fired_at_step"]
+    assert onset <= fired < onset + goal, f"fired at step {fired}, onset {onset}"
+    assert f.step_from >= onset - 1
+    # the incident is reported within a couple of seconds of that step's end (rows flush every second)
+    assert f.ts - sim.step_end_ts(fired) < 2.5
+    last = last_of(findings)[f.key]
+    cost = last.evidence["cost_s_per_step"]
+    assert 0.5 * (factor - 1) * 0.2 < cost < 2.0 * (factor - 1) * 0.2  # ~ (factor - 1) x the 0.2 s compute
+    assert 0 < last.evidence["share_of_step"] < 1
+
+
+def test_waiting_peers_are_not_blamed_and_attribution_agrees():
+    """Rank 3's tp peer (rank 2) and dp peer (rank 1) wait for it at every collective: compute is net of
+    communication, so only rank 3 is named, and it is the last to enter its collectives."""
+    sim = Sim(layout=Layout(dp=2, tp=2, nodes=2), steps=160, seed=3, faults=(Straggler(rank=3, start=60, factor=1.5),))
+    findings = feed(Analyzer(), sim.build())
+    assert {f.rank for f in findings} == {3}
+    f = last_of(findings)[findings[0].key]
+    assert f.evidence["waited_on"]["last_share"] > 0.8
+    assert f.evidence["per_rank"]["3"]["caused_wait_s_per_step"] > 0.05
+    assert f.confidence > 0.9
+
+
+def test_slow_ranks_on_one_node_are_one_node_incident():
+    layout = Layout(dp=2, tp=2, nodes=2)  # node1 holds ranks 2 and 3
+    sim = Sim(layout=layout, steps=160, seed=4, faults=(Straggler(rank=2, start=60, factor=1.5),
+                                                        Straggler(rank=3, start=60, factor=1.5)))
+    findings = feed(Analyzer(), sim.build())
+    keys = {f.key for f in findings}
+    assert len(keys) == 1
+    last = last_of(findings)[keys.pop()]
+    assert last.rank is None and last.node == "node1" and last.evidence["ranks"] == [2, 3]
+    assert last.root_cause.startswith("slow node node1")
+
+
+def test_the_incident_resolves_when_the_rank_recovers():
+    sim = Sim(layout=Layout(dp=2, tp=2, nodes=2), steps=200, seed=5,
+              faults=(Straggler(rank=1, start=60, factor=1.5, end=110),))
+    findings = feed(Analyzer(), sim.build())
+    last = last_of(findings)
+    assert len(last) == 1
+    f = next(iter(last.values()))
+    assert f.resolved and 110 < f.step_to <= 125
+
+
+def test_scoring_the_straggler_runs():
+    truths, findings = [], []
+    for i, (_, layout, rank, factor, _) in enumerate(CASES[:3]):
+        sim = Sim(layout=layout, steps=150, seed=40 + i, run_id=f"run{i}",
+                  faults=(Straggler(rank=rank, start=70, factor=factor),))
+        findings += feed(Analyzer(), sim.build())
+        truths += truths_from_rows(sim.truth, run_id=sim.run_id)
+    s = score(findings, truths).by_kind["straggler"]
+    assert (s.precision, s.recall, s.culprit_accuracy) == (1.0, 1.0, 1.0)
+    assert max(s.latency_steps) < 12
