@@ -128,8 +128,17 @@ def serve(args: argparse.Namespace) -> int:
                         group_min_interval_s=args.group_min_interval_s,
                         group_min_rows=args.group_min_rows, duckdb_threads=args.duckdb_threads,
                         duckdb_memory_limit=args.duckdb_memory_limit)
+    from analysis import RulesError, load_rules
+    from collector.analyzers import detectors_for
+
     try:
-        storage = Storage(settings)
+        load_rules(args.rules)  # a bad rules file is an error now, not on the detection thread
+    except (RulesError, OSError) as e:
+        print(f"collector: error: --rules: {e}", file=sys.stderr)
+        return 2
+    try:
+        storage = Storage(settings, detector_factory=lambda s: detectors_for(
+            s.read, rules_path=args.rules, enabled=not args.no_detect))
     except duckdb.Error as e:
         print(f"collector: cannot open {db_path}: {e}", file=sys.stderr)
         return 2
@@ -247,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--control-token-file", help="a file holding the control token")
     t.add_argument("--token", help="one token with every role, on the command line (visible in `ps`: prefer a file)")
     s.add_argument("--public-metrics", action="store_true", help="serve GET /metrics without a token")
+    s.add_argument("--rules", help="detection rules (TOML) overriding analysis/rules.toml; see docs/rules.md")
+    s.add_argument("--no-detect", action="store_true", help="store only: run no detectors")
     s.add_argument("--tls-cert", help="PEM certificate (chain): serve HTTPS")
     s.add_argument("--tls-key", help="PEM private key of --tls-cert")
     s.add_argument("--insecure-plaintext", action="store_true",

@@ -13,7 +13,7 @@ run's state and rows:
 `tables` maps a target table (steps, collectives, heartbeats, events, scalars) to
 the run's Arrow rows of that commit (zero copy: `polars.from_arrow` makes frames
 of them without copying). `state` is the detector's own object for that run,
-from its `new_state()` (a dict when it has none), kept between passes so a pass
+from its `new_state(run_id)` (a dict when it has none), kept between passes so a pass
 never rereads history. `now` is the runner's clock (detectors read no clock). A
 detector is pure: no I/O, no threads. A "tick" pass with empty tables runs every
 `tick_s` while no commit comes, so a detector notices what stopped (heartbeats of
@@ -47,7 +47,7 @@ log = logging.getLogger("collector.detection")
 
 class Detector(Protocol):
     """A detector: a callable (a function, or an object with `__call__`). Optional:
-    `name` (else the function's name) and `new_state()` (else a dict per run)."""
+    `name` (else the function's name) and `new_state(run_id)` (else a dict per run)."""
 
     def __call__(self, state: Any, tables: Mapping[str, pa.Table], now: float) -> Sequence[Any]: ...
 
@@ -161,7 +161,7 @@ class DetectionRunner:
                 state = self._states.get(key)
                 if state is None:
                     new_state = getattr(detector, "new_state", None)
-                    state = self._states[key] = new_state() if new_state is not None else {}
+                    state = self._states[key] = new_state(run_id) if new_state is not None else {}
                 try:
                     findings.extend(as_finding(f) for f in detector(state, tables, now) or ())
                 except Exception:

@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 import duckdb
+import pyarrow as pa
 
 Cursor = duckdb.DuckDBPyConnection
 Rows = list[dict[str, Any]]
@@ -159,3 +160,15 @@ def heartbeats_latest(cur: Cursor, run_id: str) -> Rows:
 
 def commands(cur: Cursor, run_id: str) -> Rows:
     return records(cur, "SELECT * FROM commands WHERE run_id = ? ORDER BY id", [run_id])
+
+
+def run_meta_tables(cur: Cursor, run_id: str) -> dict[str, pa.Table]:
+    """A run's `runs`, `ranks` and `nodes` rows as Arrow tables, JSON as text: what
+    the detectors need besides the rows of a commit (analysis/frames.py)."""
+    queries = {
+        "runs": """SELECT run_id, world_size, status, config::VARCHAR AS config, mesh::VARCHAR AS mesh,
+                          node_map::VARCHAR AS node_map FROM runs WHERE run_id = ?""",
+        "ranks": "SELECT run_id, rank, node, dp, tp, pp FROM ranks WHERE run_id = ? ORDER BY rank",
+        "nodes": "SELECT run_id, node, ranks::VARCHAR AS ranks, status FROM nodes WHERE run_id = ? ORDER BY node",
+    }
+    return {name: cur.execute(sql, [run_id]).to_arrow_table() for name, sql in queries.items()}

@@ -85,8 +85,10 @@ class Storage:
     def __init__(self, settings: Settings, *, metrics: CollectorMetrics | None = None,
                  clock: Callable[[], float] = time.time, detectors: Sequence[Detector] = (),
                  detection_tick_s: float = 1.0, detection_queue_commits: int = 64,
+                 detector_factory: Callable[["Storage"], Sequence[Detector]] | None = None,
                  extra_projections: Sequence[Projection] = ()) -> None:
-        """`detectors`: run on a detection thread (collector/detection.py) when given.
+        """`detectors`: run on a detection thread (collector/detection.py) when given;
+        `detector_factory(storage)` builds more that need this storage (to read).
         `extra_projections`: more parts for the writer, after the built-in ones."""
         self.settings = settings
         self._clock = clock
@@ -109,6 +111,7 @@ class Storage:
         self.metrics.watch_incidents(self.open_incidents)
         self._writer.start()
         self.detection: DetectionRunner | None = None
+        detectors = [*detectors, *(detector_factory(self) if detector_factory is not None else ())]
         if detectors:
             self.detection = DetectionRunner(
                 self.subscribe("detection", max_commits=detection_queue_commits), detectors,
@@ -155,6 +158,8 @@ class Storage:
             return False, "storage is closed"
         if not self._writer.alive():
             return False, "the writer thread has died; see the collector's log"
+        if self.detection is not None and not self.detection.alive():
+            return False, "the detection thread has died; see the collector's log"
         return True, ""
 
     def subscribe(self, name: str, *, max_commits: int = 64, max_bytes: int = 256 << 20) -> Subscription:

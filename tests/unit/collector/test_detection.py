@@ -34,7 +34,7 @@ class SlowRank:
 
     name = "slow_rank"
 
-    def new_state(self) -> dict:
+    def new_state(self, run_id: str) -> dict:
         return {"slow": set()}
 
     def __call__(self, state, tables, now):
@@ -162,7 +162,7 @@ def test_a_gap_drops_the_states_by_default():
         name = "counting"
         num_states = 0
 
-        def new_state(self):
+        def new_state(self, run_id):
             self.num_states += 1
             return {}
 

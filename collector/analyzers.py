@@ -1,0 +1,62 @@
+"""The analysis package as a detector of the collector's DetectionRunner.
+
+`analysis` is pure (frames and a clock value in, findings out); this adapter is
+the collector's side of it. One `Analyzer` per run (the runner keeps it as the
+run's state). Each pass hands it the commit's Arrow tables of that run as polars
+frames (zero copy), plus the run's `runs` and `ranks` rows, read through the read
+side when the run is new and again until its mesh is known (the run info comes
+with rank 0's first batch, the ranks' coordinates with each rank's first), so
+steps can be assembled across ranks and peers compared within a pipeline stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from analysis import Analyzer, Frames, load_rules
+from collector import read
+
+Reader = Callable[..., Any]  # Storage.read: read(fn, *args) on a cursor of its own
+_META_TABLES = ("runs", "ranks", "nodes")
+
+
+class AnalysisDetector:
+    name = "analysis"
+
+    def __init__(self, reader: Reader, *, rules_path: str | Path | None = None) -> None:
+        """`reader(fn, *args)` runs a collector.read function (Storage.read);
+        `rules_path`: a rules file overriding analysis/rules.toml (--rules)."""
+        self.rules = load_rules(rules_path)
+        self._read = reader
+
+    def new_state(self, run_id: str) -> dict[str, Any]:
+        return {"run_id": run_id, "analyzer": Analyzer(self.rules), "meta": None, "complete": False}
+
+    def __call__(self, state: dict[str, Any], tables: Mapping[str, pa.Table], now: float) -> list:
+        run_id = state["run_id"]
+        if not state["complete"]:
+            meta = self._meta(run_id)
+            state["complete"] = _complete(meta)
+            tables = {**tables, **meta}
+        return state["analyzer"].feed(Frames.from_arrow(tables), now=now)
+
+    def _meta(self, run_id: str) -> dict[str, pa.Table]:
+        return self._read(read.run_meta_tables, run_id)
+
+
+def _complete(meta: Mapping[str, pa.Table]) -> bool:
+    """The run's size is known and every rank has reported its coordinates."""
+    runs, ranks = meta.get("runs"), meta.get("ranks")
+    if runs is None or not runs.num_rows or ranks is None:
+        return False
+    world = runs.column("world_size")[0].as_py()
+    return bool(world) and ranks.num_rows >= world
+
+
+def detectors_for(reader: Reader, *, rules_path: str | Path | None = None, enabled: bool = True) -> list:
+    """What `collector serve` runs: the analysis detectors, or nothing (--no-detect)."""
+    return [AnalysisDetector(reader, rules_path=rules_path)] if enabled else []
