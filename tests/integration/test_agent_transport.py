@@ -328,7 +328,7 @@ def test_record_never_blocks_while_the_collector_stalls(collector, tmp_path):
     median_us = statistics.median(durations) * 1e6
     print(f"record_step during a stall: {len(durations)} calls, median {median_us:.2f} us, "
           f"max {max(durations) * 1e3:.2f} ms")
-    assert median_us < 50 and max(durations) < 0.5
+    assert median_us < 50 and max(durations) < 1.5  # a call blocked on the stalled POST would take ~2-3 s
     collector.stall_s = 0.0
     agent.close(timeout_s=8.0)
 
@@ -446,7 +446,7 @@ def test_close_delivers_the_backlog_of_an_outage_to_a_collector_that_acks_slowly
         stats = agent.stats()
         assert [r["step"] for r in server.rows("step")] == list(range(steps))
         assert stats["spool_bytes"] == 0 and not _left_in_spool(caplog)
-        assert close_s < 3.5
+        assert close_s < 4.5  # its 3 s, plus the scheduling of a loaded machine
         print(f"{steps} steps, {stats['batches']['spooled']} spooled batches, close took {close_s:.2f} s")
     finally:
         server.close()
@@ -490,7 +490,7 @@ def test_close_never_outlasts_its_timeout_against_a_stalled_collector(collector,
     t0 = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="llmwatch.agent"):
         agent.close(timeout_s=0.5)
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 1.9  # its 0.5 s, not the request's 5 s or the stall's 2 s
     (msg,) = _left_in_spool(caplog)
     assert msg.startswith("llmwatch agent: 1 undelivered batches left in the spool")
     assert _wait_for(lambda: collector.num_in_flight == 0)

@@ -125,7 +125,7 @@ def test_waiting_requests_hold_no_thread():
     slots.close()
     assert all(isinstance(o, SqlBusy) for o in outcomes)
     assert threads_while_waiting <= before + 1  # the one slot's thread
-    assert lag_s < 0.1
+    assert lag_s < 0.3  # the loop was not blocked: a waiter blocking it would hold it for its 0.5 s queue timeout
     assert slots.num_waiting == 0
 
 

@@ -321,7 +321,9 @@ def test_prefetch_hides_data_time_and_wait_s_measures_it():
     with loader(c, prefetch=2) as dl:
         dl.next()
         assert dl.wait_s >= 0.025  # nothing was ready yet
-        time.sleep(0.3)  # the thread prepares the next two steps meanwhile
+        deadline = time.monotonic() + 30  # the thread prepares the next two steps meanwhile
+        while dl._queue.qsize() < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         dl.next()
         assert dl.wait_s < 0.02
 
