@@ -239,9 +239,12 @@ def _finding_columns(f: Finding) -> dict[str, Any]:
 
 
 def _updating(f: Finding, lo: int | None, hi: int | None, now: float) -> dict[str, Any]:
-    """An open incident seen again: the range widened, the newest severity and, where
-    given, the newest evidence, root cause and confidence."""
-    values: dict[str, Any] = {"severity": f.severity, "step_from": lo, "step_to": hi, "updated_ts": now}
+    """An open incident seen again: the range widened, the newest severity and culprit
+    (a detector reports its whole current view of a cause: a slow rank that turns out
+    to be a slow node names the node and no longer one rank), and, where given, the
+    newest evidence, root cause and confidence."""
+    values: dict[str, Any] = {"severity": f.severity, "rank": f.rank, "node": f.node, "step_from": lo,
+                              "step_to": hi, "updated_ts": now}
     for name in ("evidence", "root_cause", "confidence"):
         if getattr(f, name) is not None:
             values[name] = getattr(f, name)

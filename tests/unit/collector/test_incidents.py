@@ -26,8 +26,8 @@ def test_open_update_close_for_one_cause():
     plan = book.plan([RecordFindings("r", (straggler(step_from=12, step_to=15, severity="critical",
                                                      evidence={"ratio": 1.6}),))], now=6.0, next_id=8)
     assert plan.inserts == [] and plan.results == [[7]]
-    assert plan.updates == [(7, {"severity": "critical", "step_from": 10, "step_to": 15, "updated_ts": 6.0,
-                                 "evidence": {"ratio": 1.6}})]
+    assert plan.updates == [(7, {"severity": "critical", "rank": 3, "node": "n1", "step_from": 10, "step_to": 15,
+                                 "updated_ts": 6.0, "evidence": {"ratio": 1.6}})]
     book.apply(plan)
     plan = book.plan([RecordFindings("r", (straggler(resolved=True, ts=6.5),))], now=7.0, next_id=8)
     assert plan.updates == [(7, {"status": "closed", "closed_ts": 6.5, "updated_ts": 7.0})]
@@ -48,7 +48,8 @@ def test_findings_of_one_plan_see_each_other():
                      now=1.0, next_id=1)
     assert plan.results == [[1, 1, 2], [3]]
     assert [r["id"] for r in plan.inserts] == [1, 2, 3]
-    assert plan.updates == [(1, {"severity": "warning", "step_from": 5, "step_to": 6, "updated_ts": 1.0})]
+    assert plan.updates == [(1, {"severity": "warning", "rank": None, "node": None, "step_from": 5, "step_to": 6,
+                                 "updated_ts": 1.0})]
     book.apply(plan)
     assert book.open_for(("r", "nan#1")).step_to == 6 and book.open_for(("other", "nan#1")).id == 3
 
@@ -135,3 +136,12 @@ def test_a_restarted_collector_matches_a_keyed_cause_to_its_open_incident(settin
         assert (row["id"], row["cause_key"], row["step_from"], row["step_to"]) == (iid, "straggler:n1#1", 40, 50)
     finally:
         s.close()
+
+
+def test_an_update_carries_the_newest_culprit(storage):
+    """A slow rank that turns out to be a slow node: the row names the node, no rank."""
+    (iid,) = storage.record_findings("run1", [straggler(key="straggler:n1#1", step_from=40)]).result(10)
+    storage.record_findings("run1", [Finding(kind="straggler", key="straggler:n1#1", rank=None, node="n1",
+                                             step_from=40, step_to=48)]).result(10)
+    (row,) = storage.incidents("run1")
+    assert (row["id"], row["rank"], row["node"], row["step_to"]) == (iid, None, "n1", 48)
