@@ -32,6 +32,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agent import secrets as secrets_io
+
 log = logging.getLogger("collector.auth")
 
 
@@ -111,33 +113,21 @@ def _check_token(token: str) -> bytes:
 
 
 def read_token_file(path: str | Path) -> str:
-    """The token in `path` (first line). Warns when others may read the file."""
-    path = Path(path)
-    try:
-        st = path.stat()
-        text = path.read_text(encoding="ascii").strip().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot read the token file {path}: {e}") from None
-    if not text or not text[0].strip():
-        raise ValueError(f"the token file {path} is empty")
+    """The token in `path` (first line; `agent.secrets`). Warns when others may read the file."""
+    token = secrets_io.read_token_file(path)
+    st = Path(path).stat()
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO) and not stat.S_ISFIFO(st.st_mode):
         log.warning("token file %s is readable by others (mode %o): chmod 600 it", path, stat.S_IMODE(st.st_mode))
-    return text[0].strip()
+    return token
 
 
 def write_secret_file(path: str | Path, text: str) -> Path:
-    """Write `text` to `path` with mode 0600, tightening a file that already exists,
-    in a directory made 0700 when this creates it."""
+    """Write `text` to `path` with mode 0600 (`agent.secrets`), in a directory made
+    0700 when this creates it."""
     path = Path(path)
     if not path.parent.exists():
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # O_CREAT's mode applies only to a new file
-        os.write(fd, (text + "\n").encode("ascii"))
-    finally:
-        os.close(fd)
-    return path
+    return secrets_io.write_secret(path, text)
 
 
 def generate_role_tokens(directory: str | Path) -> dict[Role, Path]:

@@ -7,8 +7,7 @@ user can read `/proc/<pid>/cmdline`), or a log line. It travels in the
 environment of the processes that need it (`/proc/<pid>/environ` is readable
 only by its owner) or in a file of mode 0600.
 
-The trainer does not import the collector (DESIGN.md), so the few lines that
-the collector's `auth` module also has are repeated here rather than shared.
+Reading and writing a token file is `agent.secrets`, shared with the collector.
 """
 
 from __future__ import annotations
@@ -18,26 +17,15 @@ import stat
 from collections.abc import Mapping
 from pathlib import Path
 
+from agent.secrets import TokenError, read_token_file, write_secret
+
+__all__ = ["TokenError", "read_token_file", "write_secret", "resolve_token", "private_dir", "is_private",
+           "TOKEN_ENV", "COLLECTOR_TOKEN_ENVS"]
+
 TOKEN_ENV = "LLMWATCH_TOKEN"
 # Every variable a collector reads a token from (the all-roles one and one per role):
 # the embedded collector must get its tokens from our files only, not from the user's shell.
 COLLECTOR_TOKEN_ENVS = (TOKEN_ENV, "LLMWATCH_INGEST_TOKEN", "LLMWATCH_READ_TOKEN", "LLMWATCH_CONTROL_TOKEN")
-
-
-class TokenError(ValueError):
-    """A token source that cannot be used. The message names the source, never the token."""
-
-
-def read_token_file(path: str | os.PathLike) -> str:
-    """The token in `path`: its first line, stripped."""
-    path = Path(path)
-    try:
-        lines = path.read_text(encoding="ascii").strip().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise TokenError(f"cannot read the token file {path}: {e.__class__.__name__}") from None
-    if not lines or not lines[0].strip():
-        raise TokenError(f"the token file {path} is empty")
-    return lines[0].strip()
 
 
 def resolve_token(*, token: str | None, token_file: str | os.PathLike | None,
@@ -50,22 +38,6 @@ def resolve_token(*, token: str | None, token_file: str | os.PathLike | None,
     if token_file:
         return read_token_file(token_file)
     return token or environ.get(TOKEN_ENV) or None
-
-
-def write_secret(path: str | os.PathLike, text: str) -> Path:
-    """Write `text` (one line) to `path`, mode 0600, in a directory that must exist.
-
-    O_CREAT's mode applies only to a file it creates: a file left 0644 by someone
-    else stays 0644 unless we fchmod it, so we do, before a byte is written.
-    O_NOFOLLOW: a symlink planted where a token goes must not redirect it."""
-    path = Path(path)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, (text + "\n").encode("ascii"))
-    finally:
-        os.close(fd)
-    return path
 
 
 def private_dir(path: str | os.PathLike, *, tighten_existing: bool = True) -> Path:
