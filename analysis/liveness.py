@@ -106,17 +106,7 @@ class Liveness:
         return r
 
     def update_steps(self, steps: pl.DataFrame | None) -> None:
-        if steps is None or not steps.height:
-            return
-        r = ints(steps["rank"], -1)
-        s = ints(steps["step"], -1)
-        ok = r >= 0
-        if not ok.all():
-            r, s = r[ok], s[ok]
-        if not len(r):
-            return
-        self.ensure(int(r.max()) + 1)
-        np.maximum.at(self.last_step, r, s)
+        self._raise_per_rank(steps, "step", "last_step")
 
     def died_in_step(self, rank: int) -> int | None:
         """The step a silent or stuck rank did not finish: its last step row + 1 (else
@@ -128,14 +118,18 @@ class Liveness:
         return int(self.hb_step[rank]) if self.hb_step[rank] >= 0 else None
 
     def update_collectives(self, coll: pl.DataFrame | None) -> None:
-        if coll is None or not coll.height:
+        self._raise_per_rank(coll, "seq", "done_seq")
+
+    def _raise_per_rank(self, df: pl.DataFrame | None, column: str, target: str) -> None:
+        """`self.<target>[rank]` = max(itself, the newest `column` of the rank's rows)."""
+        if df is None or not df.height:
             return
-        r = ints(coll["rank"], -1)
-        s = ints(coll["seq"], -1)
+        r = ints(df["rank"], -1)
+        v = ints(df[column], -1)
         ok = r >= 0
         if not ok.all():
-            r, s = r[ok], s[ok]
+            r, v = r[ok], v[ok]
         if not len(r):
             return
         self.ensure(int(r.max()) + 1)
-        np.maximum.at(self.done_seq, r, s)
+        np.maximum.at(getattr(self, target), r, v)
