@@ -232,10 +232,53 @@ _BATCH_HASH_V2 = ["ALTER TABLE batches ADD COLUMN content_hash BLOB"]
 # is then "kind:rank:node").
 _INCIDENT_CAUSE_V3 = ["ALTER TABLE incidents ADD COLUMN cause_key VARCHAR"]
 
+# v4: the per-rank local signals the detectors name an origin with (analysis/frames.py):
+# the replica's loss before the data-parallel average, whether this rank's forward
+# output and local gradients were finite, the replica's sample window; and on the
+# heartbeat, which collective `last_seq` is (so a hang names the op it waits in).
+# Rows from older agents keep NULL (the detectors fall back, docs/rules.md).
+_LOCAL_SIGNALS_V4 = [
+    "ALTER TABLE steps ADD COLUMN local_loss DOUBLE",
+    "ALTER TABLE steps ADD COLUMN finite_fwd TINYINT",
+    "ALTER TABLE steps ADD COLUMN finite_bwd TINYINT",
+    "ALTER TABLE steps ADD COLUMN sample_epoch BIGINT",
+    "ALTER TABLE steps ADD COLUMN sample_from BIGINT",
+    "ALTER TABLE steps ADD COLUMN sample_to BIGINT",
+    "ALTER TABLE heartbeats ADD COLUMN last_op VARCHAR",
+    "ALTER TABLE heartbeats ADD COLUMN last_axis VARCHAR",
+    "ALTER TABLE heartbeats ADD COLUMN last_group_id INTEGER",
+    "ALTER TABLE heartbeats ADD COLUMN last_group_seq BIGINT",
+]
+
+# v5: the alert outbox. One row per alert to deliver to one receiver (a webhook URL
+# or an Alertmanager); it is written in the same transaction as the incident change
+# it reports, so an alert is never lost to a crash, and it survives a restart until
+# it is delivered or given up. `body` is the exact bytes that are signed and sent.
+_ALERT_OUTBOX_V5 = [
+    """CREATE SEQUENCE alert_outbox_id START 1""",
+    """CREATE TABLE alert_outbox (
+        id BIGINT PRIMARY KEY DEFAULT nextval('alert_outbox_id'),
+        run_id VARCHAR NOT NULL,
+        incident_id BIGINT,
+        action_id VARCHAR,
+        receiver VARCHAR NOT NULL,
+        kind VARCHAR NOT NULL,
+        status VARCHAR NOT NULL DEFAULT 'pending',
+        body BLOB NOT NULL,
+        created_ts DOUBLE NOT NULL,
+        next_attempt_ts DOUBLE NOT NULL,
+        attempts INTEGER NOT NULL DEFAULT 0,
+        last_error VARCHAR,
+        delivered_ts DOUBLE
+    )""",
+]
+
 MIGRATIONS: list[tuple[int, list[str]]] = [
     (1, _TABLES_V1 + _VIEWS_V1),
     (2, _BATCH_HASH_V2),
     (3, _INCIDENT_CAUSE_V3),
+    (4, _LOCAL_SIGNALS_V4),
+    (5, _ALERT_OUTBOX_V5),
 ]
 
 
