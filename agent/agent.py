@@ -5,7 +5,18 @@ a few cheap setters. Everything else happens on one daemon thread, the
 flusher, every `flush_interval_s`:
 
     heartbeat row (when due) -> swap buffers -> encode one wire batch
-    -> bridges (OTel spans, Prometheus gauges) -> POST, or spool -> replay spool
+    -> bridges (OTel spans, Prometheus gauges) -> loss baseline -> POST, or
+    spool -> replay spool
+
+`flush_interval_s` is 1 s; a step a detector must see now (a non-finite loss or
+grad norm, a finite flag 0, a skipped step, a loss-scale backoff, a loss far
+above the rank's running baseline: agent/urgent.py) wakes the flusher at once,
+at most once per `urgent_min_interval_s` (a step inside that limit is served when
+it has passed), so a flood of NaN steps costs ten flushes a second, not one per
+step. The training thread only sets an Event; it never waits.
+
+`close()` first queues an `agent_closed` event, so that the last batch tells
+the collector this rank finished cleanly (its silence is no crash).
 
 While batches go to the spool (the collector away, or a backlog to replay
 first), a batch is cut only every `spool_flush_interval_s` (or when a buffer is
@@ -53,7 +64,10 @@ class AgentConfig:
     url: str | None = None  # collector base URL (http:// or https://); None: nothing is sent (bridges only)
     token: str | None = field(default=None, repr=False)  # bearer token; kept out of repr() and so out of logs
     ca_file: str | None = None  # https: PEM bundle that verifies the collector; None: the system's trust store
-    flush_interval_s: float = 0.2
+    # The flusher's period. A step a detector must see now (agent/urgent.py) is flushed
+    # at once instead, at most one such urgent flush per urgent_min_interval_s.
+    flush_interval_s: float = 1.0
+    urgent_min_interval_s: float = 0.1
     heartbeat_interval_s: float = 1.0
     spool_dir: str | None = None  # default: <tmp>/llmwatch-spool/<run_id>/rank<rank>
     spool_bytes: int = 256 * 1024 * 1024
@@ -75,6 +89,8 @@ class AgentConfig:
     def __post_init__(self) -> None:
         if self.flush_interval_s <= 0 or self.heartbeat_interval_s <= 0 or self.timeout_s <= 0:
             raise ValueError("flush_interval_s, heartbeat_interval_s and timeout_s must be > 0")
+        if self.urgent_min_interval_s < 0:
+            raise ValueError("urgent_min_interval_s must be >= 0")
         if self.capacity < 1 or self.spool_bytes < 1:
             raise ValueError("capacity and spool_bytes must be >= 1")
         if not 0 < self.retry_min_s <= self.retry_max_s:
@@ -157,8 +173,12 @@ class Agent(Recorder):
     """Telemetry of one rank. See the package docstring for an example."""
 
     def __init__(self, config: AgentConfig, run_id: str, rank: int, node: str = "", coords: dict | None = None,
-                 world_size: int = 1, run_info: dict | None = None, clock: Callable[[], float] = time.time) -> None:
+                 world_size: int = 1, run_info: dict | None = None, clock: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        """`clock`: the rows' timestamps (unix s); `monotonic`: the urgent flushes'
+        rate limit (both injectable for tests)."""
         super().__init__(config.capacity, clock)
+        self._monotonic = monotonic
         self.config = config
         self.run_id = str(run_id)
         self.rank = int(rank)
@@ -168,7 +188,12 @@ class Agent(Recorder):
         self.incarnation = uuid.uuid4().hex
         self._run_info = scrub_secrets(json_safe(run_info)) if run_info is not None else None
         self._batch_seq = 0
-        self._seq_source: Callable[[], int] | None = None
+        self._seq_source: Callable[[], int | tuple] | None = None
+        # urgent flushes: the training thread asks (`_urgent`), the flusher serves
+        self._urgent_ok_at = -math.inf  # monotonic: no urgent wake before this (the rate limit)
+        self._urgent_requested = False  # a wake is pending
+        self._urgent_missed = False  # an urgent step came inside the rate limit: flush at _urgent_ok_at
+        self.num_urgent_flushes = 0
         self._mailbox: deque[Command] = deque()
         self._seen_commands: set[str] = set()
         self._recorded = {k: 0 for k in STATS_KINDS}
@@ -237,6 +262,8 @@ class Agent(Recorder):
         within `timeout_s` plus ~0.5 s, never raises. Idempotent."""
         if self._closed:
             return
+        # before the final drain, so it rides in the last batch: a clean finish, not a crash
+        self.event("agent_closed", step=self._hb_step)
         self._closed = True
         try:
             atexit.unregister(self.close)
@@ -263,9 +290,12 @@ class Agent(Recorder):
         except Exception as e:  # noqa: BLE001
             self._log_once("event", "llmwatch agent: dropped event %r: %r", kind, e)
 
-    def bind_seq_source(self, fn: Callable[[], int]) -> None:
-        """`fn()` gives the last collective sequence number this rank ENTERED; the
-        heartbeat reports it (a hung rank's number falls behind its peers')."""
+    def bind_seq_source(self, fn: Callable[[], int | tuple]) -> None:
+        """`fn()` gives the last collective this rank ENTERED: its sequence number, or
+        `(seq, op, axis, group_id, group_seq)` (`trainer.comm.Comm.last_entered`).
+        The heartbeat reports it (a hung rank's number falls behind its peers', and
+        the op, axis and group name the collective it waits in). Called on the
+        flusher thread: it must only read."""
         self._seq_source = fn
 
     def set_attempt(self, n: int) -> None:
@@ -309,6 +339,7 @@ class Agent(Recorder):
             "spool_bytes": spool.disk_bytes if spool is not None else 0,
             "spool_corrupt": spool.num_corrupt if spool is not None else 0,
             "commands_received": len(self._seen_commands),
+            "urgent": {"steps": self.num_urgent, "flushes": self.num_urgent_flushes},
             "last_error": ship.last_error or self._last_error,
             "prometheus_port": prom,
         }
@@ -348,20 +379,57 @@ class Agent(Recorder):
                            directory, e)
             return None
 
+    # -- urgent flushes --------------------------------------------------------
+    def _urgent(self) -> None:
+        """Training thread, after a step a detector must see now: wake the flusher
+        (an Event.set, never a wait), unless an urgent flush was asked for within
+        `urgent_min_interval_s`; then the flusher serves it when that has passed."""
+        self.num_urgent += 1
+        now = self._monotonic()
+        if now >= self._urgent_ok_at:
+            self._urgent_ok_at = now + self.config.urgent_min_interval_s
+            self._urgent_requested = True
+            self._wake.set()
+        else:
+            self._urgent_missed = True
+
+    def _take_urgent(self) -> tuple[bool, float]:
+        """Flusher thread: (flush now for an urgent step?, when to look again for
+        one that came inside the rate limit; inf: no need)."""
+        if self._urgent_requested:
+            self._urgent_requested = False
+            self._urgent_missed = False
+            return True, self._urgent_ok_at
+        if self._urgent_missed:
+            now = self._monotonic()
+            if now < self._urgent_ok_at:
+                return False, self._urgent_ok_at
+            self._urgent_missed = False
+            self._urgent_ok_at = now + self.config.urgent_min_interval_s
+            return True, self._urgent_ok_at
+        return False, math.inf
+
     def _run(self) -> None:
         interval = self.config.flush_interval_s
         next_flush = time.monotonic()
+        recheck = math.inf  # on the `monotonic` clock: look for a rate-limited urgent step then
         while True:
-            self._wake.wait(max(0.0, min(next_flush, self._next_hb) - time.monotonic()))
+            wait_s = min(next_flush, self._next_hb) - time.monotonic()
+            if recheck < math.inf:
+                wait_s = min(wait_s, recheck - self._monotonic())
+            self._wake.wait(max(0.0, wait_s))
             self._wake.clear()
             stopping = self._stopping
             with self._cv:
                 target = self._flush_requested
                 flush_deadline = self._flush_deadline
+            urgent, recheck = self._take_urgent()
             now = time.monotonic()
             forced = stopping or target > self._flush_done
-            if not forced and now < next_flush and now < self._next_hb:
+            if not forced and not urgent and now < next_flush and now < self._next_hb:
                 continue
+            if urgent:
+                self.num_urgent_flushes += 1
             next_flush = now + interval
             # close: leave 0.1 s of close()'s join for releasing the spool and bridges
             deadline = (self._close_deadline - 0.1) if stopping else (flush_deadline if forced else None)
@@ -409,6 +477,10 @@ class Agent(Recorder):
             has_rows = any(rows.values())
             payload = self._encode(drained, rows) if shipper is not None and has_rows else None
             self._feed_bridges(drained)
+            try:
+                self._learn_losses(drained.step)  # the spike threshold record_step compares with
+            except Exception as e:  # noqa: BLE001
+                self._log_once("baseline", "llmwatch agent: the loss baseline failed: %r", e)
         finally:
             self._recycle(drained)
         if shipper is None:
@@ -434,13 +506,23 @@ class Agent(Recorder):
         return fill >= 0.5 or fill + 2 * growth >= 1.0
 
     def _heartbeat(self) -> None:
-        last_seq = -1
+        last_seq, op, axis, group_id, group_seq = -1, None, None, -1, -1
         if self._seq_source is not None:
             try:
-                last_seq = int(self._seq_source())
+                entered = self._seq_source()
+                if isinstance(entered, tuple):
+                    seq, op, axis, group_id, group_seq = entered
+                    last_seq, group_id, group_seq = int(seq), int(group_id), int(group_seq)
+                    op = None if op is None else str.__str__(op) if isinstance(op, str) else str(op)
+                    axis = None if axis is None else str.__str__(axis) if isinstance(axis, str) else str(axis)
+                else:
+                    last_seq = int(entered)
+                if last_seq < 0:  # nothing entered yet: no collective to name
+                    op, axis, group_id, group_seq = None, None, -1, -1
             except Exception as e:  # noqa: BLE001
+                last_seq, op, axis, group_id, group_seq = -1, None, None, -1, -1
                 self._log_once("seq", "llmwatch agent: the seq source failed: %r", e)
-        self._record_heartbeat(self._clock(), self._hb_step, self._phase, last_seq)
+        self._record_heartbeat(self._clock(), self._hb_step, self._phase, last_seq, op, axis, group_id, group_seq)
 
     def _account(self, bufs: BufferSet) -> dict[str, int]:
         rows = bufs.num_rows()

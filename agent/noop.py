@@ -22,7 +22,8 @@ class NoopAgent:
         return None
 
     def record_step(self, step, loss, grad_norm, loss_scale, lr, tokens, step_s, fwd_s, bwd_s, opt_s, data_s,
-                    comm_exposed_s, mem_bytes, skipped) -> None:
+                    comm_exposed_s, mem_bytes, skipped, *, local_loss=None, finite_fwd=-1, finite_bwd=-1,
+                    sample_epoch=-1, sample_from=-1, sample_to=-1) -> None:
         return None
 
     def collective(self, step, seq, group_seq, op, axis, group_id, peer, nbytes, start_ts, duration_s,
@@ -38,7 +39,7 @@ class NoopAgent:
     def set_phase(self, phase: str, step: int) -> None:
         return None
 
-    def bind_seq_source(self, fn: Callable[[], int]) -> None:
+    def bind_seq_source(self, fn: Callable[[], int | tuple]) -> None:
         return None
 
     def set_attempt(self, n: int) -> None:

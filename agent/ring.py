@@ -16,9 +16,10 @@ active `BufferSet` for an empty spare under the lock (a few attribute stores)
 and encodes the drained set outside it. A full buffer drops the new record and
 counts it; it never blocks and never overwrites rows not yet shipped.
 
-Cost, measured by bench/bench_agent_hotpath.py: `record_step` is well under a
-microsecond of CPython, within 2x of ten stores into a numpy row. Memory: 245
-bytes of columns per row (all four kinds) x capacity x 2 buffers, ~31 MiB at
+Cost, measured by bench/bench_agent_hotpath.py: `record_step` is about a
+microsecond of CPython, ~2.5x ten stores into a numpy row (23 columns and the
+urgent-flush comparisons: agent/urgent.py). Memory: 296
+bytes of columns per row (all four kinds) x capacity x 2 buffers, ~37 MiB at
 the default 65,536 rows.
 """
 
@@ -32,6 +33,7 @@ from array import array
 from typing import Callable
 
 from agent import wire
+from agent.urgent import LossBaseline
 
 log = logging.getLogger("llmwatch.agent")
 
@@ -148,6 +150,12 @@ class Recorder:
         self._num_invalid = 0
         self._phase = "init"  # set_phase / record_step store these; heartbeats read them
         self._hb_step = -1
+        # A loss above spike_above is urgent. The flusher feeds the drained losses to the
+        # baseline and publishes its threshold (`_learn_losses`): one compare per step here.
+        self.loss_baseline = LossBaseline()
+        self.spike_above = math.inf  # inf during the baseline's warm-up
+        self._prev_scale = -math.inf  # the previous step's loss scale (none yet: no backoff)
+        self.num_urgent = 0  # steps that asked for an urgent flush
 
     def _install(self, bufs: BufferSet) -> None:
         # Direct attributes: one attribute load per record instead of two.
@@ -159,9 +167,19 @@ class Recorder:
 
     # -- hot path ----------------------------------------------------------
     def record_step(self, step, loss, grad_norm, loss_scale, lr, tokens, step_s, fwd_s, bwd_s, opt_s, data_s,
-                    comm_exposed_s, mem_bytes, skipped) -> None:
+                    comm_exposed_s, mem_bytes, skipped, *, local_loss=None, finite_fwd=-1, finite_bwd=-1,
+                    sample_epoch=-1, sample_from=-1, sample_to=-1) -> None:
         """One optimizer step of this rank. Pass Python numbers (a tensor here would
-        be converted with a device sync). Never raises; a full buffer drops."""
+        be converted with a device sync). Never raises; a full buffer drops.
+
+        The keyword-only local signals (analysis/frames.py) are optional: None / -1
+        is "not measured", NULL in the tables. `local_loss`: this replica's loss
+        before the DP average; `finite_fwd`/`finite_bwd`: 1 when this rank's stage
+        output / local grads were all finite, 0 when not; `sample_*`: the replica's
+        sample window [sample_from, sample_to) of epoch `sample_epoch`.
+
+        A step a detector must see now (`agent.urgent`) asks for an immediate flush
+        (`_urgent`, which never blocks)."""
         ts = self._clock()
         lock = self._lock
         lock.acquire()
@@ -169,7 +187,8 @@ class Recorder:
             buf = self._step_buf
             i = buf.n
             if i < buf.capacity:
-                c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15 = buf.cols
+                (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, c16, c17, c18, c19, c20,
+                 c21, c22) = buf.cols
                 c0[i] = step
                 c1[i] = self.attempt
                 c2[i] = ts
@@ -186,16 +205,53 @@ class Recorder:
                 c13[i] = comm_exposed_s
                 c14[i] = mem_bytes
                 c15[i] = skipped
+                if local_loss is None:
+                    c16[i] = 0.0
+                    c17[i] = 0
+                else:
+                    c16[i] = local_loss
+                    c17[i] = 1
+                c18[i] = finite_fwd
+                c19[i] = finite_bwd
+                c20[i] = sample_epoch
+                c21[i] = sample_from
+                c22[i] = sample_to
                 buf.n = i + 1
             else:
                 buf.num_dropped += 1
         except Exception:
             self._store_slow(self._step_buf, (step, self.attempt, ts, loss, grad_norm, loss_scale, lr, tokens,
                                               step_s, fwd_s, bwd_s, opt_s, data_s, comm_exposed_s, mem_bytes,
-                                              skipped))
+                                              skipped, 0.0 if local_loss is None else local_loss,
+                                              0 if local_loss is None else 1, finite_fwd, finite_bwd,
+                                              sample_epoch, sample_from, sample_to))
         finally:
             lock.release()
         self._hb_step = step
+        # Must a detector see this step now? (agent/urgent.py) Comparisons only: x - x != 0 is
+        # NaN or +-inf; the spike threshold comes from the loss baseline the flusher keeps.
+        try:
+            if (skipped or finite_fwd == 0 or finite_bwd == 0 or loss - loss != 0.0 or grad_norm - grad_norm != 0.0
+                    or loss_scale < self._prev_scale or loss > self.spike_above):
+                self._urgent()
+            self._prev_scale = loss_scale
+        except Exception:  # noqa: BLE001 - a value the test cannot compare: no urgent flush, never a raise
+            pass
+
+    def _learn_losses(self, buf: KindBuffer) -> None:
+        """Flusher side: feed a drained step buffer's losses (not the skipped steps') to
+        the baseline, in order, and publish its new spike threshold."""
+        baseline = self.loss_baseline
+        losses, skipped = buf.column("loss"), buf.column("skipped")
+        for i in range(buf.n):
+            if not skipped[i]:
+                baseline.far(losses[i])
+        self.spike_above = baseline.threshold()
+
+    def _urgent(self) -> None:
+        """A step a detector must see now was just recorded. The agent wakes its
+        flusher; a bare Recorder only counts it."""
+        self.num_urgent += 1
 
     def collective(self, step, seq, group_seq, op, axis, group_id, peer, nbytes, start_ts, duration_s,
                    wait_s) -> None:
@@ -257,22 +313,31 @@ class Recorder:
         self._hb_step = step
 
     # -- flusher side ------------------------------------------------------
-    def _record_heartbeat(self, ts: float, step: int, phase: str, last_seq: int) -> None:
+    def _record_heartbeat(self, ts: float, step: int, phase: str, last_seq: int, last_op: str | None = None,
+                          last_axis: str | None = None, last_group_id: int = -1, last_group_seq: int = -1) -> None:
+        """`last_op` ... `last_group_seq`: the collective `last_seq` names (None / -1:
+        unknown, NULL in the tables)."""
         with self._lock:
             buf = self._hb_buf
             i = buf.n
             if i >= buf.capacity:
                 buf.num_dropped += 1
                 return
+            op = -1 if last_op is None else last_op
+            axis = -1 if last_axis is None else last_axis
             try:
-                c0, c1, c2, c3 = buf.cols
+                c0, c1, c2, c3, c4, c5, c6, c7 = buf.cols
                 c0[i] = ts
                 c1[i] = step
                 c2[i] = self._phase_codes[phase]
                 c3[i] = last_seq
+                c4[i] = -1 if last_op is None else self._op_codes[last_op]
+                c5[i] = -1 if last_axis is None else self._axis_codes[last_axis]
+                c6[i] = last_group_id
+                c7[i] = last_group_seq
                 buf.n = i + 1
             except Exception:
-                self._store_slow(buf, (ts, step, phase, last_seq))
+                self._store_slow(buf, (ts, step, phase, last_seq, op, axis, last_group_id, last_group_seq))
 
     def _add_event(self, event: dict) -> None:
         """Queue an already JSON-safe event dict (rare: the caller builds it)."""
@@ -312,7 +377,7 @@ class Recorder:
         try:
             for col, arr, value in zip(wire.SCHEMA[buf.kind], buf.cols, values):
                 if col.dict_encoded:
-                    arr[i] = self._codes[col.name][value]
+                    arr[i] = -1 if value == -1 and col.null == -1 else self._codes[col.dict_name][value]
                 else:
                     arr[i] = _coerce(col.fmt, value)
             buf.n = i + 1

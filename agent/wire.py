@@ -18,7 +18,7 @@ Header:
       "run_id": str, "rank": int, "incarnation": str, "batch_seq": int,
       "node": str, "pid": int, "sent_ts": float,
       "sections": {kind: {"n": rows, "columns": {name: [offset, nbytes]}}},
-      "dicts": {column name: [str, ...]},     # codes of dictionary columns
+      "dicts": {dict name: [str, ...]},       # codes of dictionary columns (Column.dict_name)
       "events": [{"ts", "step", "attempt", "kind", "data": {...}}, ...],
       "run": {...} | null,                    # run metadata (sent at start)
       "stats": {"dropped": {kind: n}, "spooled": n, ...}
@@ -31,6 +31,11 @@ Offsets are relative to the start of the column area; `nbytes` is the column's
 length without its padding. So no two columns share a byte and no byte is
 unaccounted for: a section's rows cost their full row size in the body,
 whatever the header claims.
+Optional columns (added after the first layout) may be left out of a section:
+the rows of an older agent, or of a batch it spooled, then read as NULL there.
+NULL inside a column: an optional integer column's `null` value (-1: its real
+values are flags, positions or codes, never negative) or, for a float, whose NaN
+is a real value, a 0 in the int8 column its `valid` names (on the wire only).
 A column's dtype is fixed by `SCHEMA`, never by the sender; `decode_batch`
 checks the tiling, every length, the padding, the header JSON's nesting depth
 and number of values (before parsing it), and every dictionary code, and
@@ -65,7 +70,22 @@ _HDR = struct.Struct("<4sI")
 class Column:
     name: str
     fmt: str  # array/memoryview/struct format: d=f64, q=i64, i=i32, h=i16, b=i8
-    dict_encoded: bool = False  # int16 codes into header["dicts"][name]
+    dict_encoded: bool = False  # int16 codes into header["dicts"][dict_name]
+    # Optional columns came after the first layout: a batch may leave them out (an older
+    # agent's, or one sitting in an old spool) and the decoder then reads them as NULL.
+    optional: bool = False
+    # NULL on the wire (the "not measured" value): `null` is a value the column's real
+    # values never take (-1 for a flag, a sample position or a dictionary code); `valid`
+    # names the int8 column that says, per row, whether this one holds a value (1) or
+    # NULL (0): for a float, where NaN is a real value. A NULL row's own bytes are 0.
+    null: int | None = None
+    valid: str | None = None
+    stored: bool = True  # False: on the wire only (a `valid` column), not a table column
+    dictionary: str | None = None  # the header dict the codes index; None: the column's own name
+
+    @property
+    def dict_name(self) -> str:
+        return self.dictionary or self.name
 
     @property
     def itemsize(self) -> int:
@@ -76,8 +96,17 @@ class Column:
         return {"d": "<f8", "q": "<i8", "i": "<i4", "h": "<i2", "b": "<i1"}[self.fmt]
 
 
-def _cols(*spec: tuple) -> tuple[Column, ...]:
-    return tuple(Column(*s) for s in spec)
+def _cols(*spec: tuple | Column) -> tuple[Column, ...]:
+    return tuple(s if isinstance(s, Column) else Column(*s) for s in spec)
+
+
+NOT_MEASURED = -1  # the `null` of every optional integer column: the agent's default, NULL in the tables
+
+
+def _opt(name: str, fmt: str, **kw) -> Column:
+    if "valid" not in kw and kw.get("stored", True):
+        kw["null"] = NOT_MEASURED
+    return Column(name, fmt, optional=True, **kw)
 
 
 # Record kinds. Column order is the order of the agent's record_* arguments.
@@ -92,6 +121,10 @@ SCHEMA: dict[str, tuple[Column, ...]] = {
         ("loss", "d"), ("grad_norm", "d"), ("loss_scale", "d"), ("lr", "d"), ("tokens", "q"),
         ("step_s", "d"), ("fwd_s", "d"), ("bwd_s", "d"), ("opt_s", "d"), ("data_s", "d"),
         ("comm_exposed_s", "d"), ("mem_bytes", "q"), ("skipped", "b"),
+        # the per-rank local signals (analysis/frames.py): optional, NULL when not measured
+        _opt("local_loss", "d", valid="local_loss_valid"), _opt("local_loss_valid", "b", stored=False),
+        _opt("finite_fwd", "b"), _opt("finite_bwd", "b"),
+        _opt("sample_epoch", "q"), _opt("sample_from", "q"), _opt("sample_to", "q"),
     ),
     COLLECTIVE: _cols(
         ("step", "q"), ("attempt", "i"), ("seq", "q"), ("group_seq", "q"),
@@ -103,9 +136,16 @@ SCHEMA: dict[str, tuple[Column, ...]] = {
     ),
     HEARTBEAT: _cols(
         ("ts", "d"), ("step", "q"), ("phase", "h", True), ("last_seq", "q"),
+        # the collective `last_seq` names; its op and axis share the collectives' dictionaries
+        _opt("last_op", "h", dict_encoded=True, dictionary="op"),
+        _opt("last_axis", "h", dict_encoded=True, dictionary="axis"),
+        _opt("last_group_id", "i"), _opt("last_group_seq", "q"),
     ),
 }
 KINDS = tuple(SCHEMA)
+# The rank of a batch the launcher sends about its ranks (`rank_exited` events): it
+# carries events only, and the collector keeps no `ranks` row for it.
+LAUNCHER_RANK = -1
 MAX_DICT_ENTRIES = 32767
 
 
@@ -142,7 +182,8 @@ def encode_batch(header: dict, sections: dict[str, tuple[int, dict[str, bytes | 
 
     The layout is the one `decode_batch` accepts and no other: sections in the
     order of `sections` (empty ones left out), columns in `SCHEMA` order, each
-    column followed by zero padding to a multiple of 8."""
+    column followed by zero padding to a multiple of 8. An optional column not
+    in `cols` is left out (as an older agent's batch does)."""
     if sys.byteorder != "little":  # pragma: no cover - every platform we run on is little-endian
         raise WireError("encode_batch supports little-endian hosts only")
     layout: dict[str, dict] = {}
@@ -154,7 +195,11 @@ def encode_batch(header: dict, sections: dict[str, tuple[int, dict[str, bytes | 
         spec = SCHEMA[kind]
         col_layout = {}
         for col in spec:
-            buf = cols[col.name]
+            buf = cols.get(col.name)
+            if buf is None:
+                if col.optional:
+                    continue  # left out: read as NULL
+                raise WireError(f"{kind}.{col.name}: missing (only optional columns may be left out)")
             nbytes = len(buf) if isinstance(buf, bytes) else buf.nbytes
             if nbytes != n * col.itemsize:
                 raise WireError(f"{kind}.{col.name}: {nbytes} bytes for {n} rows of {col.fmt}")
@@ -228,7 +273,8 @@ def decode_batch(data: bytes | memoryview, *, check_codes: bool = True) -> Batch
 
     `check_codes=False` skips the per-row dictionary-code range check (a Python
     loop); a caller that checks codes vectorised (the collector, with numpy)
-    must then do it itself, against `len(header["dicts"][name])`."""
+    must then do it itself, against `len(header["dicts"][col.dict_name])` (and
+    -1, NULL, for a column whose `null` is -1)."""
     mv = memoryview(data)
     if len(mv) < _HDR.size:
         raise WireError(f"batch too short ({len(mv)} bytes)")
@@ -244,8 +290,8 @@ def decode_batch(data: bytes | memoryview, *, check_codes: bool = True) -> Batch
             raise WireError(f"header field {key!r} must be {typ.__name__}")
     if not header["run_id"] or len(header["run_id"]) > 200:
         raise WireError("run_id must be 1..200 characters")
-    if header["rank"] < 0 or header["batch_seq"] < 0:
-        raise WireError("rank and batch_seq must be >= 0")
+    if header["rank"] < LAUNCHER_RANK or header["batch_seq"] < 0:
+        raise WireError(f"rank must be >= 0 ({LAUNCHER_RANK} for the launcher) and batch_seq >= 0")
     end = _HDR.size + hlen
     base = end + _pad8(end)
     if len(mv) < base or mv[end:base] != _ZEROS[:base - end]:
@@ -270,13 +316,15 @@ def decode_batch(data: bytes | memoryview, *, check_codes: bool = True) -> Batch
         layout = sec.get("columns")
         if not isinstance(n, int) or isinstance(n, bool) or n < 0 or not isinstance(layout, dict):
             raise WireError(f"section {kind!r} needs an integer n >= 0 and a columns object")
-        missing = [c.name for c in spec if c.name not in layout]
+        missing = [c.name for c in spec if c.name not in layout and not c.optional]
         extra = sorted(set(layout) - {c.name for c in spec})
         if missing or extra:
             raise WireError(f"section {kind!r}: missing columns {missing}, unknown columns {extra}")
         cols = {}
         for col in spec:
-            loc = layout[col.name]
+            loc = layout.get(col.name)
+            if loc is None:  # an optional column the sender left out: NULL
+                continue
             if (not isinstance(loc, list) or len(loc) != 2
                     or not all(isinstance(x, int) and not isinstance(x, bool) for x in loc)):
                 raise WireError(f"{kind}.{col.name}: location must be [offset, nbytes]")
@@ -295,12 +343,14 @@ def decode_batch(data: bytes | memoryview, *, check_codes: bool = True) -> Batch
                 raise WireError(f"{kind}.{col.name}: the padding after the column is not zero")
             view = body[off:off + nbytes].cast(col.fmt)
             if check_codes and col.dict_encoded and n:
-                size = len(dicts.get(col.name, ()))
+                size = len(dicts.get(col.dict_name, ()))
                 lo, hi = min(view), max(view)
-                if lo < 0 or hi >= size:
+                if lo < (-1 if col.null == -1 else 0) or hi >= size:
                     raise WireError(f"{kind}.{col.name}: code {hi if hi >= size else lo} outside its dictionary of {size}")
             cols[col.name] = view
         columns[kind] = cols
+    if header["rank"] == LAUNCHER_RANK and any(sec["n"] for sec in sections.values()):
+        raise WireError(f"rank {LAUNCHER_RANK} (the launcher) sends events only, no rows")
     if pos != len(body):
         raise WireError(f"the columns end at {pos} of a {len(body)}-byte column area: {len(body) - pos} bytes "
                         f"belong to no column")

@@ -118,7 +118,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--only", choices=("layouts", "telemetry"))
-    p.add_argument("--flush-s", type=float, help="the agents' flush interval (default: the trainer's, 0.2 s)")
+    p.add_argument("--flush-s", type=float, help="the agents' flush interval (default: the trainer's, 1.0 s)")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         if a.only in (None, "layouts"):

@@ -8,7 +8,9 @@ and wrapped as an Arrow buffer; dictionary codes are used as sent when the
 batches' dictionaries agree (the usual case) and re-coded through a lookup
 table otherwise; per-batch constants (run_id, rank, node) become `np.repeat`
 over the row counts. A single batch's columns reach Arrow without any copy.
-Pure: no DuckDB, no clock.
+NULLs (wire.Column `null`/`valid`: a "not measured" local signal, and every row
+of an optional column an older agent left out) become Arrow validity bitmaps,
+built only for a column that has some. Pure: no DuckDB, no clock.
 """
 
 from __future__ import annotations
@@ -50,41 +52,83 @@ class _Dictionary:
 
 
 _ARROW_TYPES = {"d": pa.float64(), "q": pa.int64(), "i": pa.int32(), "h": pa.int16(), "b": pa.int8()}
+_COLUMNS = {kind: {c.name: c for c in cols} for kind, cols in wire.SCHEMA.items()}
 
 
-def _primitive(fmt: str, views: list[memoryview], n: int) -> pa.Array:
-    """The column bytes of every batch, as one Arrow array (a single join, no numpy)."""
+def _primitive(fmt: str, views: list, n: int, valid: np.ndarray | None = None) -> pa.Array:
+    """The column bytes of every batch, as one Arrow array (a single join, no numpy).
+    `valid`: bool per row (False: NULL), or None when every row holds a value."""
     buf = views[0] if len(views) == 1 else b"".join(views)
-    return pa.Array.from_buffers(_ARROW_TYPES[fmt], n, [None, pa.py_buffer(buf)])
+    bitmap = None if valid is None else pa.py_buffer(np.packbits(valid, bitorder="little"))
+    return pa.Array.from_buffers(_ARROW_TYPES[fmt], n, [bitmap, pa.py_buffer(buf)])
 
 
-def _dictionary_column(name: str, sections: list[Section]) -> pa.DictionaryArray:
+def _views(col: wire.Column, sections: list[Section]) -> list:
+    """Each section's bytes of `col`; for a section without it (an optional column an
+    older agent did not send) its NULL: the `null` value, or 0 (a `valid` column's 0)."""
+    out = []
+    for sec in sections:
+        view = sec.views.get(col.name)
+        if view is None:
+            fill = col.null if col.null is not None else 0
+            view = np.full(sec.n, fill, dtype=col.numpy_dtype).data
+        out.append(view)
+    return out
+
+
+def _valid(kind: str, col: wire.Column, sections: list[Section], n: int) -> np.ndarray | None:
+    """Which rows of an optional column hold a value (None: all of them, no bitmap)."""
+    if col.valid is not None:
+        flags = _views(_COLUMNS[kind][col.valid], sections)
+        valid = np.frombuffer(flags[0] if len(flags) == 1 else b"".join(flags), dtype="<i1") != 0
+    elif col.null is not None:
+        views = _views(col, sections)
+        valid = np.frombuffer(views[0] if len(views) == 1 else b"".join(views), dtype=col.numpy_dtype) != col.null
+    else:
+        return None
+    return None if valid.all() else valid
+
+
+def _dictionary_column(name: str, sections: list[Section], valid: np.ndarray | None = None) -> pa.Array:
     """Codes of all batches against one dictionary. Agents build their dictionaries
     in the same first-seen order, so usually each batch's values are a prefix of
     the group's (or extend it) and its codes are used as they are; a batch with a
-    different order is re-coded through a lookup table."""
+    different order is re-coded through a lookup table. `valid` (False: NULL, the
+    column's -1 code) makes those rows null; their index is set to 0."""
     values: list[str] = []
     index: dict[str, int] = {}
     parts: list[memoryview | np.ndarray] = []
     recoded = False
+    n = sum(sec.n for sec in sections)
+    if valid is not None and not valid.any():
+        return pa.nulls(n, pa.dictionary(pa.int32(), pa.string()))
     for sec in sections:
-        vals = sec.dicts[name]
+        vals = sec.dicts.get(name, [])
         k = min(len(vals), len(values))
+        view = sec.views.get(name)
+        if view is None:  # left out by an older agent: NULL (masked by `valid`)
+            view = np.zeros(sec.n, "<i2").data
         if vals[:k] == values[:k]:
             for v in vals[k:]:
                 index[v] = len(values)
                 values.append(v)
-            parts.append(sec.views[name])
+            parts.append(view)
         else:
             recoded = True
             lut = np.fromiter((index.setdefault(v, len(index)) for v in vals), dtype=np.int32, count=len(vals))
             values.extend(list(index)[len(values):])
-            parts.append(lut[np.frombuffer(sec.views[name], dtype="<i2")])
+            codes = np.frombuffer(view, dtype="<i2")
+            parts.append(lut[np.where(codes >= 0, codes, 0)] if len(lut) else np.zeros(sec.n, np.int32))
     if recoded:
-        codes = pa.array(np.concatenate([p if isinstance(p, np.ndarray) else np.frombuffer(p, "<i2") for p in parts]),
-                         pa.int32())
+        flat = np.concatenate([p if isinstance(p, np.ndarray) else np.frombuffer(p, "<i2") for p in parts])
+        if valid is not None:
+            flat = np.where(valid, flat, 0)
+        codes = pa.array(flat, pa.int32(), mask=None if valid is None else ~valid)
+    elif valid is not None:
+        flat = np.concatenate([np.frombuffer(p, "<i2") for p in parts])
+        codes = _primitive("h", [np.where(valid, flat, 0).astype("<i2").data], n, valid)
     else:
-        codes = _primitive("h", parts, sum(len(p) for p in parts))
+        codes = _primitive("h", parts, n)
     return pa.DictionaryArray.from_arrays(codes, pa.array(values, pa.string()))
 
 
@@ -98,8 +142,13 @@ def section_table(kind: str, batches: Sequence[DecodedBatch]) -> pa.Table | None
     n = int(counts.sum())
     cols: dict[str, pa.Array] = {}
     for col in wire.SCHEMA[kind]:
+        if not col.stored:  # a `valid` column: it becomes the other's null bitmap
+            continue
+        valid = _valid(kind, col, sections, n) if col.optional else None
         if col.dict_encoded:
-            cols[col.name] = _dictionary_column(col.name, sections)
+            cols[col.name] = _dictionary_column(col.name, sections, valid)
+        elif col.optional:
+            cols[col.name] = _primitive(col.fmt, _views(col, sections), n, valid)
         else:
             cols[col.name] = _primitive(col.fmt, [s.views[col.name] for s in sections], n)
     for name in _CONSTANTS[kind]:
@@ -142,7 +191,9 @@ def batches_table(batches: Sequence[DecodedBatch], received_ts: float) -> pa.Tab
 
 
 def ranks_table(latest: Sequence[DecodedBatch], drops: dict[tuple[str, int], int], received_ts: float) -> pa.Table:
-    """One row per rank: the identity of its latest batch, the drops it reported."""
+    """One row per rank: the identity of its latest batch, the drops it reported. The
+    launcher's batches (rank -1, events only) are not a rank: they get no row."""
+    latest = [b for b in latest if b.rank >= 0]
     coord = lambda b, axis: getattr(b.coords, axis) if b.coords else None  # noqa: E731
     return pa.table({
         "run_id": pa.array([b.run_id for b in latest], pa.string()),

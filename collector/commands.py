@@ -145,6 +145,8 @@ class CommandBook:
         for run_id, rank in requests:
             out: list[dict[str, Any]] = []
             deliveries.append(out)
+            if rank < 0:  # the launcher's exit reports (rank -1): not a rank, never a command's target
+                continue
             known = self._by_run.get(run_id, {}).values()
             for cmd in [*known, *new_by_run[run_id]] if run_id in new_by_run else known:
                 cur = changed.get(cmd.id, cmd)

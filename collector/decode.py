@@ -83,7 +83,7 @@ class Stats(_Strict):
 
 class HeaderMeta(_Strict):
     incarnation: Annotated[str, Field(max_length=MAX_NAME_CHARS)]
-    rank: Annotated[int, Field(ge=0, le=INT32_MAX)]
+    rank: Annotated[int, Field(ge=wire.LAUNCHER_RANK, le=INT32_MAX)]  # -1: the launcher (events only)
     batch_seq: Annotated[int, Field(ge=0, le=INT64_MAX)]
     node: Name = ""
     pid: Int64 | None = None
@@ -136,15 +136,17 @@ SPECIAL_EVENTS: dict[str, type[_Strict]] = {
 class Section:
     kind: str
     n: int
-    views: dict[str, memoryview]  # the request body's column bytes (no copy)
-    dicts: dict[str, list[str]]  # dictionary values of the dict-encoded columns
+    # the request body's column bytes (no copy); an optional column the sender left out
+    # (an older agent) is absent: its rows are NULL
+    views: dict[str, memoryview]
+    dicts: dict[str, list[str]]  # dictionary values of the dict-encoded columns, by column name
 
     def array(self, name: str) -> np.ndarray:
         return np.frombuffer(self.views[name], dtype=_DTYPES[self.kind][name])
 
 
 _DTYPES = {kind: {c.name: c.numpy_dtype for c in cols} for kind, cols in wire.SCHEMA.items()}
-_DICT_COLUMNS = {kind: [c.name for c in cols if c.dict_encoded] for kind, cols in wire.SCHEMA.items()}
+_DICT_COLUMNS = {kind: [c for c in cols if c.dict_encoded] for kind, cols in wire.SCHEMA.items()}
 
 
 @dataclass(slots=True)
@@ -229,15 +231,22 @@ def decode(body: bytes | memoryview) -> DecodedBatch:
         if n == 0:
             continue
         sec_dicts = {}
-        for name in _DICT_COLUMNS[kind]:
-            values = dicts.get(name, [])
-            # one reduction checks both ends: as uint16, a negative int16 code is >= 32768
-            top = int(np.frombuffer(cols[name], dtype="<u2").max())
-            if top >= len(values):
-                code = top - 65536 if top >= 32768 else top
-                raise BatchRejected(f"{kind}.{name}: code {code} outside its dictionary of {len(values)}", 400)
+        for col in _DICT_COLUMNS[kind]:
+            name = col.name
+            if name not in cols:  # an optional column left out
+                continue
+            values = dicts.get(col.dict_name, [])
+            if col.null == -1:  # -1 is NULL: two reductions
+                codes = np.frombuffer(cols[name], dtype="<i2")
+                lo, hi = int(codes.min()), int(codes.max())
+                bad = lo if lo < -1 else hi if hi >= len(values) else None
+            else:  # one reduction checks both ends: as uint16, a negative int16 code is >= 32768
+                top = int(np.frombuffer(cols[name], dtype="<u2").max())
+                bad = (top - 65536 if top >= 32768 else top) if top >= len(values) else None
+            if bad is not None:
+                raise BatchRejected(f"{kind}.{name}: code {bad} outside its dictionary of {len(values)}", 400)
             for v in values:
-                _check_utf8(f"dicts.{name}", v)
+                _check_utf8(f"dicts.{col.dict_name}", v)
             sec_dicts[name] = values
         sections[kind] = Section(kind=kind, n=n, views=cols, dicts=sec_dicts)
     events = [_decode_event(i, ev) for i, ev in enumerate(meta.events)]

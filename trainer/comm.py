@@ -21,7 +21,9 @@ before the op and after `wait()`; they are resolved without a sync at the next
 step boundary (`end_step`), when the events have long completed.
 
 `seq` counts this rank's ops (monotonic, reported in heartbeats: a hung rank's
-`seq` falls behind its peers'). `group_seq` counts ops per process group and is
+`seq` falls behind its peers'). `last_entered` names the op the latest `seq`
+is: `(seq, op, axis, group_id, group_seq)`, one tuple stored per op (read by the
+agent's heartbeat on its own thread: a single attribute, never torn). `group_seq` counts ops per process group and is
 identical on every member of the group, so one collective can be matched
 across ranks by `(axis, group_id, group_seq)`. `group_id` is the lowest global
 rank in the group.
@@ -172,6 +174,7 @@ class Comm:
         self.use_cuda_events = device.type == "cuda"
         self.step = 0
         self._seq = -1
+        self._entered: tuple = (-1, None, None, -1, -1)  # see last_entered
         self._gseq: dict[Axis, int] = {}
         self._groups: dict[Axis, object] = {}
         self._group_ids: dict[Axis, int] = {}
@@ -210,6 +213,12 @@ class Comm:
     @property
     def last_seq(self) -> int:
         return self._seq
+
+    @property
+    def last_entered(self) -> tuple:
+        """(seq, op, axis, group_id, group_seq) of the last op this rank entered;
+        (-1, None, None, -1, -1) before the first. For `Agent.bind_seq_source`."""
+        return self._entered
 
     @property
     def blocked_s(self) -> float:
@@ -253,6 +262,7 @@ class Comm:
 
     def _run(self, op: str, axis: Axis, nbytes: int, peer: int, fn, async_op: bool):
         seq, gseq = self._next(axis)
+        self._entered = (seq, op, axis.value, self._group_ids[axis], gseq)
         return self._timed(op, axis.value, self._group_ids[axis], peer, nbytes, seq, gseq, fn, async_op)
 
     def _timed(self, op, axis_name, group_id, peer, nbytes, seq, gseq, fn, async_op):
@@ -318,11 +328,13 @@ class Comm:
 
     def isend(self, tensor: torch.Tensor, peer: int) -> Handle:
         seq, gseq = self._p2p_next(peer)
+        self._entered = (seq, "send", Axis.PP.value, min(self.dims.rank, peer), gseq)
         return self._timed("send", Axis.PP.value, min(self.dims.rank, peer), peer, tensor.numel() * tensor.element_size(),
                            seq, gseq, lambda a: dist.isend(tensor, dst=peer), True)
 
     def irecv(self, tensor: torch.Tensor, peer: int) -> Handle:
         seq, gseq = self._p2p_next(peer)
+        self._entered = (seq, "recv", Axis.PP.value, min(self.dims.rank, peer), gseq)
         return self._timed("recv", Axis.PP.value, min(self.dims.rank, peer), peer, tensor.numel() * tensor.element_size(),
                            seq, gseq, lambda a: dist.irecv(tensor, src=peer), True)
 
@@ -344,6 +356,7 @@ class Comm:
         handles = []
         for (op, tensor, peer), work in zip(meta, works):
             seq, gseq = self._p2p_next(peer)
+            self._entered = (seq, op, Axis.PP.value, min(self.dims.rank, peer), gseq)
             handles.append(Handle(self, work, op, Axis.PP.value, min(self.dims.rank, peer), peer,
                                   tensor.numel() * tensor.element_size(), seq, gseq))
         return handles

@@ -250,7 +250,9 @@ class DataLoader:
         num_padded = sum(mb.inputs.numel() - mb.num_tokens for mb in micro)
         return StepBatch(step=step, micro_batches=micro, global_num_tokens=global_num_tokens, position=position,
                          next_position=self.normalize(DataPosition(position.epoch, hi)),
-                         meta={"window": (position.epoch, lo, hi), "num_pad_tokens": num_padded})
+                         meta={"window": (position.epoch, lo, hi), "num_pad_tokens": num_padded,
+                               # this dp rank's own samples of the window: what its replica trained on
+                               "replica_window": (position.epoch, mine, mine + self.micro_batches * mbs)})
 
     def _start(self, position: DataPosition, step: int) -> None:
         self._position, self._step = position, step

@@ -15,6 +15,10 @@ bucket order (a finished later bucket waits for the earlier ones), so every DP
 rank issues the same collectives in the same order. `finish()` launches what is
 left and waits for all of them.
 
+`local_finite()` says whether this rank's own gradients were all finite: each
+bucket is checked on the device right before its all-reduce (one isfinite
+reduction per bucket, no sync), so a NaN a peer contributed does not count.
+
 The reduction is a SUM: each micro-batch loss is already divided by the global
 token count. With dp == 1 no hook is registered and nothing is launched: the
 buffers cost only the memory the grads take anyway.
@@ -63,6 +67,7 @@ class GradBuckets:
         self._seen: set[int] = set()
         self._next_launch = 0
         self._handles: list[Handle] = []
+        self._finite: list[torch.Tensor] = []  # per launched bucket: isfinite(...).all() before the reduction
         if self.overlap:
             for param, _ in self._views:
                 param.register_post_accumulate_grad_hook(self._on_grad)
@@ -87,6 +92,7 @@ class GradBuckets:
         self._seen.clear()
         self._next_launch = 0
         self._handles = []
+        self._finite = []
 
     def _on_grad(self, param: nn.Parameter) -> None:
         if not self._armed or id(param) in self._seen:
@@ -97,6 +103,7 @@ class GradBuckets:
 
     def _launch_ready(self, force: bool = False) -> None:
         while self._next_launch < len(self.buffers) and (force or self._pending[self._next_launch] == 0):
+            self._finite.append(torch.isfinite(self.buffers[self._next_launch]).all())
             self._handles.append(self.comm.all_reduce(self.buffers[self._next_launch], Axis.DP, async_op=True))
             self._next_launch += 1
 
@@ -109,3 +116,16 @@ class GradBuckets:
             handle.wait()
         self._handles = []
         self._armed = False
+
+    def local_finite(self) -> torch.Tensor:
+        """A bool tensor on the device: this rank's gradients of the step were all finite
+        before any DP reduction. Call after `finish()`. No host sync."""
+        if self.overlap and len(self._finite) == len(self.buffers):
+            flags = self._finite
+        else:  # dp == 1 (nothing is reduced), or finish() was not reached: the buffers as they are
+            flags = [torch.isfinite(buffer).all() for buffer in self.buffers]
+        if not flags:
+            return torch.ones((), dtype=torch.bool, device=self.comm.device)
+        if len(flags) == 1:
+            return flags[0]
+        return torch.stack(flags).all()

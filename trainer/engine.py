@@ -9,9 +9,18 @@ groups can never wait on each other in a cycle):
 2. wait for the DP buckets; all-reduce over TP the grads that SP left partial;
    sum the tied embedding's grads over `Axis.EMBED`;
 3. grad norm: squares over TP, then one PP all-reduce that also carries the loss
-   (summed over DP on the last stage before); fp16 adds one WORLD max of found_inf;
-4. ONE host sync fetches loss, norm and found_inf; then the step is skipped (any
-   non-finite norm, in every precision) or grads are unscaled, clipped and applied.
+   (summed over DP on the last stage before) and the replica's own loss (the same
+   sum taken before the DP all-reduce); fp16 adds one WORLD max of found_inf;
+4. ONE host sync fetches loss, norm, local loss, found_inf and this rank's two
+   finite flags; then the step is skipped (any non-finite norm, in every
+   precision) or grads are unscaled, clipped and applied.
+
+The finite flags are the rank's own view, taken on the device before anything
+crosses ranks (analysis/frames.py): `finite_fwd`, every forward output of this
+stage (on the last stage: the hidden state entering the loss head, before its TP
+reductions) was finite; `finite_bwd`, its gradients were, before the DP
+all-reduce (`GradBuckets.local_finite`). A NaN is then named where it first
+appears: forward before backward, an earlier stage before a later one.
 """
 
 from __future__ import annotations
@@ -52,6 +61,10 @@ class StepResult:
     opt_s: float  # grad sync bookkeeping, norm, clipping, optimizer
     bwd_end_ts: float  # unix time at which this rank's last backward finished
     num_micro_batches: int
+    # This rank's local signals (analysis/frames.py), read at the same host sync:
+    local_loss: float = math.nan  # token-mean loss of this DP replica's micro-batches, before the DP average
+    finite_fwd: int = 1  # 1: every forward output of this stage (pre-head on the last) was finite
+    finite_bwd: int = 1  # 1: this rank's local gradients (before the DP all-reduce) were finite
 
 
 class TrainEngine:
@@ -76,6 +89,18 @@ class TrainEngine:
         self.autocast_dtype = AUTOCAST_DTYPES.get(precision)
         self.scaler = DynamicLossScaler(cfg.precision, enabled=precision == "fp16")
         self.pipeline = Pipeline(comm, device=device)
+        # AND of isfinite over the step's forward outputs, on the device; None outside train_step
+        self._fwd_ok: torch.Tensor | None = None
+        if dims.is_last_stage:  # the hidden state entering the loss head, before its TP reductions
+            self.model.final_ln.register_forward_pre_hook(self._check_head_input)
+
+    def _check_head_input(self, _module, args) -> None:
+        self._note_finite(args[0])
+
+    def _note_finite(self, x: torch.Tensor) -> None:
+        """Fold `isfinite(x).all()` into the step's forward flag (device ops, no sync)."""
+        if self._fwd_ok is not None:
+            self._fwd_ok = self._fwd_ok & torch.isfinite(x.detach()).all()
 
     @property
     def shard_key(self) -> str:
@@ -131,6 +156,8 @@ class TrainEngine:
         loss_sum = torch.zeros((), device=self.device)
         timing = {"fwd_s": 0.0, "bwd_s": 0.0, "bwd_end_ts": 0.0}
         self.grads.zero_grad()
+        self._fwd_ok = torch.ones((), dtype=torch.bool, device=self.device)
+        local_tokens = sum(mb.num_tokens for mb in micro_batches)
 
         def forward_step(i: int, x: torch.Tensor | None) -> torch.Tensor:
             nonlocal loss_sum
@@ -143,6 +170,8 @@ class TrainEngine:
                 mb_loss = out.sum() * inv_tokens
                 loss_sum = loss_sum + mb_loss.detach()
                 out = mb_loss * scale if scale != 1.0 else mb_loss
+            else:  # the activations this stage sends on
+                self._note_finite(out)
             self._stall(faults, t0, blocked0)
             timing["fwd_s"] += self._compute_s(t0, blocked0)
             return out
@@ -151,6 +180,8 @@ class TrainEngine:
             if i == num_mb - 1:
                 self.grads.arm()
             t0, blocked0 = time.perf_counter(), self.comm.blocked_s
+            if faults.overflow and i == num_mb - 1:  # injected overflow: this rank's gradients go infinite
+                y, dy = (y * math.inf, None) if dy is None else (y, dy * math.inf)
             torch.autograd.backward(y, grad_tensors=dy)
             self._stall(faults, t0, blocked0)
             timing["bwd_s"] += self._compute_s(t0, blocked0)
@@ -159,26 +190,36 @@ class TrainEngine:
         self.pipeline.train_1f1b(num_mb, lambda i: self._act_shape(batches[i][0]), forward_step, backward_step)
 
         t_opt, blocked_opt = time.perf_counter(), self.comm.blocked_s
-        loss, grad_norm, skipped, lr = self._update(step, loss_sum, scale)
+        fwd_ok, self._fwd_ok = self._fwd_ok, None
+        loss, grad_norm, skipped, lr, local_sum, finite_fwd, finite_bwd = self._update(step, loss_sum, scale, fwd_ok)
         return StepResult(loss=loss, grad_norm=grad_norm, loss_scale=self.scaler.scale, lr=lr, skipped=skipped,
                           fwd_s=timing["fwd_s"], bwd_s=timing["bwd_s"], opt_s=self._compute_s(t_opt, blocked_opt),
-                          bwd_end_ts=timing["bwd_end_ts"], num_micro_batches=num_mb)
+                          bwd_end_ts=timing["bwd_end_ts"], num_micro_batches=num_mb,
+                          local_loss=local_sum * max(1, global_num_tokens) / max(1, local_tokens),
+                          finite_fwd=finite_fwd, finite_bwd=finite_bwd)
 
-    def _update(self, step: int, loss_sum: torch.Tensor, scale: float) -> tuple[float, float, bool, float]:
-        """Gradient sync, norm, skip decision, optimizer. Returns (loss, grad_norm, skipped, lr)."""
+    def _update(self, step: int, loss_sum: torch.Tensor, scale: float,
+                fwd_ok: torch.Tensor) -> tuple[float, float, bool, float, float, int, int]:
+        """Gradient sync, norm, skip decision, optimizer. Returns (loss, grad_norm, skipped,
+        lr, the replica's own loss sum over the global token count, finite_fwd, finite_bwd)."""
         self.grads.finish()
+        bwd_ok = self.grads.local_finite()  # each bucket was checked before its DP all-reduce
         self._sync_replicated_grads()
         sq = global_grad_sq_norm(self._norm_params, self.comm)
+        local_sum = loss_sum.clone()  # this replica's, before the DP sum (0 off the last stage)
         if self.dims.is_last_stage:
             self.comm.all_reduce(loss_sum, Axis.DP)
-        packed = torch.stack([loss_sum, sq])  # loss_sum is 0 off the last stage
+        # one PP all-reduce carries the loss, the norm and the replica's loss to every stage
+        packed = torch.stack([loss_sum, sq, local_sum])  # the losses are 0 off the last stage
         self.comm.all_reduce(packed, Axis.PP)
         found_inf = torch.zeros((), device=self.device)
         if self.scaler.enabled:
             found_inf = (~torch.isfinite(packed[1])).float()
             self.comm.all_reduce(found_inf, Axis.WORLD, op=torch.distributed.ReduceOp.MAX)
-        # The step's one host sync: the skip decision and the clip factor need these on the host.
-        loss, grad_sq, inf = torch.cat([packed, found_inf.view(1)]).tolist()
+        # The step's one host sync: the skip decision and the clip factor need these on the host;
+        # this rank's finite flags ride along (never reduced: they are its own).
+        flags = torch.stack([found_inf, fwd_ok.float(), bwd_ok.float()])
+        loss, grad_sq, local, inf, finite_fwd, finite_bwd = torch.cat([packed, flags]).tolist()
         grad_norm = math.sqrt(grad_sq) / scale if grad_sq >= 0 else float("nan")
         skipped = inf > 0 or not math.isfinite(grad_norm)
         self.scaler.update(found_inf=skipped)
@@ -190,7 +231,7 @@ class TrainEngine:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
-        return loss, grad_norm, skipped, lr
+        return loss, grad_norm, skipped, lr, local, int(finite_fwd), int(finite_bwd)
 
     def _sync_replicated_grads(self) -> None:
         """SP leaves replicated params with per-shard grads: sum them over TP. The

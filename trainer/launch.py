@@ -9,6 +9,12 @@ collective until the process-group timeout). With `--telemetry` and no
 die with it, however it dies (`trainer.lifeline`). The collector token reaches
 the ranks in their environment only (`trainer.private`).
 
+With telemetry, the launcher reports every rank's exit to the collector as soon
+as it sees it (a `rank_exited` event, `agent.launcher`: exit code or signal, and
+"stopped" for the ranks it stopped itself), so a crash is named at once; with
+the embedded collector it also prints each incident as it opens, and the run's
+list at the end (`trainer.incident_feed`).
+
 Under `torchrun` (RANK/WORLD_SIZE in the environment) the same entry point runs
 the worker in-process, unchanged.
 """
@@ -22,6 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from trainer.config import ConfigError, JobConfig
 from trainer.lifeline import Lifeline, die_with_parent
@@ -29,6 +36,10 @@ from trainer.private import COLLECTOR_TOKEN_ENVS, TOKEN_ENV
 from trainer.rundir import new_run_id, prepare_run, torchrun_run_id
 
 GRACE_S = 5.0
+EXIT_REPORT_TIMEOUT_S = 2.0  # per rank_exited POST, and for the last ones at the end
+INCIDENT_SETTLE_S = 1.0  # at the end: the collector's detection sees the last batches, then the list is read
+
+ExitHook = Callable[..., None]  # (rank, returncode, *, cause)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -55,7 +66,8 @@ def launch(cfg: JobConfig, *, token: str | None = None, progress: bool = True, k
         from trainer.embedded import EmbeddedCollector
 
         collector = EmbeddedCollector(db_path=run_dir / "telemetry.duckdb", tokens_dir=run_dir / "tokens",
-                                      log_path=run_dir / "collector.log", token=token)
+                                      log_path=run_dir / "collector.log", token=token,
+                                      rules=cfg.telemetry.rules, alerts=cfg.telemetry.alerts)
         try:
             collector.start()
         except RuntimeError as e:
@@ -70,16 +82,47 @@ def launch(cfg: JobConfig, *, token: str | None = None, progress: bool = True, k
         print(f"telemetry: shipping to {cfg.telemetry.collector_url}", flush=True)
     config_path = run_dir / "config.json"
     config_path.write_text(cfg.to_json())
+    reporter = _exit_reporter(cfg, rank_token)
+    feed = _incident_feed(cfg, collector, run_dir)
     try:
         return _spawn_ranks(cfg, config_path, token=rank_token if cfg.telemetry.enabled else None,
-                            progress=progress)
+                            progress=progress, reporter=reporter)
     finally:
+        if reporter is not None:
+            reporter.close(timeout_s=EXIT_REPORT_TIMEOUT_S)  # the exits reach the collector before it stops
+        if feed is not None:
+            feed.finish(settle_s=INCIDENT_SETTLE_S)
         if collector is not None:
             if keep_collector:
                 print(f"telemetry: collector still serving {collector.url} (Ctrl-C to stop)", flush=True)
                 collector.wait_interrupted()
             collector.stop()
             print(f"telemetry: stored in {collector.db_path}", flush=True)
+
+
+def _exit_reporter(cfg: JobConfig, token: str | None):
+    """Reports each rank's exit to the collector (a `rank_exited` event), when there is one."""
+    if not (cfg.telemetry.enabled and cfg.telemetry.collector_url):
+        return None
+    from agent.launcher import LauncherReporter
+
+    return LauncherReporter(cfg.telemetry.collector_url, token, cfg.run_id, ca_file=cfg.telemetry.ca_file,
+                            timeout_s=EXIT_REPORT_TIMEOUT_S)
+
+
+def _incident_feed(cfg: JobConfig, collector, run_dir: Path):
+    """Prints the run's incidents as they open: the embedded collector only (its read
+    token is in the run dir; an external collector's read token is not ours to hold)."""
+    if collector is None:
+        return None
+    from trainer.incident_feed import IncidentFeed, read_token
+
+    token = read_token(run_dir / "tokens")
+    if token is None:
+        return None
+    feed = IncidentFeed(collector.url, token, cfg.run_id)
+    feed.start()
+    return feed
 
 
 def _rank_env(cfg: JobConfig, rank: int, port: int, progress: bool, token: str | None) -> dict[str, str]:
@@ -99,7 +142,7 @@ def _rank_env(cfg: JobConfig, rank: int, port: int, progress: bool, token: str |
     return env
 
 
-def _spawn_ranks(cfg: JobConfig, config_path: Path, *, token: str | None, progress: bool) -> int:
+def _spawn_ranks(cfg: JobConfig, config_path: Path, *, token: str | None, progress: bool, reporter=None) -> int:
     port = free_port()
     lifeline = Lifeline()
     procs: list[subprocess.Popen] = []
@@ -108,18 +151,33 @@ def _spawn_ranks(cfg: JobConfig, config_path: Path, *, token: str | None, progre
             env = _rank_env(cfg, rank, port, progress, token) | lifeline.env()
             procs.append(subprocess.Popen([sys.executable, "-m", "trainer.worker", str(config_path)], env=env,
                                           pass_fds=lifeline.pass_fds, preexec_fn=die_with_parent()))
-        return _supervise(procs)
+        return _supervise(procs, on_exit=reporter.rank_exited if reporter is not None else None)
     finally:
         lifeline.close()
 
 
-def _supervise(procs: list[subprocess.Popen]) -> int:
+def _supervise(procs: list[subprocess.Popen], *, on_exit: ExitHook | None = None) -> int:
+    """Wait for the ranks; when one fails, stop the others. `on_exit(rank, returncode,
+    cause=...)` hears of every rank's exit once, as soon as it is seen: "exited" (on
+    its own, the failed one first, before the others are stopped) or "stopped"."""
     failed: dict[int, int] = {}
+    reported: set[int] = set()
     interrupted = False
+
+    def report(rank: int, code: int, cause: str) -> None:
+        if on_exit is not None and rank not in reported:
+            reported.add(rank)
+            try:
+                on_exit(rank, code, cause=cause)
+            except Exception as e:  # noqa: BLE001 - a report must never stop the supervision
+                print(f"trainer: could not report rank {rank}'s exit: {e!r}", file=sys.stderr, flush=True)
+
     try:
         while True:
             codes = [p.poll() for p in procs]
             for rank, code in enumerate(codes):
+                if code is not None:
+                    report(rank, code, "exited")
                 if code not in (None, 0) and rank not in failed:
                     failed[rank] = code
             if failed or all(c is not None for c in codes):
@@ -131,7 +189,10 @@ def _supervise(procs: list[subprocess.Popen]) -> int:
         if failed:
             desc = ", ".join(f"rank {r} exited with {_describe(c)}" for r, c in sorted(failed.items()))
             print(f"trainer: {desc}; stopping the other ranks", file=sys.stderr, flush=True)
-        _stop(procs)
+        stopped = _stop(procs)
+        for rank, p in enumerate(procs):
+            if p.returncode is not None:
+                report(rank, p.returncode, "stopped" if rank in stopped else "exited")
         return 130 if interrupted and not failed else 1
     return 0
 
@@ -145,10 +206,13 @@ def _describe(code: int) -> str:
     return f"code {code}"
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
+def _stop(procs: list[subprocess.Popen]) -> set[int]:
+    """SIGTERM the ranks still running (SIGKILL after GRACE_S); returns their indices."""
+    stopped = set()
+    for i, p in enumerate(procs):
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
+            stopped.add(i)
     deadline = time.monotonic() + GRACE_S
     for p in procs:
         try:
@@ -156,6 +220,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+    return stopped
 
 
 def _launch_torchrun(cfg: JobConfig, *, token: str | None, progress: bool) -> int:

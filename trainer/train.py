@@ -155,7 +155,8 @@ class Trainer:
                 self.state.step = step
                 self.state.position = batch.next_position
                 self.state.num_skipped += int(result.skipped)
-                self._report(step, batch.global_num_tokens, result, step_s, data_s, comm_stats.wait_s)
+                self._report(step, batch.global_num_tokens, sum(mb.num_tokens for mb in batch.micro_batches),
+                             result, step_s, data_s, comm_stats.wait_s, batch.meta["replica_window"])
                 if cfg.eval_every and step % cfg.eval_every == 0:
                     self._evaluate(step)
                 if self.ckpt is not None and cfg.ckpt.every and step % cfg.ckpt.every == 0:
@@ -176,10 +177,18 @@ class Trainer:
                 self._jsonl.close()
         return self.state
 
-    def _report(self, step: int, tokens: int, r, step_s: float, data_s: float, comm_wait_s: float) -> None:
-        self.agent.record_step(step, r.loss, r.grad_norm, r.loss_scale, r.lr, tokens, step_s, r.fwd_s, r.bwd_s,
+    def _report(self, step: int, tokens: int, replica_tokens: int, r, step_s: float, data_s: float,
+                comm_wait_s: float, window: tuple[int, int, int]) -> None:
+        # r's values are host numbers from the engine's one sync: recording forces no other.
+        # steps.tokens is what this rank's replica processed (docs/schema.md): the same on
+        # its tp x pp ranks, so the collector counts each replica once; `tokens` (the
+        # global batch) is what the progress line and metrics.jsonl show.
+        epoch, sample_from, sample_to = window
+        self.agent.record_step(step, r.loss, r.grad_norm, r.loss_scale, r.lr, replica_tokens, step_s, r.fwd_s, r.bwd_s,
                                r.opt_s, data_s, comm_wait_s, memory_bytes(self.device) if self.telemetry else 0,
-                               bool(r.skipped))
+                               bool(r.skipped), local_loss=r.local_loss, finite_fwd=r.finite_fwd,
+                               finite_bwd=r.finite_bwd, sample_epoch=epoch, sample_from=sample_from,
+                               sample_to=sample_to)
         if not self.is_logger:
             return
         tokens_per_s = tokens / step_s if step_s > 0 else 0.0

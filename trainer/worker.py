@@ -144,7 +144,7 @@ def run_worker(cfg: JobConfig, *, token: str | None = None) -> int:
     agent = _make_agent(cfg, dims, node, run_info, token)
     try:
         comm = Comm(dims, device=device, sink=agent)
-        agent.bind_seq_source(lambda: comm.last_seq)
+        agent.bind_seq_source(lambda: comm.last_entered)  # the heartbeat names the collective it entered last
         engine = TrainEngine(cfg, dims, comm, device)
         pad_multiple = dims.tp if dims.sp else 1
 
@@ -184,6 +184,10 @@ def run_worker(cfg: JobConfig, *, token: str | None = None) -> int:
         dist.barrier()
         return 0
     finally:
+        # Unwinding already (a peer's failure raised here, or our SIGTERM): a SIGTERM now, the
+        # launcher stopping the ranks, must not cut the final flush short (its SystemExit would
+        # abort close() and lose the agent's last batch); the launcher's SIGKILL bounds the wait.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         agent.close(timeout_s=10.0)
         if dist.is_initialized():
             dist.destroy_process_group()

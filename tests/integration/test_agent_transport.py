@@ -203,7 +203,7 @@ def test_normal_flush_delivers_every_row_exactly_once(collector, tmp_path):
     assert collector.batches[0].header["run"] == {"config": {"steps": 200}}
     assert all(b.header["run"] is None for b in collector.batches[1:])
     events = [e for b in collector.batches for e in b.header["events"]]
-    assert [e["kind"] for e in events] == ["run_finished"]
+    assert [e["kind"] for e in events] == ["run_finished", "agent_closed"]  # close() says it closed cleanly
     stats = agent.stats()
     assert stats["sent"]["step"] == 200 and stats["sent"]["collective"] == 600
     assert sum(stats["dropped"].values()) == 0 and stats["batches"]["spooled"] == 0

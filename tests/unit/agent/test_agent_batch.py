@@ -37,6 +37,8 @@ def spooled(tmp_path):
                   run_info={"config": {"lr": 3e-4}, "nan": float("nan")}, clock=Clock())
 
     def batches():
+        """The spooled batches before close(); close()'s own last batch, which carries
+        the agent_closed event (and nothing else here), is checked and left out."""
         agent.close()
         spool = Spool(str(tmp_path), max_bytes=1 << 30)
         out = []
@@ -44,6 +46,9 @@ def spooled(tmp_path):
             out.append(wire.decode_batch(payload))
             spool.pop()
         spool.close()
+        closing = out.pop()
+        assert [e["kind"] for e in closing.header["events"]] == ["agent_closed"]
+        assert closing.header["events"][0]["data"] == {} and not closing.columns.get("step")
         return out
 
     return agent, batches
@@ -79,7 +84,8 @@ def test_batch_decodes_to_exactly_the_recorded_values(spooled):
     assert steps[0] == {"step": 10, "attempt": 1, "ts": steps[0]["ts"], "loss": 2.75, "grad_norm": 0.5,
                         "loss_scale": 1024.0, "lr": 1e-4, "tokens": 8192, "step_s": 0.25, "fwd_s": 0.1,
                         "bwd_s": 0.1, "opt_s": 0.02, "data_s": 0.01, "comm_exposed_s": 0.005, "mem_bytes": 2**40,
-                        "skipped": 0}
+                        "skipped": 0, "local_loss": 0.0, "local_loss_valid": 0, "finite_fwd": -1, "finite_bwd": -1,
+                        "sample_epoch": -1, "sample_from": -1, "sample_to": -1}  # local signals: not measured
     assert np.isnan(steps[1]["loss"]) and steps[1]["grad_norm"] == float("inf") and steps[1]["skipped"] == 1
     assert steps[0]["ts"] < steps[1]["ts"]
     dicts = h["dicts"]

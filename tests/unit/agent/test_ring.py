@@ -25,7 +25,22 @@ def test_record_step_stores_every_column_in_schema_order():
         "step": 7, "attempt": 2, "ts": 1000.5, "loss": 2.5, "grad_norm": 1.25, "loss_scale": 65536.0,
         "lr": 3e-4, "tokens": 4096, "step_s": 0.5, "fwd_s": 0.1, "bwd_s": 0.2, "opt_s": 0.05, "data_s": 0.01,
         "comm_exposed_s": 0.02, "mem_bytes": 123456789, "skipped": 1,
+        # the local signals, not given: "not measured" (NULL once decoded)
+        "local_loss": 0.0, "local_loss_valid": 0, "finite_fwd": -1, "finite_bwd": -1, "sample_epoch": -1,
+        "sample_from": -1, "sample_to": -1,
     }
+
+
+def test_record_step_stores_the_local_signals_given_by_keyword():
+    rec = Recorder(capacity=4, clock=lambda: 1000.5)
+    rec.record_step(*STEP_ARGS, local_loss=float("nan"), finite_fwd=0, finite_bwd=1, sample_epoch=2,
+                    sample_from=40, sample_to=48)
+    rec.record_step(*STEP_ARGS, local_loss=3.25)
+    row, second = _row(rec._step_buf, 0), _row(rec._step_buf, 1)
+    assert math.isnan(row["local_loss"]) and row["local_loss_valid"] == 1  # NaN is a value, not "not measured"
+    assert (row["finite_fwd"], row["finite_bwd"], row["sample_epoch"], row["sample_from"], row["sample_to"]) == (
+        0, 1, 2, 40, 48)
+    assert (second["local_loss"], second["local_loss_valid"], second["finite_fwd"]) == (3.25, 1, -1)
 
 
 def test_collective_and_scalar_dictionary_encode_strings():
@@ -112,8 +127,14 @@ def test_heartbeat_and_events_go_into_the_active_set():
     rec = Recorder(capacity=2)
     rec.set_phase("forward", 9)
     rec._record_heartbeat(1.0, rec._hb_step, rec._phase, 41)
+    rec._record_heartbeat(2.0, rec._hb_step, rec._phase, 42, "all_reduce", "dp", 4, 7)
     rec._add_event({"kind": "x"})
     drained = rec._swap()
-    assert _row(drained.heartbeat, 0) == {"ts": 1.0, "step": 9, "phase": 0, "last_seq": 41}
+    assert _row(drained.heartbeat, 0) == {"ts": 1.0, "step": 9, "phase": 0, "last_seq": 41, "last_op": -1,
+                                          "last_axis": -1, "last_group_id": -1, "last_group_seq": -1}
+    # the collective's op and axis are codes of the collectives' own dictionaries
+    assert _row(drained.heartbeat, 1) == {"ts": 2.0, "step": 9, "phase": 0, "last_seq": 42, "last_op": 0,
+                                          "last_axis": 0, "last_group_id": 4, "last_group_seq": 7}
+    assert rec._dict_snapshot(drained)["op"] == ["all_reduce"] and rec._dict_snapshot(drained)["axis"] == ["dp"]
     assert rec._dict_snapshot(drained)["phase"] == ["forward"]
     assert drained.events == [{"kind": "x"}]

@@ -68,6 +68,15 @@ def test_every_rank_of_unknown_size_and_expiry():
     assert book.get("r", 1) is None and book.get("r", 2) is None  # forgotten after the ttl
 
 
+def test_the_launchers_exit_reports_are_never_a_commands_target():
+    # rank -1 sends the launcher's rank_exited events; a run-wide command of a run whose
+    # size is unknown must not wait for an ack from it
+    book = book_with(Command(id=1, run_id="r", kind="stop", args={}, ranks=None, issued_ts=0.0))
+    plan = book.plan([("r", -1), ("r", 0)], [], now=1.0)
+    assert [len(d) for d in plan.deliveries] == [0, 1]
+    assert plan.changed[1].delivered == [0]
+
+
 @pytest.mark.parametrize("kind, args, ranks", [
     ("Rollback", {}, None), ("", {}, None), ("skip", [], None), ("skip", {}, []), ("skip", {}, [-1]),
     ("skip", {}, [True]), ("skip", {}, "0"),
