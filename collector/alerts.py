@@ -6,8 +6,10 @@ injected clock and random source:
 - `webhook_payload` turns incident rows into Alertmanager's webhook shape
   (version 4), so any receiver built for Alertmanager (PagerDuty, Slack and
   Opsgenie bridges, Grafana OnCall, a team's own script) works unchanged. One
-  llmwatch field is added at the top level, `llmwatch.sent_ts`, so a receiver
-  can refuse a replayed delivery (the signature covers it).
+  llmwatch field is added at the top level, `llmwatch`: `sent_ts` (when the
+  alert was made: the outbox sends the same bytes on every retry) and, from the
+  outbox, `delivery_id` (its alert_outbox row), so a receiver can refuse a
+  replayed delivery (the signature covers both).
 - `alertmanager_alerts` gives the same alerts in the shape Alertmanager's own
   `POST /api/v2/alerts` takes, for pushing into a real Alertmanager.
 - `sign` / `verify`: `X-Signature-256: sha256=<hex HMAC-SHA256 of the raw body>`,
@@ -31,6 +33,11 @@ SIGNATURE_HEADER = "X-Signature-256"
 RECEIVER = "llmwatch"
 NEVER = "0001-01-01T00:00:00Z"  # Alertmanager's "no end time"
 SEVERITIES = ("info", "warning", "critical")
+
+
+def severity_level(severity: str | None) -> int:
+    """A severity's place in SEVERITIES (an unknown one counts as "warning")."""
+    return SEVERITIES.index(severity) if severity in SEVERITIES else 1
 
 
 def rfc3339(ts: float) -> str:
@@ -97,7 +104,7 @@ def _common(dicts: list[dict[str, str]]) -> dict[str, str]:
 
 
 def webhook_payload(incidents: Iterable[Mapping[str, Any]], *, now_ts: float, external_url: str = "",
-                    receiver: str = RECEIVER) -> dict[str, Any]:
+                    receiver: str = RECEIVER, delivery_id: int | None = None) -> dict[str, Any]:
     """One webhook delivery for `incidents` (usually one), in Alertmanager's shape."""
     alerts = [_alert(i, external_url=external_url) for i in incidents]
     if not alerts:
@@ -114,12 +121,18 @@ def webhook_payload(incidents: Iterable[Mapping[str, Any]], *, now_ts: float, ex
         "commonAnnotations": _common([a["annotations"] for a in alerts]),
         "externalURL": external_url,
         "alerts": alerts,
-        "llmwatch": {"sent_ts": now_ts},
+        "llmwatch": {"sent_ts": now_ts} if delivery_id is None else {"sent_ts": now_ts, "delivery_id": delivery_id},
     }
 
 
-def alertmanager_alerts(incidents: Iterable[Mapping[str, Any]], *, external_url: str = "") -> list[dict[str, Any]]:
-    """The body of Alertmanager's `POST /api/v2/alerts` for `incidents`."""
+def alertmanager_alerts(incidents: Iterable[Mapping[str, Any]], *, external_url: str = "",
+                        firing_until_ts: float | None = None) -> list[dict[str, Any]]:
+    """The body of Alertmanager's `POST /api/v2/alerts` for `incidents`.
+
+    A firing alert without endsAt is resolved by Alertmanager itself after its
+    `resolve_timeout` (5 min by default) unless it is posted again, as Prometheus
+    does every evaluation; `firing_until_ts` gives firing alerts that endsAt
+    instead, for a sender that posts each change once (the outbox)."""
     out = []
     for i in incidents:
         a = _alert(i, external_url=external_url)
@@ -127,6 +140,8 @@ def alertmanager_alerts(incidents: Iterable[Mapping[str, Any]], *, external_url:
                   "generatorURL": a["generatorURL"]}
         if a["endsAt"] != NEVER:
             posted["endsAt"] = a["endsAt"]
+        elif firing_until_ts is not None:
+            posted["endsAt"] = rfc3339(firing_until_ts)
         out.append(posted)
     return out
 

@@ -21,13 +21,17 @@ incident rather than opening a second one.
 `IncidentBook` is the pure part, owned by the writer thread: plan against it,
 apply after the commit. Manual writes (`OpenIncident`, `UpdateIncident`: the
 Storage methods) take the same path, so the book never goes stale behind them.
+
+Hooks (`IncidentHook`: the alert outbox, collector/outbox.py) see every plan's
+inserts and updates and write their own rows in the same transaction, so what
+reports an incident change commits (or rolls back) with the change.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Protocol
 
 import duckdb
 
@@ -127,6 +131,20 @@ class IncidentPlan:
     closed: set[int] = field(default_factory=set)  # ids closed by the commit
     next_id: int = 0
     results: list[Any] = field(default_factory=list)
+    hooks: list[Any] = field(default_factory=list)  # each IncidentHook's plan, in order
+
+
+class IncidentHook(Protocol):
+    """Something written with incident changes, in their transaction. The same
+    contract as a Projection: `plan_incidents` is pure (reads `plan.inserts` and
+    `plan.updates`, changes nothing), `write_incidents` runs inside the transaction
+    after the incident rows, `apply_incidents` after the commit."""
+
+    def plan_incidents(self, plan: IncidentPlan, group: Group) -> Any: ...
+
+    def write_incidents(self, con: duckdb.DuckDBPyConnection, hook_plan: Any, group: Group) -> None: ...
+
+    def apply_incidents(self, hook_plan: Any, group: Group) -> None: ...
 
 
 def _widen(lo: int | None, hi: int | None, f: Finding) -> tuple[int | None, int | None]:
@@ -274,15 +292,18 @@ class IncidentsProjection(Projection):
 
     name = "incidents"
 
-    def __init__(self, con: duckdb.DuckDBPyConnection, *, ids: Ids) -> None:
+    def __init__(self, con: duckdb.DuckDBPyConnection, *, ids: Ids, hooks: Sequence[IncidentHook] = ()) -> None:
         self._ids = ids
         self.book = IncidentBook.load(con)
+        self.hooks = list(hooks)
 
     def plan(self, group: Group) -> IncidentPlan | None:
         intents = group.intents.get(self.name)
         if not intents:
             return None
-        return self.book.plan(intents, now=group.now, next_id=self._ids.peek("incidents"))
+        plan = self.book.plan(intents, now=group.now, next_id=self._ids.peek("incidents"))
+        plan.hooks = [h.plan_incidents(plan, group) for h in self.hooks]
+        return plan
 
     def write(self, con: duckdb.DuckDBPyConnection, plan: IncidentPlan | None, group: Group) -> None:
         if plan is None:
@@ -295,11 +316,15 @@ class IncidentsProjection(Projection):
             sets = ", ".join(f"{k} = ?" for k in values)
             con.execute(f"UPDATE incidents SET {sets} WHERE id = ?",
                         [*(json_text(v) if k in _JSON_FIELDS else v for k, v in values.items()), iid])
+        for hook, hook_plan in zip(self.hooks, plan.hooks):
+            hook.write_incidents(con, hook_plan, group)
 
     def apply(self, plan: IncidentPlan | None, group: Group) -> None:
         if plan is not None:
             self.book.apply(plan)
             self._ids.advance("incidents", plan.next_id)
+            for hook, hook_plan in zip(self.hooks, plan.hooks):
+                hook.apply_incidents(hook_plan, group)
 
     def results(self, plan: IncidentPlan | None) -> list[Any]:
         return plan.results if plan is not None else []

@@ -64,6 +64,18 @@ class Settings:
     duckdb_memory_limit: str = "2GB"
     duckdb_checkpoint_threshold: str = "64MB"
     duckdb_max_temp_size: str = "4GB"  # what queries may spill to disk (DuckDB: 90% of the disk)
+    # Alerts (collector/outbox.py). URLs and the secret are credentials: kept out of
+    # repr, tables and logs (receivers are named webhook:<n> / alertmanager:<n> there).
+    webhooks: tuple[str, ...] = field(default=(), repr=False)
+    alertmanagers: tuple[str, ...] = field(default=(), repr=False)
+    webhook_secret: str = field(default="", repr=False)  # HMAC key of X-Signature-256 (required with webhooks)
+    external_url: str = ""  # how people reach this collector: the alerts' generatorURL and externalURL
+    alert_timeout_s: float = 5.0  # one delivery attempt (connect, and each read)
+    alert_retry_base_s: float = 1.0  # the first retry's delay (doubling, with jitter) ...
+    alert_retry_cap_s: float = 300.0  # ... up to this
+    alert_max_age_s: float = 86400.0  # give up ('failed') on an alert this old ...
+    alert_max_attempts: int = 0  # ... or tried this often (0: no limit but the age)
+    alert_firing_hold_s: float = 86400.0  # a firing alert's endsAt in Alertmanager unless resolved sooner
 
     def __post_init__(self) -> None:
         if self.token:

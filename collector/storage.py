@@ -16,11 +16,14 @@ writer thread; the methods here only queue them and return futures (or take a
 like commands and incidents). Subscribers
 (`subscribe`) get each commit's rows after it; detectors given to the
 constructor run on a subscriber thread of their own (collector/detection.py).
+With alert receivers in the settings, incident changes also write alert_outbox
+rows in their transaction, and a sender delivers them (collector/outbox.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -31,7 +34,7 @@ from typing import Any
 
 import duckdb
 import pyarrow as pa
-from prometheus_client import Gauge
+from prometheus_client import Counter, Gauge
 
 from collector import read
 from collector.commands import CommandsProjection, IssueCommand, validate_request
@@ -43,6 +46,7 @@ from collector.incidents import (Finding, IncidentsProjection, OpenIncident, Rec
                                  as_finding, check_fields)
 from collector.liveness import LivenessProjection
 from collector.metrics import CollectorMetrics
+from collector.outbox import AlertOutbox, RetryPolicy, Sender, Transport, build_receivers, urllib_transport
 from collector.projection import Ids, Projection
 from collector.runinfo import RunInfoProjection
 from collector.schema import migrate
@@ -50,6 +54,8 @@ from collector.settings import Settings
 from collector.sqlguard import SelectResult, SqlRefused, run_select
 from collector.sqlslots import SqlDeadline, SqlSlots
 from collector.writer import Done, IngestOutcome, WriteContext, Writer
+
+log = logging.getLogger("collector.storage")
 
 # Applied to every connection we open: SQL can reach no file but the database,
 # no network, no extension, and cannot change these settings.
@@ -59,6 +65,11 @@ DUCKDB_LOCKDOWN = {
     "autoload_known_extensions": False,
     "lock_configuration": True,
 }
+
+def _log_refusal(result: Any, error: BaseException | None) -> None:
+    if error is not None:  # the row stays as it was in the table: after a restart it is tried again
+        log.warning("an alert delivery's status could not be stored: %s", error)
+
 
 # The HTTP answer to a query comes this long after its timeout at the latest, whether
 # or not DuckDB has honoured the interrupt yet (it normally does within milliseconds).
@@ -86,12 +97,14 @@ class Storage:
                  clock: Callable[[], float] = time.time, detectors: Sequence[Detector] = (),
                  detection_tick_s: float = 1.0, detection_queue_commits: int = 64,
                  detector_factory: Callable[["Storage"], Sequence[Detector]] | None = None,
-                 extra_projections: Sequence[Projection] = ()) -> None:
+                 extra_projections: Sequence[Projection] = (), alert_transport: Transport | None = None) -> None:
         """`detectors`: run on a detection thread (collector/detection.py) when given;
         `detector_factory(storage)` builds more that need this storage (to read).
-        `extra_projections`: more parts for the writer, after the built-in ones."""
+        `extra_projections`: more parts for the writer, after the built-in ones.
+        `alert_transport`: how the alert sender POSTs (default: urllib; tests fake it)."""
         self.settings = settings
         self._clock = clock
+        self._alert_transport = alert_transport or urllib_transport
         self._con = connect(settings.db_path, threads=settings.duckdb_threads,
                             memory_limit=settings.duckdb_memory_limit,
                             checkpoint_threshold=settings.duckdb_checkpoint_threshold,
@@ -110,6 +123,10 @@ class Storage:
         self.metrics.watch_queue(self.queue_depth)
         self.metrics.watch_incidents(self.open_incidents)
         self._writer.start()
+        if self.sender is not None:
+            self.sender.offer(self._outbox.pending_at_start)  # what an earlier run left undelivered
+            self._outbox.pending_at_start = []
+            self.sender.start()
         self.detection: DetectionRunner | None = None
         detectors = [*detectors, *(detector_factory(self) if detector_factory is not None else ())]
         if detectors:
@@ -125,8 +142,9 @@ class Storage:
         ids = Ids(con)
         keys = BatchKeysProjection(con)
         commands = CommandsProjection(con, ids=ids, ttl_s=s.command_ttl_s, now=self._clock())
+        self._outbox, self.sender = self._build_outbox()
         projections = [LivenessProjection(con), keys, RunInfoProjection(), commands,
-                       IncidentsProjection(con, ids=ids), *extra]
+                       IncidentsProjection(con, ids=ids, hooks=[self._outbox]), self._outbox, *extra]
         return Writer(con, admission=keys, projections=projections, replies=commands, ids=ids,
                       metrics=self.metrics, feed=Feed(self.metrics.registry), clock=self._clock,
                       group_max_rows=s.group_max_rows, group_max_bytes=s.group_max_bytes,
@@ -134,14 +152,44 @@ class Storage:
                       group_gap_s=s.group_gap_s, group_min_interval_s=s.group_min_interval_s,
                       queue_max_bytes=s.queue_max_bytes)
 
+    def _build_outbox(self) -> tuple[AlertOutbox, Sender | None]:
+        """The alert outbox (collector/outbox.py) and, with receivers, its sender, whose
+        results come back through the writer. ValueError for a bad receiver."""
+        s = self.settings
+        receivers = build_receivers(webhooks=s.webhooks, alertmanagers=s.alertmanagers,
+                                    webhook_secret=s.webhook_secret)
+        sender = None
+        if receivers:
+            counter = Counter("llmwatch_collector_alerts", "alert delivery attempts, by receiver and outcome "
+                              "(delivered, retry, failed)", ["receiver", "outcome"], registry=self.metrics.registry)
+            sender = Sender(receivers, report=lambda r: self._writer.submit_intent("outbox", r, done=_log_refusal),
+                            policy=RetryPolicy(base_s=s.alert_retry_base_s, cap_s=s.alert_retry_cap_s,
+                                               max_age_s=s.alert_max_age_s, max_attempts=s.alert_max_attempts),
+                            transport=self._alert_transport, clock=self._clock, timeout_s=s.alert_timeout_s,
+                            count=lambda receiver, outcome: counter.labels(receiver, outcome).inc())
+        outbox = AlertOutbox(self._con, receivers=receivers, external_url=s.external_url,
+                             firing_hold_s=s.alert_firing_hold_s,
+                             on_commit=sender.offer if sender is not None else None)
+        return outbox, sender
+
     def close(self) -> None:
-        """Stop detection (its last findings are queued), write what is queued,
-        checkpoint (fold the WAL into the file), close."""
+        """Stop detection (its last findings are queued) and the alert sender (its last
+        results are queued), write what is queued, checkpoint (fold the WAL into the
+        file), close. Undelivered alerts stay pending for the next start."""
         if self._closed:
             return
         self._closed = True
         if self.detection is not None:
             self.detection.stop()
+        if self.sender is not None:
+            # The last findings' alerts (a run's end closes incidents) commit first, then
+            # each receiver gets one more try of what is due: an embedded collector
+            # stopped with its run may never open this file again.
+            try:
+                self._writer.submit_call(lambda ctx: None).result(timeout=30.0)
+            except Exception:  # the writer is gone or stuck: what is pending stays pending
+                log.warning("the alert outbox could not be brought up to date before closing")
+            self.sender.stop(timeout_s=self.settings.alert_timeout_s + 5.0, drain=True)
         self._close_sql()
         self._writer.stop()
         self._read_root.close()
@@ -160,6 +208,8 @@ class Storage:
             return False, "the writer thread has died; see the collector's log"
         if self.detection is not None and not self.detection.alive():
             return False, "the detection thread has died; see the collector's log"
+        if self.sender is not None and not self.sender.alive():
+            return False, "an alert sender thread has died; see the collector's log"
         return True, ""
 
     def subscribe(self, name: str, *, max_commits: int = 64, max_bytes: int = 256 << 20) -> Subscription:

@@ -13,8 +13,8 @@ import os
 import sys
 from pathlib import Path
 
-from trainer.config import ConfigError, JobConfig
-from trainer.private import TokenError, resolve_token
+from trainer.config import AlertReceivers, ConfigError, JobConfig
+from trainer.private import WEBHOOK_SECRET_ENV, TokenError, resolve_token, resolve_webhook_secret
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,11 +70,22 @@ def build_parser() -> argparse.ArgumentParser:
                                    "env LLMWATCH_TOKEN")
     g.add_argument("--ca-file", metavar="PEM", help="CA bundle to verify an https:// --collector")
     g.add_argument("--telemetry-flush-s", type=float,
-                   help="how often each agent ships a batch (default 0.2; longer costs less CPU, shows data later)")
+                   help="how often each agent ships a batch (default 1.0; urgent steps, e.g. a NaN, "
+                        "go at once; longer costs less CPU, shows data later)")
     g.add_argument("--otlp-endpoint", help="also export step-phase spans over OTLP/HTTP to this endpoint")
     g.add_argument("--prometheus-port", type=int, help="serve live gauges on this port (+ local rank)")
     g.add_argument("--keep-collector", action="store_true",
                    help="leave the embedded collector running after training (Ctrl-C stops it)")
+    g = p.add_argument_group("embedded collector", "passed to the collector --telemetry starts (not with --collector: "
+                             "give these to `collector serve` there)")
+    g.add_argument("--rules", metavar="FILE", help="detection rules (TOML) overriding analysis/rules.toml")
+    g.add_argument("--webhook", action="append", metavar="URL",
+                   help="POST each incident's alert here, signed (repeatable; needs a webhook secret)")
+    g.add_argument("--webhook-secret-file", metavar="PATH",
+                   help="file (0600) holding the webhooks' HMAC key (or env LLMWATCH_WEBHOOK_SECRET)")
+    g.add_argument("--webhook-secret", help="the webhooks' HMAC key; visible in `ps`: prefer the file or the env")
+    g.add_argument("--alertmanager", action="append", metavar="URL",
+                   help="push alerts to this Alertmanager (repeatable)")
     return p
 
 
@@ -92,7 +103,7 @@ _MAP = {
     "telemetry": ("telemetry", "enabled"), "collector": ("telemetry", "collector_url"),
     "otlp_endpoint": ("telemetry", "otlp_endpoint"), "ca_file": ("telemetry", "ca_file"),
     "telemetry_flush_s": ("telemetry", "flush_interval_s"),
-    "prometheus_port": ("telemetry", "prometheus_port"),
+    "prometheus_port": ("telemetry", "prometheus_port"), "rules": ("telemetry", "rules"),
 }
 _TOP = ("steps", "seed", "eval_every", "metrics_jsonl", "run_id", "run_dir")
 
@@ -108,7 +119,32 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
             setattr(cfg, key, value)
         elif key == "inject":
             cfg.inject = tuple(cfg.inject) + tuple(value)
+    cfg.telemetry.alerts = AlertReceivers(webhooks=tuple(getattr(args, "webhook", ())),
+                                          alertmanagers=tuple(getattr(args, "alertmanager", ())))
     return cfg
+
+
+def _embedded_only(cfg: JobConfig) -> None:
+    """--rules, --webhook, --alertmanager configure the collector this command starts."""
+    t = cfg.telemetry
+    if (t.rules or t.alerts) and (not t.enabled or t.collector_url):
+        raise ConfigError("--rules, --webhook and --alertmanager configure the embedded collector: they need "
+                          "--telemetry without --collector (give them to `collector serve` instead)")
+
+
+def _webhook_secret(args: argparse.Namespace, cfg: JobConfig) -> None:
+    """Put the webhook secret where the embedded collector takes it from: this process's
+    $LLMWATCH_WEBHOOK_SECRET (never config.json, a command line or a rank's environment)."""
+    if getattr(args, "webhook_secret", None):
+        print(f"trainer: warning: --webhook-secret is visible to every user in `ps`; prefer --webhook-secret-file "
+              f"or env {WEBHOOK_SECRET_ENV}", file=sys.stderr, flush=True)
+    secret = resolve_webhook_secret(secret=getattr(args, "webhook_secret", None),
+                                    secret_file=getattr(args, "webhook_secret_file", None), environ=os.environ)
+    if cfg.telemetry.alerts.webhooks and not secret:
+        raise ConfigError("--webhook needs a secret to sign with: --webhook-secret-file FILE (0600) or env "
+                          f"{WEBHOOK_SECRET_ENV}")
+    if secret:
+        os.environ[WEBHOOK_SECRET_ENV] = secret
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_args(args)
         cfg.validate()
+        _embedded_only(cfg)
+        _webhook_secret(args, cfg)
         # the token stays out of cfg (see TelemetryConfig); read only when it will be sent
         token = resolve_token(token=getattr(args, "token", None), token_file=getattr(args, "token_file", None),
                               environ=os.environ) if cfg.telemetry.enabled else None

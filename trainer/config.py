@@ -11,6 +11,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 VOCAB_PAD_MULTIPLE = 64  # padded vocab must split evenly over any tp degree we allow
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -142,11 +143,37 @@ class TelemetryConfig:
     ca_file: str | None = None  # PEM bundle that verifies an https:// collector (default: the system's)
     # No token here: this config is written to config.json, shipped into the runs table and
     # copied into every spool segment. The token comes from --token-file or $LLMWATCH_TOKEN.
-    flush_interval_s: float = 0.2
+    # ~once a second; a step a detector must see now is flushed at once (agent/urgent.py)
+    flush_interval_s: float = 1.0
     heartbeat_interval_s: float = 1.0
     spool_bytes: int = 256 * 1024 * 1024
     otlp_endpoint: str | None = None
     prometheus_port: int | None = None  # rank r listens on prometheus_port + local rank
+    rules: str | None = None  # the embedded collector's detection rules file (--rules)
+    # Where the embedded collector sends alerts. Never serialised (see JobConfig.to_dict):
+    # a URL may be a credential (userinfo, a query token, a Slack webhook's path).
+    alerts: AlertReceivers = field(default_factory=lambda: AlertReceivers(), repr=False)
+
+
+@dataclass(kw_only=True, slots=True)
+class AlertReceivers:
+    """`--webhook` and `--alertmanager` URLs for the embedded collector. The webhook
+    secret is not here: it travels in $LLMWATCH_WEBHOOK_SECRET or a 0600 file."""
+
+    webhooks: tuple[str, ...] = ()
+    alertmanagers: tuple[str, ...] = ()
+
+    def __repr__(self) -> str:
+        return f"AlertReceivers({len(self.webhooks)} webhooks, {len(self.alertmanagers)} alertmanagers)"
+
+    def __bool__(self) -> bool:
+        return bool(self.webhooks or self.alertmanagers)
+
+    def validate(self) -> None:
+        for flag, urls in (("--webhook", self.webhooks), ("--alertmanager", self.alertmanagers)):
+            for n, url in enumerate(urls, 1):
+                if urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).netloc:
+                    raise ConfigError(f"{flag} #{n} is not an http:// or https:// URL")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -171,6 +198,7 @@ class JobConfig:
         if self.steps < 1:
             raise ConfigError("--steps must be >= 1")
         self.model.validate()
+        self.telemetry.alerts.validate()
         self.parallel.validate(self.model, world_size)
         self.precision.validate()
         if self.parallel.sp and self.model.seq_len % self.parallel.tp:
@@ -186,7 +214,9 @@ class JobConfig:
 
     # -- (de)serialisation: the launcher hands the config to its ranks as JSON --
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d["telemetry"].pop("alerts", None)  # URLs that may be credentials: never in config.json or runs
+        return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -209,6 +239,10 @@ class JobConfig:
                 if key == "telemetry" and sub.pop("token", None) is not None:  # null: an older config.json
                     raise ConfigError("a config file must not hold the collector token (it would be copied into "
                                       "config.json and the runs table): use --token-file or $LLMWATCH_TOKEN")
+                if key == "telemetry" and "alerts" in sub:
+                    raise ConfigError("a config file must not hold alert receivers (a URL may be a credential, "
+                                      "and config.json is copied into the runs table): use --webhook, "
+                                      "--alertmanager")
                 if "domains" in sub:
                     sub["domains"] = tuple(sub["domains"])
                 kwargs[key] = parts[key](**sub)

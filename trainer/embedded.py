@@ -15,6 +15,12 @@ command line (readable by any user in /proc) or its environment. The ranks get
 the ingest token alone, so a rank (or whoever reads its environment) cannot
 read the run's data or stop it. When the user gave one token, it is written to
 `<run dir>/tokens/token` and serves every role, as a single-user quick start.
+
+Alerts: `--rules`, `--webhook` and `--alertmanager` are handed on as flags; the
+webhook secret (from the launcher's $LLMWATCH_WEBHOOK_SECRET, where `trainer`
+put it) is written to `<run dir>/tokens/webhook-secret` (0600) and the collector
+gets its path, never the secret (the variable is kept out of its environment and
+out of every rank's).
 """
 
 from __future__ import annotations
@@ -27,17 +33,19 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from trainer.launch import free_port
 from trainer.lifeline import die_with_parent
-from trainer.private import COLLECTOR_TOKEN_ENVS, private_dir, write_secret
+from trainer.private import COLLECTOR_TOKEN_ENVS, WEBHOOK_SECRET_ENV, private_dir, write_secret
 
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
 ROLES = ("ingest", "read", "control")
 ALL_ROLES_FILE = "token"  # the user's one token, every role
+WEBHOOK_SECRET_FILE = "webhook-secret"
 
 
 def write_tokens(tokens_dir: Path, *, token: str | None) -> tuple[str, dict[str, Path]]:
@@ -59,12 +67,31 @@ def write_tokens(tokens_dir: Path, *, token: str | None) -> tuple[str, dict[str,
     return rank_token, paths
 
 
-def collector_argv(*, db_path: Path, host: str, port: int, token_paths: Mapping[str, Path]) -> list[str]:
-    """`python -m collector serve ...` with token *files* only."""
+def write_webhook_secret(tokens_dir: Path, secret: str | None) -> Path | None:
+    """The webhook secret's 0600 file (None, and an old file removed, without one)."""
+    path = private_dir(tokens_dir) / WEBHOOK_SECRET_FILE
+    if not secret:
+        path.unlink(missing_ok=True)
+        return None
+    return write_secret(path, secret)
+
+
+def collector_argv(*, db_path: Path, host: str, port: int, token_paths: Mapping[str, Path],
+                   rules: str | None = None, webhooks: Sequence[str] = (), alertmanagers: Sequence[str] = (),
+                   webhook_secret_path: Path | None = None) -> list[str]:
+    """`python -m collector serve ...` with token and secret *files* only."""
     argv = [sys.executable, "-m", "collector", "serve", "--db", str(db_path), "--host", host, "--port", str(port),
             "--duckdb-threads", "1"]  # it shares the trainer's CPUs: one DuckDB thread is plenty for one run
     for role, path in token_paths.items():
         argv += ["--token-file" if role == "all" else f"--{role}-token-file", str(path)]
+    if rules:
+        argv += ["--rules", str(Path(rules).resolve())]
+    for url in webhooks:
+        argv += ["--webhook", url]
+    for url in alertmanagers:
+        argv += ["--alertmanager", url]
+    if webhook_secret_path is not None:
+        argv += ["--webhook-secret-file", str(webhook_secret_path)]
     return argv
 
 
@@ -78,8 +105,15 @@ def collector_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 class EmbeddedCollector:
     def __init__(self, *, db_path: Path, tokens_dir: Path, log_path: Path, token: str | None = None,
-                 host: str = "127.0.0.1") -> None:
-        """`token`: the user's one token (every role); None: one generated per role."""
+                 host: str = "127.0.0.1", rules: str | None = None, alerts: Any = None,
+                 environ: Mapping[str, str] = os.environ) -> None:
+        """`token`: the user's one token (every role); None: one generated per role.
+        `rules`: a detection rules file; `alerts`: the receivers (`config.AlertReceivers`);
+        the webhook secret comes from `environ[LLMWATCH_WEBHOOK_SECRET]`."""
+        self.rules = rules
+        self.webhooks = tuple(getattr(alerts, "webhooks", ()))
+        self.alertmanagers = tuple(getattr(alerts, "alertmanagers", ()))
+        self._environ = environ
         self.db_path = Path(db_path)
         self.tokens_dir = Path(tokens_dir)
         self.log_path = Path(log_path)
@@ -97,9 +131,13 @@ class EmbeddedCollector:
     def start(self) -> None:
         self.port = free_port(self.host)
         self.rank_token, self.token_paths = write_tokens(self.tokens_dir, token=self._user_token)
+        secret_path = write_webhook_secret(self.tokens_dir, self._environ.get(WEBHOOK_SECRET_ENV)
+                                           if self.webhooks else None)
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            collector_argv(db_path=self.db_path, host=self.host, port=self.port, token_paths=self.token_paths),
+            collector_argv(db_path=self.db_path, host=self.host, port=self.port, token_paths=self.token_paths,
+                           rules=self.rules, webhooks=self.webhooks, alertmanagers=self.alertmanagers,
+                           webhook_secret_path=secret_path),
             stdout=log, stderr=subprocess.STDOUT, env=collector_env(os.environ),
             # its own session: a Ctrl-C in the terminal reaches the ranks, and the launcher
             # stops the collector after they flushed; PDEATHSIG: it dies with the launcher

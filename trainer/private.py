@@ -19,13 +19,16 @@ from pathlib import Path
 
 from agent.secrets import TokenError, read_token_file, write_secret
 
-__all__ = ["TokenError", "read_token_file", "write_secret", "resolve_token", "private_dir", "is_private",
-           "TOKEN_ENV", "COLLECTOR_TOKEN_ENVS"]
+__all__ = ["TokenError", "read_token_file", "write_secret", "resolve_token", "resolve_webhook_secret",
+           "private_dir", "is_private", "TOKEN_ENV", "WEBHOOK_SECRET_ENV", "COLLECTOR_TOKEN_ENVS"]
 
 TOKEN_ENV = "LLMWATCH_TOKEN"
-# Every variable a collector reads a token from (the all-roles one and one per role):
-# the embedded collector must get its tokens from our files only, not from the user's shell.
-COLLECTOR_TOKEN_ENVS = (TOKEN_ENV, "LLMWATCH_INGEST_TOKEN", "LLMWATCH_READ_TOKEN", "LLMWATCH_CONTROL_TOKEN")
+WEBHOOK_SECRET_ENV = "LLMWATCH_WEBHOOK_SECRET"  # the HMAC key the collector signs webhooks with
+# Every variable a collector reads a secret from (the all-roles token, one per role, the
+# webhook key): the embedded collector must get them from our files only, not from the
+# user's shell, and a rank, which sends only its ingest token, gets none of them.
+COLLECTOR_TOKEN_ENVS = (TOKEN_ENV, "LLMWATCH_INGEST_TOKEN", "LLMWATCH_READ_TOKEN", "LLMWATCH_CONTROL_TOKEN",
+                        WEBHOOK_SECRET_ENV)
 
 
 def resolve_token(*, token: str | None, token_file: str | os.PathLike | None,
@@ -38,6 +41,15 @@ def resolve_token(*, token: str | None, token_file: str | os.PathLike | None,
     if token_file:
         return read_token_file(token_file)
     return token or environ.get(TOKEN_ENV) or None
+
+
+def resolve_webhook_secret(*, secret: str | None, secret_file: str | os.PathLike | None,
+                           environ: Mapping[str, str]) -> str | None:
+    """The webhook HMAC key: `--webhook-secret-file`, else `--webhook-secret`, else
+    `$LLMWATCH_WEBHOOK_SECRET` (the collector's order)."""
+    if secret_file:
+        return read_token_file(secret_file)
+    return secret or environ.get(WEBHOOK_SECRET_ENV) or None
 
 
 def private_dir(path: str | os.PathLike, *, tighten_existing: bool = True) -> Path:

@@ -72,3 +72,14 @@ def test_retry_delays_grow_with_jitter_up_to_the_cap():
         ceiling = min(60.0, 2.0 ** (n - 1))
         assert ceiling / 2 <= d < ceiling
     assert alerts.retry_delay_s(10_000, cap_s=60.0, rand=lambda: 0.999) < 60.0
+
+
+def test_the_outboxs_delivery_id_and_a_held_firing_alert():
+    p = alerts.webhook_payload([INCIDENT], now_ts=3.0, delivery_id=12)
+    assert p["llmwatch"] == {"sent_ts": 3.0, "delivery_id": 12}
+    (held,) = alerts.alertmanager_alerts([INCIDENT], firing_until_ts=1_700_086_400.25)
+    assert held["endsAt"] == "2023-11-15T22:13:20.250Z"
+    closed = {**INCIDENT, "status": "closed", "closed_ts": 5.0}
+    (resolved,) = alerts.alertmanager_alerts([closed], firing_until_ts=1e12)
+    assert resolved["endsAt"] == "1970-01-01T00:00:05.000Z"  # a resolved alert ends when it closed
+    assert [alerts.severity_level(s) for s in ("info", "warning", "critical", "bogus")] == [0, 1, 2, 1]

@@ -56,3 +56,46 @@ def test_world_size_mismatch():
     cfg = cfg_from("--dp", "2", "--tp", "2")
     with pytest.raises(ConfigError, match="does not match the world size 8"):
         cfg.validate(world_size=8)
+
+
+def test_alert_receivers_stay_out_of_the_config_json_and_the_rules_path_stays_in():
+    cfg = cfg_from("--telemetry", "--rules", "/etc/rules.toml", "--webhook", "https://hooks.example/T0K3N",
+                   "--alertmanager", "http://user:pw@am:9093")
+    assert cfg.telemetry.alerts.webhooks == ("https://hooks.example/T0K3N",)
+    text = cfg.to_json()
+    assert "T0K3N" not in text and "user:pw" not in text and "alerts" not in text
+    assert "T0K3N" not in repr(cfg)
+    assert JobConfig.from_json(text).telemetry.rules == "/etc/rules.toml"
+    d = cfg.to_dict()
+    d["telemetry"]["alerts"] = {"webhooks": ["https://x"]}
+    with pytest.raises(ConfigError, match="alert receivers"):
+        JobConfig.from_dict(d)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--telemetry", "--webhook", "https://h/x"], "needs a secret"),
+    (["--telemetry", "--webhook", "ftp://h/x", "--webhook-secret-file", "/dev/null"], "not an http"),
+    (["--telemetry", "--collector", "http://c:1", "--alertmanager", "http://am:9093"], "embedded collector"),
+    (["--rules", "r.toml"], "embedded collector"),
+])
+def test_alert_flags_are_checked_before_any_rank(argv, needle, capsys, monkeypatch):
+    monkeypatch.setenv("LLMWATCH_WEBHOOK_SECRET", "")  # restored (to absent) after the test
+    monkeypatch.delenv("LLMWATCH_WEBHOOK_SECRET")
+    assert main(argv) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_the_webhook_secret_reaches_the_launcher_env_only(tmp_path, monkeypatch):
+    import os
+
+    from trainer import cli
+
+    monkeypatch.setenv("LLMWATCH_WEBHOOK_SECRET", "")  # restored (to absent) after the test
+    monkeypatch.delenv("LLMWATCH_WEBHOOK_SECRET")
+    (tmp_path / "s").write_text("file-secret-0123456789\n")
+    args = build_parser().parse_args(["--telemetry", "--webhook", "https://h/x", "--webhook-secret-file",
+                                      str(tmp_path / "s")])
+    cfg = config_from_args(args)
+    cli._webhook_secret(args, cfg)
+    assert os.environ["LLMWATCH_WEBHOOK_SECRET"] == "file-secret-0123456789"
+    assert "file-secret" not in cfg.to_json() + repr(cfg)

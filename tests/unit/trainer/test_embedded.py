@@ -53,3 +53,23 @@ def test_argv_and_env_carry_no_token(tmp_path):
     _, one = write_tokens(tmp_path / "tokens", token="users-own-token-0123456789")
     argv = collector_argv(db_path=tmp_path / "t.duckdb", host="127.0.0.1", port=1234, token_paths=one)
     assert argv[argv.index("--token-file") + 1] == str(one["all"]) and "users-own-token" not in " ".join(argv)
+
+
+def test_alert_flags_reach_the_collector_the_secret_only_as_a_0600_file(tmp_path):
+    from trainer.embedded import write_webhook_secret
+
+    secret = "webhook-secret-0123456789abcdef"
+    _, paths = write_tokens(tmp_path / "tokens", token=None)
+    secret_path = write_webhook_secret(tmp_path / "tokens", secret)
+    assert mode(secret_path) == 0o600 and secret_path.read_text().strip() == secret
+    (tmp_path / "rules.toml").write_text("")
+    argv = collector_argv(db_path=tmp_path / "t.duckdb", host="127.0.0.1", port=1234, token_paths=paths,
+                          rules=str(tmp_path / "rules.toml"), webhooks=["https://h/1", "http://h/2"],
+                          alertmanagers=["http://am:9093"], webhook_secret_path=secret_path)
+    assert argv[argv.index("--rules") + 1] == str(tmp_path / "rules.toml")
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--webhook"] == ["https://h/1", "http://h/2"]
+    assert argv[argv.index("--alertmanager") + 1] == "http://am:9093"
+    assert argv[argv.index("--webhook-secret-file") + 1] == str(secret_path)
+    env = collector_env({"PATH": "/bin", "LLMWATCH_WEBHOOK_SECRET": secret})
+    assert secret not in " ".join(argv) + repr(env) and "LLMWATCH_WEBHOOK_SECRET" not in env
+    assert write_webhook_secret(tmp_path / "tokens", None) is None and not secret_path.exists()  # no stale secret
