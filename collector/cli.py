@@ -1,4 +1,5 @@
-"""`collector serve` and `collector sql` (also `python -m collector`)."""
+"""`collector serve`, `collector sql`, `collector replay` and `collector postmortem` (also
+`python -m collector`)."""
 
 from __future__ import annotations
 
@@ -116,6 +117,22 @@ def serve(args: argparse.Namespace) -> int:
         print(f"collector: error: {e}", file=sys.stderr)
         return 2
     print(f"collector: tokens from {where}", flush=True)
+    from collector.auth import read_token_file
+    from collector.outbox import WEBHOOK_SECRET_ENV, build_receivers
+
+    if args.webhook_secret:
+        print("collector: warning: --webhook-secret is visible to every user in `ps`; prefer "
+              f"--webhook-secret-file or ${WEBHOOK_SECRET_ENV}", file=sys.stderr, flush=True)
+    try:  # a receiver that cannot work is an error now, not a log line per alert later
+        webhook_secret = (read_token_file(args.webhook_secret_file) if args.webhook_secret_file
+                          else args.webhook_secret or os.environ.get(WEBHOOK_SECRET_ENV, ""))
+        receivers = build_receivers(webhooks=args.webhook, alertmanagers=args.alertmanager,
+                                    webhook_secret=webhook_secret)
+    except ValueError as e:
+        print(f"collector: error: {e}", file=sys.stderr)
+        return 2
+    if receivers:
+        print(f"collector: alerts to {', '.join(repr(r) for r in receivers)}", flush=True)
     settings = Settings(db_path=db_path, host=args.host, port=args.port, tokens=tokens,
                         public_metrics=args.public_metrics, max_inflight_requests=args.max_inflight_requests,
                         body_timeout_s=args.body_timeout_s,
@@ -127,7 +144,12 @@ def serve(args: argparse.Namespace) -> int:
                         sql_max_rows=args.sql_max_rows, group_linger_s=args.group_linger_s,
                         group_min_interval_s=args.group_min_interval_s,
                         group_min_rows=args.group_min_rows, duckdb_threads=args.duckdb_threads,
-                        duckdb_memory_limit=args.duckdb_memory_limit)
+                        duckdb_memory_limit=args.duckdb_memory_limit,
+                        webhooks=tuple(args.webhook), alertmanagers=tuple(args.alertmanager),
+                        webhook_secret=webhook_secret, external_url=args.external_url,
+                        alert_timeout_s=args.alert_timeout_s, alert_retry_base_s=args.alert_retry_base_s,
+                        alert_retry_cap_s=args.alert_retry_cap_s, alert_max_age_s=args.alert_give_up_s,
+                        alert_max_attempts=args.alert_max_attempts)
     from analysis import RulesError, load_rules
     from collector.analyzers import detectors_for
 
@@ -287,6 +309,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-memory", default="8GB",
                    help="cap on the process's data segment (RLIMIT_DATA; 0: none): a query past it fails, "
                         "the collector lives on")
+    a = s.add_argument_group("alerts", "incidents to webhooks (signed, Alertmanager's webhook JSON) and to "
+                             "Alertmanager, from an outbox table that survives restarts; see docs/operations.md")
+    a.add_argument("--webhook", action="append", default=[], metavar="URL",
+                   help="POST each alert here (repeatable); needs a secret: every webhook is signed")
+    a.add_argument("--webhook-secret-file", metavar="PATH",
+                   help="a file (0600) holding the HMAC key of X-Signature-256 (or $LLMWATCH_WEBHOOK_SECRET)")
+    a.add_argument("--webhook-secret", help="the HMAC key on the command line (visible in `ps`: prefer a file)")
+    a.add_argument("--alertmanager", action="append", default=[], metavar="URL",
+                   help="push alerts to this Alertmanager's /api/v2/alerts (repeatable)")
+    a.add_argument("--external-url", default="", metavar="URL",
+                   help="how people reach this collector (the alerts' generatorURL)")
+    a.add_argument("--alert-timeout-s", type=float, default=5.0, help="one delivery attempt")
+    a.add_argument("--alert-retry-base-s", type=float, default=1.0,
+                   help="the first retry's delay; it doubles (with jitter) up to --alert-retry-cap-s")
+    a.add_argument("--alert-retry-cap-s", type=float, default=300.0)
+    a.add_argument("--alert-give-up-s", type=float, default=86400.0,
+                   help="an alert not delivered after this long is marked failed")
+    a.add_argument("--alert-max-attempts", type=int, default=0,
+                   help="... or after this many attempts (0: no limit but the age)")
     s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(func=serve)
 
@@ -302,7 +343,35 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--timeout-s", type=float, default=10.0)
     q.add_argument("query", help='e.g. "SELECT step, loss FROM steps_effective WHERE rank = 0"')
     q.set_defaults(func=sql)
+
+    r = sub.add_parser("replay", help="rerun the detectors over a closed run's file (read-only) and score them")
+    r.add_argument("--db", required=True, help="a DuckDB file no collector holds (opened read-only, never written)")
+    r.add_argument("--rules", help="detection rules (TOML) overriding analysis/rules.toml; see docs/rules.md")
+    r.add_argument("--truth", help="the run's injections.jsonl (trainer --inject): score the incidents against it")
+    r.add_argument("--run", help="replay this run only (default: every run in the file)")
+    r.add_argument("--window-s", type=float, default=1.0,
+                   help="rows are fed in commits of this many seconds of the ranks' clocks (default 1)")
+    r.add_argument("--json", action="store_true", help="one JSON object: incidents per run and the score")
+    r.set_defaults(func=_replay)
+
+    m = sub.add_parser("postmortem", help="write a run's postmortem report (HTML with charts, or Markdown)")
+    m.add_argument("run_id", help="the run to report on")
+    m.add_argument("--db", required=True, help="a DuckDB file no collector holds (opened read-only)")
+    m.add_argument("--out", required=True, help="report.html (self-contained, charts embedded) or report.md")
+    m.set_defaults(func=_postmortem)
     return p
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from collector.replaycmd import main as replay_main
+
+    return replay_main(args)
+
+
+def _postmortem(args: argparse.Namespace) -> int:
+    from collector.postmortem import main as postmortem_main
+
+    return postmortem_main(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -171,4 +171,98 @@ def run_meta_tables(cur: Cursor, run_id: str) -> dict[str, pa.Table]:
         "ranks": "SELECT run_id, rank, node, dp, tp, pp FROM ranks WHERE run_id = ? ORDER BY rank",
         "nodes": "SELECT run_id, node, ranks::VARCHAR AS ranks, status FROM nodes WHERE run_id = ? ORDER BY node",
     }
-    return {name: cur.execute(sql, [run_id]).to_arrow_table() for name, sql in queries.items()}
+    return {name: cur.sql(sql, params=[run_id]).to_arrow_table() for name, sql in queries.items()}
+
+
+# -- a closed run as a whole: `collector replay` and `collector postmortem` ---------------
+_RUN_ROWS = {  # table -> (columns, order): every row of a run, JSON as text
+    "steps": ("*", "ts, rank"),
+    "collectives": ("*", "start_ts, rank"),
+    "heartbeats": ("*", "ts, rank"),
+    "events": ("* REPLACE (data::VARCHAR AS data)", "ts, rank"),
+    "scalars": ("* EXCLUDE (attrs)", "ts, rank"),
+}
+
+
+def run_ids(cur: Cursor) -> list[str]:
+    """Every run of the file, oldest first."""
+    return [r[0] for r in cur.execute("SELECT run_id FROM runs ORDER BY created_ts, run_id").fetchall()]
+
+
+def run_tables(cur: Cursor, run_id: str) -> dict[str, pa.Table]:
+    """Every row of one run, in time order, as Arrow tables keyed by table name (steps,
+    collectives, heartbeats, events, scalars, and `run_meta_tables`): what `collector
+    replay` cuts back into the commits a live collector saw (analysis/replay.py)."""
+    out = run_meta_tables(cur, run_id)
+    for name, (columns, order) in _RUN_ROWS.items():
+        out[name] = cur.sql(f"SELECT {columns} FROM {name} WHERE run_id = $run_id ORDER BY {order}",
+                            params={"run_id": run_id}).to_arrow_table()
+    return out
+
+
+def run_span(cur: Cursor, run_id: str) -> dict[str, Any]:
+    """The run's wall-clock span: `start_ts` (the run's own start, else its first row)
+    and `end_ts` (its last step or event), unix s; None when the run has no rows."""
+    rows = records(cur, """
+        SELECT coalesce((SELECT started_ts FROM runs WHERE run_id = $r),
+                        least((SELECT min(ts - coalesce(step_s, 0)) FROM steps WHERE run_id = $r),
+                              (SELECT min(ts) FROM heartbeats WHERE run_id = $r))) AS start_ts,
+               greatest((SELECT max(ts) FROM steps WHERE run_id = $r),
+                        (SELECT max(ts) FROM events WHERE run_id = $r)) AS end_ts""", {"r": run_id})
+    return rows[0]
+
+
+# The ranks of one data-parallel replica (tp x pp, from runs.mesh; 1 without a mesh):
+# they all report the replica's tokens. A scalar subquery over the `$r` parameter.
+RANKS_PER_REPLICA = """coalesce((SELECT
+        greatest(coalesce(TRY_CAST(json_extract(mesh, '$.tp') AS INTEGER), 1), 1)
+        * greatest(coalesce(TRY_CAST(json_extract(mesh, '$.pp') AS INTEGER), 1), 1)
+    FROM runs WHERE run_id = $r), 1)"""
+
+
+def step_time_parts(cur: Cursor, run_id: str) -> Rows:
+    """Step seconds and tokens of the run, per (effective, skipped): a step lasts as long
+    as its slowest rank (max step_s), and its tokens are the sum over its ranks divided by
+    tp x pp (every rank of a data-parallel replica reports the replica's tokens; the
+    same rule as the step_summary view). `effective`: the attempt steps_effective
+    keeps; a rolled-back attempt's steps are not."""
+    return records(cur, f"""
+        WITH per_step AS (
+            SELECT attempt, step, bool_and(effective) AS effective, coalesce(bool_or(skipped), false) AS skipped,
+                   max(step_s) AS step_s, sum(tokens) / {RANKS_PER_REPLICA} AS tokens
+            FROM steps_history WHERE run_id = $r GROUP BY attempt, step)
+        SELECT effective, skipped, count(*) AS num_steps, coalesce(sum(step_s), 0) AS step_s,
+               coalesce(sum(tokens), 0) AS tokens
+        FROM per_step GROUP BY effective, skipped ORDER BY effective DESC, skipped""", {"r": run_id})
+
+
+def step_window(cur: Cursor, run_id: str, *, step_from: int, step_to: int, max_points: int = 400) -> Rows:
+    """loss, grad_norm and loss_scale of the effective curve over [step_from, step_to],
+    per step (or per bucket of equal step width past `max_points`): the mean of the
+    finite values over the ranks, and how many values were non-finite (a NaN step has
+    no mean to draw, only its count)."""
+    return records(cur, """
+        WITH s AS (SELECT step, loss, grad_norm, loss_scale, skipped FROM steps_effective
+                   WHERE run_id = $r AND step BETWEEN $lo AND $hi),
+             w AS (SELECT greatest(1, ceil(($hi - $lo + 1) / $n))::BIGINT AS width)
+        SELECT min(step) AS step, max(step) AS step_to,
+               avg(loss) FILTER (WHERE isfinite(loss)) AS loss,
+               avg(grad_norm) FILTER (WHERE isfinite(grad_norm)) AS grad_norm,
+               avg(loss_scale) FILTER (WHERE isfinite(loss_scale)) AS loss_scale,
+               count(*) FILTER (WHERE NOT isfinite(loss) OR NOT isfinite(grad_norm)) AS num_nonfinite,
+               coalesce(bool_or(skipped), false) AS skipped
+        FROM s, w GROUP BY (step - $lo) // width ORDER BY 1""",
+                   {"r": run_id, "lo": int(step_from), "hi": int(step_to), "n": max(1, int(max_points))})
+
+
+def step_grid(cur: Cursor, run_id: str, *, max_steps: int = 400) -> Rows:
+    """rank x step of the effective attempt: step_s and compute_s (fwd + bwd + opt, the
+    time not blocked on communication: a straggler's own slowness), averaged over
+    buckets of equal step width when the run has more than `max_steps` steps."""
+    return records(cur, """
+        WITH s AS (SELECT step, rank, step_s, fwd_s + bwd_s + opt_s AS compute_s FROM steps_effective
+                   WHERE run_id = $r),
+             w AS (SELECT min(step) AS lo, greatest(1, ceil((max(step) - min(step) + 1) / $n))::BIGINT AS width
+                   FROM s)
+        SELECT lo + (step - lo) // width * width AS step, rank, avg(step_s) AS step_s, avg(compute_s) AS compute_s
+        FROM s, w GROUP BY ALL ORDER BY step, rank""", {"r": run_id, "n": max(1, int(max_steps))})

@@ -254,17 +254,20 @@ _LOCAL_SIGNALS_V4 = [
 # or an Alertmanager); it is written in the same transaction as the incident change
 # it reports, so an alert is never lost to a crash, and it survives a restart until
 # it is delivered or given up. `body` is the exact bytes that are signed and sent.
+# Ids come from the writer (collector/outbox.py), like incidents': the sender is
+# handed the committed rows, ids and all. `labels`: those of the firing alert the
+# row carries, which the incident's resolved alert repeats (after a restart too).
 _ALERT_OUTBOX_V5 = [
-    """CREATE SEQUENCE alert_outbox_id START 1""",
     """CREATE TABLE alert_outbox (
-        id BIGINT PRIMARY KEY DEFAULT nextval('alert_outbox_id'),
+        id BIGINT PRIMARY KEY,
         run_id VARCHAR NOT NULL,
         incident_id BIGINT,
-        action_id VARCHAR,
+        action_id BIGINT,
         receiver VARCHAR NOT NULL,
         kind VARCHAR NOT NULL,
         status VARCHAR NOT NULL DEFAULT 'pending',
         body BLOB NOT NULL,
+        labels JSON,
         created_ts DOUBLE NOT NULL,
         next_attempt_ts DOUBLE NOT NULL,
         attempts INTEGER NOT NULL DEFAULT 0,
@@ -273,12 +276,35 @@ _ALERT_OUTBOX_V5 = [
     )""",
 ]
 
+# v6: step_summary.tokens counts each data-parallel replica once. `steps.tokens` is
+# what the rank's replica processed, the same on its tp x pp ranks, so v1's plain
+# sum counted the step tp x pp times over (runs.mesh says how many; a run without a
+# mesh counts every rank, as an agent outside the trainer reports its own tokens).
+_STEP_SUMMARY_V6 = [
+    """CREATE OR REPLACE VIEW step_summary AS
+        SELECT s.run_id, s.attempt, s.step,
+               count(*) AS num_ranks,
+               median(s.step_s) AS median_step_s,
+               max(s.step_s) AS max_step_s,
+               min(s.step_s) AS min_step_s,
+               arg_max(s.rank, s.step_s) AS slowest_rank,
+               avg(s.loss) AS loss_mean,
+               CAST(round(sum(s.tokens) / any_value(
+                   greatest(coalesce(TRY_CAST(json_extract(r.mesh, '$.tp') AS INTEGER), 1), 1)
+                   * greatest(coalesce(TRY_CAST(json_extract(r.mesh, '$.pp') AS INTEGER), 1), 1))) AS BIGINT)
+                   AS tokens,
+               max(s.ts) AS ts
+        FROM steps s LEFT JOIN runs r USING (run_id)
+        GROUP BY s.run_id, s.attempt, s.step""",
+]
+
 MIGRATIONS: list[tuple[int, list[str]]] = [
     (1, _TABLES_V1 + _VIEWS_V1),
     (2, _BATCH_HASH_V2),
     (3, _INCIDENT_CAUSE_V3),
     (4, _LOCAL_SIGNALS_V4),
     (5, _ALERT_OUTBOX_V5),
+    (6, _STEP_SUMMARY_V6),
 ]
 
 
