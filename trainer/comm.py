@@ -137,9 +137,10 @@ class Handle:
             w1.record()
             comm._pending_cuda.append((self._step, self._seq, self._gseq, self._op, self._axis, self._group_id, self._peer, self._nbytes, self._t0, self._ev0, w0, w1))
             return
-        w0 = time.perf_counter()
+        w0, c0 = time.perf_counter(), time.thread_time()
         self._work.wait()
         w1 = time.perf_counter()
+        comm.blocked_cpu_s += time.thread_time() - c0
         done = self._done[0] if self._done else w1
         comm._emit(self._step, self._seq, self._gseq, self._op, self._axis, self._group_id, self._peer, self._nbytes, self._t0, max(done, self._t0) - self._t0, w1 - w0)
 
@@ -181,6 +182,9 @@ class Comm:
         self._sizes: dict[Axis, int] = {}
         self._clock = _Clock()
         self._stats = CommStepStats()
+        # CPU time the calling thread spent inside blocking communication (gloo reduces
+        # on the caller's thread), all steps: the engine takes it out of compute on CPU
+        self.blocked_cpu_s = 0.0
         self._pending_cuda: list[tuple] = []
         for axis in Axis:
             try:
@@ -273,9 +277,10 @@ class Comm:
             h = Handle(self, fn(True), op, axis_name, group_id, peer, nbytes, seq, gseq)
             h.wait()
             return None
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         fn(False)
         dt = time.perf_counter() - t0
+        self.blocked_cpu_s += time.thread_time() - c0
         self._emit(self.step, seq, gseq, op, axis_name, group_id, peer, nbytes, t0, dt, dt)
         return None
 

@@ -87,6 +87,7 @@ class TrainEngine:
         self.optimizer = build_adamw(named, cfg.optim)
         precision = cfg.precision.precision
         self.autocast_dtype = AUTOCAST_DTYPES.get(precision)
+        self._stalled_s = 0.0  # injected straggler/jitter sleep, all steps (counts as compute)
         self.scaler = DynamicLossScaler(cfg.precision, enabled=precision == "fp16")
         self.pipeline = Pipeline(comm, device=device)
         # AND of isfinite over the step's forward outputs, on the device; None outside train_step
@@ -127,17 +128,39 @@ class TrainEngine:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def _compute_s(self, t0: float, blocked0: float) -> float:
-        """Seconds since t0 that were not spent blocked on communication."""
-        return (time.perf_counter() - t0) - (self.comm.blocked_s - blocked0)
+    def _mark(self) -> tuple[float, float, float, float, float]:
+        """Where a compute window starts: wall, blocked, thread CPU, blocked CPU, stalled."""
+        c = self.comm
+        return time.perf_counter(), c.blocked_s, time.thread_time(), c.blocked_cpu_s, self._stalled_s
 
-    def _stall(self, faults: StepFaults, t0: float, blocked0: float) -> None:
-        """Straggler fault: stretch the compute just measured to `slowdown` x."""
+    def _compute_s(self, m: tuple[float, float, float, float, float]) -> float:
+        """Compute seconds since the mark `m`, net of communication.
+
+        On CUDA: host wall time minus the time blocked on communication (what the
+        host saw; the device's own times are the CUDA events of the comm layer).
+        On CPU the CPU is the device, and this rank's device time is the CPU time
+        its compute thread used, net of what it used inside communication ops,
+        plus any injected stall (a slow device): wall time on an oversubscribed
+        host also counts the time the scheduler gave this rank's core to another
+        rank, which no real device loses, and made every rank of a 2-core run look
+        like a straggler now and then. (One intra-op thread per rank, as the
+        launcher sets it, puts all compute on this thread.)"""
+        c = self.comm
+        if self.device.type == "cuda":
+            return (time.perf_counter() - m[0]) - (c.blocked_s - m[1])
+        cpu = (time.thread_time() - m[2]) - (c.blocked_cpu_s - m[3])
+        return max(cpu, 0.0) + (self._stalled_s - m[4])
+
+    def _stall(self, faults: StepFaults, m: tuple[float, float, float, float, float]) -> None:
+        """Straggler fault: stretch the compute just measured to `slowdown` x (a slow
+        device: the rank really takes that long)."""
         if faults.slowdown <= 1.0:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # only with an injected straggler
-        time.sleep((faults.slowdown - 1.0) * self._compute_s(t0, blocked0))
+        extra = (faults.slowdown - 1.0) * self._compute_s(m)
+        time.sleep(extra)
+        self._stalled_s += extra
 
     # -- training ------------------------------------------------------------
     def train_step(self, step: int, micro_batches: list[MicroBatch], global_num_tokens: int,
@@ -161,7 +184,7 @@ class TrainEngine:
 
         def forward_step(i: int, x: torch.Tensor | None) -> torch.Tensor:
             nonlocal loss_sum
-            t0, blocked0 = time.perf_counter(), self.comm.blocked_s
+            m = self._mark()
             inputs, targets = batches[i]
             with self._autocast():
                 out = model(inputs if dims.is_first_stage else x, targets if dims.is_last_stage else None,
@@ -172,28 +195,28 @@ class TrainEngine:
                 out = mb_loss * scale if scale != 1.0 else mb_loss
             else:  # the activations this stage sends on
                 self._note_finite(out)
-            self._stall(faults, t0, blocked0)
-            timing["fwd_s"] += self._compute_s(t0, blocked0)
+            self._stall(faults, m)
+            timing["fwd_s"] += self._compute_s(m)
             return out
 
         def backward_step(i: int, y: torch.Tensor, dy: torch.Tensor | None) -> None:
             if i == num_mb - 1:
                 self.grads.arm()
-            t0, blocked0 = time.perf_counter(), self.comm.blocked_s
+            m = self._mark()
             if faults.overflow and i == num_mb - 1:  # injected overflow: this rank's gradients go infinite
                 y, dy = (y * math.inf, None) if dy is None else (y, dy * math.inf)
             torch.autograd.backward(y, grad_tensors=dy)
-            self._stall(faults, t0, blocked0)
-            timing["bwd_s"] += self._compute_s(t0, blocked0)
+            self._stall(faults, m)
+            timing["bwd_s"] += self._compute_s(m)
             timing["bwd_end_ts"] = time.time()
 
         self.pipeline.train_1f1b(num_mb, lambda i: self._act_shape(batches[i][0]), forward_step, backward_step)
 
-        t_opt, blocked_opt = time.perf_counter(), self.comm.blocked_s
+        m_opt = self._mark()
         fwd_ok, self._fwd_ok = self._fwd_ok, None
         loss, grad_norm, skipped, lr, local_sum, finite_fwd, finite_bwd = self._update(step, loss_sum, scale, fwd_ok)
         return StepResult(loss=loss, grad_norm=grad_norm, loss_scale=self.scaler.scale, lr=lr, skipped=skipped,
-                          fwd_s=timing["fwd_s"], bwd_s=timing["bwd_s"], opt_s=self._compute_s(t_opt, blocked_opt),
+                          fwd_s=timing["fwd_s"], bwd_s=timing["bwd_s"], opt_s=self._compute_s(m_opt),
                           bwd_end_ts=timing["bwd_end_ts"], num_micro_batches=num_mb,
                           local_loss=local_sum * max(1, global_num_tokens) / max(1, local_tokens),
                           finite_fwd=finite_fwd, finite_bwd=finite_bwd)
