@@ -5,13 +5,17 @@ Read from events, scalars and heartbeat phases, and kept small:
 - *excluded steps*: steps whose timings say nothing about a rank's speed. The
   first `steps_after_start` of a run, an attempt or a restart (compile, warm
   caches), a checkpoint step and `steps_after_checkpoint` after it (background
-  writes compete for the host), an eval step and `steps_after_eval` after it.
+  writes compete for the host), an eval step and `steps_after_eval` after it, a
+  step some rank reported skipped or non-finite and `steps_after_skip` after it
+  (no optimizer update, a NaN's checks, an fp16 backoff: other work).
   Known ahead from the run's config (`eval_every`, `ckpt.every`) when it has
   them, and from what the ranks report (`checkpoint_saved`, `eval/...` scalars,
   heartbeats in phase `eval` or `checkpoint`) when not.
 - *finished*: a `run_finished` event (from any rank); cleared when the run
   starts again (`run_started`, or the runs row back to `running`).
-- *closed ranks*: ranks whose agent closed cleanly (`agent_closed`).
+- *closed ranks*: ranks whose agent closed cleanly (`agent_closed`), and when the
+  latest one did (a run shutting down: its remaining ranks stop entering
+  collectives too, which is no new hang).
 - *exits*: the launcher's `rank_exited` reports, queued for the crash detector.
 """
 
@@ -54,11 +58,14 @@ def _data(raw) -> dict:
 
 
 class RunMarks:
-    __slots__ = ("steps_after_start", "steps_after_checkpoint", "steps_after_eval", "_excluded",
-                 "_excluded_order", "_warm", "finished", "finished_ts", "closed", "exits", "_first_step")
+    __slots__ = ("steps_after_start", "steps_after_checkpoint", "steps_after_eval", "steps_after_skip", "_excluded",
+                 "_excluded_order", "_warm", "finished", "finished_ts", "closed", "closed_s", "exits",
+                 "_first_step", "_now")
 
-    def __init__(self, *, steps_after_start: int, steps_after_checkpoint: int, steps_after_eval: int) -> None:
+    def __init__(self, *, steps_after_start: int, steps_after_checkpoint: int, steps_after_eval: int,
+                 steps_after_skip: int = 0) -> None:
         self.steps_after_start = steps_after_start
+        self.steps_after_skip = steps_after_skip
         self.steps_after_checkpoint = steps_after_checkpoint
         self.steps_after_eval = steps_after_eval
         self._excluded: set[tuple[int, int]] = set()  # (attempt, step); attempt -1: any
@@ -68,6 +75,8 @@ class RunMarks:
         self.finished = False
         self.finished_ts: float | None = None
         self.closed = np.zeros(0, bool)
+        self.closed_s: float | None = None  # when (the pass's `now`) a rank's agent last closed
+        self._now = 0.0
         self.exits: list[RankExit] = []  # not yet taken by the crash detector
 
     # -- queries ---------------------------------------------------------------
@@ -98,6 +107,7 @@ class RunMarks:
         self._warm[attempt] = max(self._warm.get(attempt, -1), from_step + self.steps_after_start)
 
     def update(self, f: Frames, now: float) -> None:
+        self._now = now
         if f.steps is not None and f.steps.height:
             attempts = ints(f.steps["attempt"])
             steps = ints(f.steps["step"])
@@ -108,6 +118,7 @@ class RunMarks:
                 if attempt not in self._first_step or step < self._first_step[attempt]:
                     self._first_step[attempt] = step
                     self._warm_up(attempt, step - 1)
+            self._skipped_steps(f.steps)
         if f.runs is not None and has(f.runs, "status"):
             if "running" in f.runs["status"].cast(pl.String).to_list() and self.finished:
                 self.finished, self.finished_ts = False, None
@@ -118,6 +129,15 @@ class RunMarks:
             for attempt, step in ev.select("attempt", "step").unique().iter_rows():
                 if step is not None:
                     self._exclude(-1 if attempt is None else attempt, step, step + self.steps_after_eval)
+
+    def _skipped_steps(self, steps: pl.DataFrame) -> None:
+        """Steps some rank reported skipped or with a non-finite loss or grad norm."""
+        odd = (~(pl.col("loss").is_finite() & pl.col("grad_norm").is_finite())).fill_null(False)
+        if has(steps, "skipped"):
+            odd = odd | (pl.col("skipped").cast(pl.Int8) != 0).fill_null(False)
+        for attempt, step in steps.filter(odd).select("attempt", "step").unique().iter_rows():
+            if step is not None:
+                self._exclude(-1 if attempt is None else attempt, step, step + self.steps_after_skip)
 
     def note_phases(self, live, ranks: np.ndarray) -> None:
         """Heartbeats just in: a rank in phase eval or checkpoint at step s marks s (and after)."""
@@ -163,6 +183,7 @@ class RunMarks:
                 if rank is not None and rank >= 0:
                     self.closed = _grow(self.closed, rank + 1, False)
                     self.closed[rank] = True
+                    self.closed_s = self._now
             elif kind == "rank_exited":
                 data = _data(row["data"])
                 r = data.get("rank", rank)

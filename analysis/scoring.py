@@ -6,9 +6,12 @@
 
 The ground truth is what trainer/faults.py writes to `injections.jsonl`: one row
 per (fault, rank that fired it), with `kind` (nan, spike, straggler, hang,
-crash), `rank` (-1: every rank), `node`, `step`, `attempt`, `ts`. Rows of one
-fault fired on several ranks (a spike on every rank) are one truth. Only
-`collector replay` and tests read that file; this module takes its rows.
+crash, overflow: an fp16 overflow that the loss-scale collapse must find),
+`rank` (-1: every rank), `node`, `step`, `attempt`, `ts`. Rows of one fault
+fired on several ranks (a spike on every rank) are one truth. Background
+conditions (`jitter`, `BACKGROUND_KINDS`) are recorded there too but are no
+fault: they are left out of the truths. Only `collector replay`, the bench and
+tests read that file; this module takes its rows.
 
 Findings are first collapsed into incidents (one per key: first open, widest
 step range, last culprit named). An incident matches a truth when its kind is
@@ -36,10 +39,13 @@ from analysis.findings import Finding
 
 TRUTH_KINDS = {"nan": ("nan",), "spike": ("loss_spike", "grad_spike"), "straggler": ("straggler",),
                "hang": ("hang",), "crash": ("crash",), "loss_scale_collapse": ("loss_scale_collapse",),
-               "loss_spike": ("loss_spike",), "grad_spike": ("grad_spike",)}
+               "overflow": ("loss_scale_collapse",), "loss_spike": ("loss_spike",), "grad_spike": ("grad_spike",)}
 # steps around a truth's step an incident's range may start: (before, after)
 WINDOWS = {"nan": (0, 2), "spike": (0, 2), "straggler": (-1, 12), "hang": (-2, 2), "crash": (-6, 2),
-           "loss_scale_collapse": (-60, 60), "loss_spike": (0, 2), "grad_spike": (0, 2)}
+           "loss_scale_collapse": (-60, 60), "overflow": (-1, 6), "loss_spike": (0, 2), "grad_spike": (0, 2)}
+# background conditions an injection may set (trainer/faults.py `jitter`): in the ground truth
+# file for the record, nothing to detect; truths_from_rows leaves them out
+BACKGROUND_KINDS = frozenset({"jitter"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +135,8 @@ def truths_from_rows(rows: Iterable[Mapping], run_id: str | None = None) -> list
     seen: dict[tuple, Truth] = {}
     for r in rows:
         kind = str(r.get("kind", ""))
+        if kind in BACKGROUND_KINDS:
+            continue
         rank = int(r.get("rank", -1) if r.get("rank") is not None else -1)
         key = (kind, int(r.get("step", -1)), int(r.get("attempt", 0) or 0), rank, run_id)
         if key in seen:

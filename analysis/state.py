@@ -67,7 +67,7 @@ class RunState:
         self.topo = Topology()
         self.live = Liveness()
         self.marks = RunMarks(steps_after_start=st.steps_after_start, steps_after_checkpoint=st.steps_after_checkpoint,
-                              steps_after_eval=st.steps_after_eval)
+                              steps_after_eval=st.steps_after_eval, steps_after_skip=st.steps_after_skip)
         self.assembler = StepAssembler(complete_timeout_s=st.complete_timeout_s, max_open_steps=st.max_open_steps)
         self.clock = StepClock(min_gaps=rules.hang.min_intervals)
         self.book = IncidentBook(run_id)

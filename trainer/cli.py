@@ -59,7 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--metrics-jsonl", help="rank 0 writes one JSON object per step here")
     g.add_argument("--inject", action="append", metavar="KIND@k=v,...",
                    help="fault injection: nan@step=S,rank=R[,mode=data|transient] | spike@step=S | "
-                        "straggler@rank=R,from=S,factor=F | hang@rank=R,step=S | crash@rank=R,step=S")
+                        "straggler@rank=R,from=S,factor=F[,to=E] | hang@rank=R,step=S | crash@rank=R,step=S | "
+                        "overflow@rank=R,from=S,to=E (fp16: infinite gradients) | "
+                        "jitter@pct=P[,seed=S] (background noise on every rank; not a fault)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g = p.add_argument_group("telemetry")
     g.add_argument("--telemetry", action="store_true", help="record telemetry in every rank")

@@ -5,11 +5,21 @@
     --inject straggler@rank=3,from=30,factor=1.5[,to=80]
     --inject hang@rank=1,step=80
     --inject crash@rank=1,step=80
+    --inject overflow@rank=1,from=40,to=46
+    --inject jitter@pct=10[,seed=S]
 
 Every fault really happens: a NaN propagates through the forward and backward
 passes, a spike is a batch of random bytes, a straggler's compute really takes
 `factor` times as long, a hung rank stops entering collectives, a crashed rank's
-process exits.
+process exits, an overflowing rank's gradients really go infinite (the fp16
+scaler skips the step and backs off), and jitter really stretches every rank's
+compute by a random factor each step.
+
+`jitter` is background noise, not a fault: each rank's compute is stretched by a
+factor drawn uniformly from [1, 1 + pct/100] per step (seeded by `seed`, the rank,
+the attempt and the step: reproducible, independent across ranks), by the same
+waiting as a straggler's. Its one row in the ground truth (kind `jitter`, at the
+first step) records that it was on; it is nothing to detect.
 
 Data-tied faults (`spike`, `nan` with `mode=data`) are attached to the *samples*
 of the step where they first fire, not to the step number: replaying that batch
@@ -27,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +50,8 @@ _KEYS: dict[str, dict[str, type]] = {
     "straggler": {"rank": int, "from": int, "factor": float, "to": int},
     "hang": {"rank": int, "step": int},
     "crash": {"rank": int, "step": int},
+    "overflow": {"rank": int, "from": int, "to": int},
+    "jitter": {"pct": float, "seed": int},
 }
 _REQUIRED = {
     "nan": ("step", "rank"),
@@ -46,6 +59,8 @@ _REQUIRED = {
     "straggler": ("rank", "from", "factor"),
     "hang": ("rank", "step"),
     "crash": ("rank", "step"),
+    "overflow": ("rank", "from", "to"),
+    "jitter": ("pct",),
 }
 
 
@@ -55,8 +70,9 @@ class Injection:
     step: int = -1  # nan, spike, hang, crash; `from` for straggler
     rank: int = -1  # -1: every rank (spike)
     mode: str = "data"  # nan: data | transient
-    factor: float = 1.0  # straggler
-    to_step: int = 1 << 62  # straggler: last affected step
+    factor: float = 1.0  # straggler; jitter: 1 + pct / 100
+    to_step: int = 1 << 62  # straggler, overflow: last affected step
+    seed: int = 0  # jitter
 
     @property
     def name(self) -> str:
@@ -91,11 +107,19 @@ def parse_injection(spec: str, *, world_size: int | None = None) -> Injection:
     factor = float(values.get("factor", 1.0))
     if kind == "straggler" and factor < 1.0:
         raise ConfigError(f"--inject {spec!r}: factor must be >= 1")
-    step = int(values.get("from", values.get("step", -1)))
+    if kind == "jitter":
+        pct = float(values["pct"])
+        if not 0.0 <= pct <= 100.0:
+            raise ConfigError(f"--inject {spec!r}: pct must be within 0..100")
+        factor = 1.0 + pct / 100.0
+    step = int(values.get("from", values.get("step", 0 if kind == "jitter" else -1)))
     if step < 0:
         raise ConfigError(f"--inject {spec!r}: step must be >= 0")
-    return Injection(kind=kind, step=step, rank=rank, mode=mode, factor=factor,
-                     to_step=int(values.get("to", 1 << 62)))
+    to_step = int(values.get("to", 1 << 62))
+    if kind == "overflow" and to_step < step:
+        raise ConfigError(f"--inject {spec!r}: to must be >= from")
+    return Injection(kind=kind, step=step, rank=rank, mode=mode, factor=factor, to_step=to_step,
+                     seed=int(values.get("seed", 0)))
 
 
 def parse_injections(specs, *, world_size: int | None = None) -> list[Injection]:
@@ -109,9 +133,16 @@ class StepFaults:
     nan: bool = False  # poison this rank's activations (first micro-batch)
     slowdown: float = 1.0  # compute takes this many times as long
     spike: bool = False  # the batch was replaced by random bytes (already applied)
+    overflow: bool = False  # this rank's gradients go infinite (the fp16 scaler skips and backs off)
 
 
 NO_FAULTS = StepFaults()
+
+
+def _jitter_factor(inj: Injection, rank: int, attempt: int, step: int) -> float:
+    """A reproducible draw from [1, inj.factor], independent per (seed, rank, attempt, step)."""
+    u = random.Random(f"jitter/{inj.seed}/{rank}/{attempt}/{step}").random()
+    return 1.0 + (inj.factor - 1.0) * u
 
 
 class FaultInjector:
@@ -175,8 +206,8 @@ class FaultInjector:
         step's global batch: data-tied faults follow those samples."""
         if not self.injections:
             return NO_FAULTS
-        nan = spike = False
-        slowdown = 1.0
+        nan = spike = overflow = False
+        slowdown = jitter = 1.0
         for inj in self.injections:
             if inj.kind in ("nan", "spike"):
                 data_tied = inj.kind == "spike" or inj.mode == "data"
@@ -200,7 +231,21 @@ class FaultInjector:
                     self._save_state()
                     self._truth(inj, step, attempt)
                 slowdown = max(slowdown, inj.factor)
-        return StepFaults(nan=nan, slowdown=slowdown, spike=spike)
+            elif inj.kind == "overflow" and self._mine(inj) and inj.step <= step <= inj.to_step:
+                if inj.name not in self._state["fired"]:
+                    self._state["fired"].append(inj.name)
+                    self._save_state()
+                    self._truth(inj, step, attempt, to=inj.to_step)
+                overflow = True
+            elif inj.kind == "jitter" and step >= inj.step:
+                if inj.name not in self._state["fired"]:
+                    self._state["fired"].append(inj.name)
+                    self._save_state()
+                    self._truth(inj, step, attempt, pct=round(100.0 * (inj.factor - 1.0), 6), seed=inj.seed)
+                jitter = max(jitter, _jitter_factor(inj, self.rank, attempt, step))
+        if not (nan or spike or overflow) and slowdown == jitter == 1.0:
+            return NO_FAULTS
+        return StepFaults(nan=nan, slowdown=slowdown * jitter, spike=spike, overflow=overflow)
 
     def before_step(self, step: int, attempt: int) -> None:
         """One-shot process faults: hang or crash this rank at the start of `step`."""

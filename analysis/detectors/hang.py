@@ -25,7 +25,10 @@ ops per step) and checked against what its group's members completed. The
 collectives rows of the last `_KEEP_STEPS` steps are kept for that.
 
 Resolves when the culprit enters a collective again, goes silent (a crash now),
-or the run finishes.
+or the run finishes. When a rank's agent closes (a run shutting down, a rank
+isolated and stopped), the others' stagnation counts from that moment: the
+peers of a rank that left stop entering collectives too, and that is no new
+hang until a whole timeout passes after it.
 """
 
 from __future__ import annotations
@@ -132,7 +135,10 @@ class HangDetector:
         timeout = self.timeout_s(interval)
         long = np.isin(live.phase, live.phase_codes(self.cfg.long_phases))
         tmo = np.where(long, self.cfg.long_phase_timeout_s, timeout)
-        stuck_s = p.now - live.seq_since_s
+        since = live.seq_since_s
+        if marks.closed_s is not None:  # a rank closed: the others' stagnation counts from then, not before
+            since = np.maximum(since, marks.closed_s)
+        stuck_s = p.now - since
         stagnant = alive & (stuck_s >= tmo)
         if not stagnant.any():
             return

@@ -10,20 +10,33 @@ calibration (from a too-high initial scale) and are not counted. A backoff at a
 step whose loss is non-finite is the nan detector's, not counted here either.
 
 Off under bf16/fp32: a scale that never rose above 1 is no scaler at all.
-Judged at first sight of each step (the scale is global).
+Judged at first sight of each step (the scale is global). Where the agent sends
+`finite_bwd` (a rank's own gradients, before the data-parallel reduction spread
+an overflow), the complete rows of the backoff steps name the rank whose
+gradients overflowed: the one non-finite at the most of them; on a tie the one
+in the latest pipeline stage (backward runs from the last stage, so an overflow
+there makes its upstream peer's gradients non-finite too), then the lowest
+rank. The per-rank counts are in the evidence.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import replace
+
+import numpy as np
 
 from analysis.findings import Finding, json_number
+from analysis.frames import has, ints
 from analysis.registry import register
+
+_MAX_COUNTED_RANKS = 64  # ranks listed per backoff step
 
 
 class _State:
-    __slots__ = ("last", "backoffs", "pinned", "peak", "key", "first_step", "quiet", "start_step", "max_seen")
+    __slots__ = ("last", "backoffs", "pinned", "peak", "key", "first_step", "quiet", "start_step", "max_seen",
+                 "overflows", "finding")
 
     def __init__(self) -> None:
         self.last: tuple[int, int, float] | None = None  # attempt, step, scale
@@ -35,9 +48,11 @@ class _State:
         self.quiet = 0
         self.start_step: int | None = None
         self.max_seen = 0.0
+        self.overflows: dict[int, set[int]] = {}  # backoff step in the window -> ranks whose own grads overflowed
+        self.finding: Finding | None = None  # the open incident's last report
 
     def footprint(self) -> dict[str, int]:
-        return {"backoffs": len(self.backoffs)}
+        return {"backoffs": len(self.backoffs), "overflow_steps": len(self.overflows)}
 
 
 @register
@@ -57,6 +72,48 @@ class LossScaleDetector:
             if scale is None or not math.isfinite(scale):
                 continue
             self._judge(p, st, sight.attempt, sight.step, scale, sight.loss)
+        self._origin(p, st)
+
+    def _origin(self, p, st: _State) -> None:
+        """Count, per rank, the backoff steps of the window at which its own gradients were non-finite."""
+        rel = p.released
+        if rel is None or not rel.height or not has(rel, "finite_bwd") or not st.backoffs:
+            return
+        steps = ints(rel["step"])
+        bad = np.isin(steps, np.fromiter(st.backoffs, np.int64)) & (ints(rel["finite_bwd"], 1) == 0)
+        if not bad.any():
+            return
+        for step, r in zip(steps[bad].tolist(), ints(rel["rank"])[bad].tolist()):
+            ranks = st.overflows.setdefault(step, set())
+            if len(ranks) < _MAX_COUNTED_RANKS:
+                ranks.add(r)
+        live = set(st.backoffs)
+        st.overflows = {k: v for k, v in st.overflows.items() if k in live}
+        if st.finding is not None:
+            self._emit(p, st, st.finding)
+
+    @staticmethod
+    def _counts(st: _State) -> dict[int, int]:
+        counts: dict[int, int] = {}
+        for ranks in st.overflows.values():
+            for r in ranks:
+                counts[r] = counts.get(r, 0) + 1
+        return counts
+
+    def _emit(self, p, st: _State, f: Finding) -> None:
+        counts = self._counts(st)
+        if counts:
+            # an overflow spreads backwards through the pipeline (a stage's bad gradients are its
+            # upstream peer's input gradients): on a tie the later stage is where it began
+            stage = p.topo.stage_of(np.fromiter(counts, np.int64, len(counts)))
+            stage_of = dict(zip(counts, stage.tolist()))
+            rank = min(counts, key=lambda r: (-counts[r], -stage_of[r], r))
+            counts = dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:16])
+            f = replace(f, rank=rank, node=p.topo.node_name(rank),
+                        evidence={**f.evidence, "overflow_rank": rank,
+                                  "overflow_steps_per_rank": {str(r): n for r, n in counts.items()}},
+                        root_cause=f"{f.root_cause}; first and most often in rank {rank}'s own gradients")
+        p.report(f)
 
     def _judge(self, p, st: _State, attempt: int, step: int, scale: float, loss) -> None:
         cfg = self.cfg
@@ -86,7 +143,7 @@ class LossScaleDetector:
             pinned = st.pinned >= cfg.pinned_steps
             why = (f"pinned at its floor {cfg.floor_scale:g} for {st.pinned} steps" if pinned
                    else f"{len(st.backoffs)} backoffs in the last {cfg.window_steps} steps")
-            p.report(Finding(
+            st.finding = Finding(
                 kind="loss_scale_collapse", key=st.key, run_id=p.run.run_id,
                 severity="critical" if pinned else "warning", step_from=st.first_step, step_to=step,
                 evidence={"scale": json_number(scale), "peak_scale": json_number(st.peak),
@@ -94,10 +151,11 @@ class LossScaleDetector:
                           "num_backoffs": len(st.backoffs), "window_steps": cfg.window_steps,
                           "pinned_steps": st.pinned, "attempt": attempt},
                 root_cause=f"fp16 loss scale {why}: gradients overflow at every scale",
-                confidence=0.9 if pinned else 0.7))
+                confidence=0.9 if pinned else 0.7)
+            self._emit(p, st, st.finding)
         elif st.key is not None:
             st.quiet += 1 if scale >= last[2] else 0
             if st.quiet >= cfg.resolve_after_steps:
                 p.resolve(st.key, evidence={**p.book.get(st.key).evidence, "resolved_because":
                                             f"{st.quiet} steps without a backoff"})
-                st.key = None
+                st.key, st.finding = None, None

@@ -26,7 +26,10 @@ which records no local signals), the finding says so and names no rank.
 One episode per spread: every non-finite row of the run, on any rank, from its
 first step until `resolve_after_steps` complete all-finite steps, is one
 incident. A row of an earlier step arriving late moves the episode's start (and
-origin) back; a newer attempt (after a rollback) closes it.
+origin) back; a newer attempt (after a rollback) closes it. A non-finite row
+`resolve_after_steps` or more steps after the episode's last one, with every
+step between reported by some rank and none of them flagged, starts a new
+episode (the old one closes first), also when a backlog brings both in one pass.
 """
 
 from __future__ import annotations
@@ -39,12 +42,13 @@ from analysis.frames import finite_or_null, has, ints
 from analysis.registry import register
 
 _PHASES = ("forward", "replica loss", "backward", "reduced")
+_SEEN_AFTER_MAX = 256  # steps after an episode's last one remembered as reported
 _SIGNALS = ("finite_fwd", "local_loss", "finite_bwd", "loss/grad_norm")
 
 
 class _Episode:
     __slots__ = ("key", "attempt", "first_step", "last_step", "cand_key", "cands", "flagged_first",
-                 "num_rows_first", "seen_first", "flagged_ranks", "clean_steps", "values")
+                 "num_rows_first", "seen_first", "flagged_ranks", "clean_steps", "values", "seen_after")
 
     def __init__(self, key: str, attempt: int) -> None:
         self.key = key
@@ -59,6 +63,7 @@ class _Episode:
         self.flagged_ranks: set[int] = set()  # every rank non-finite in the episode
         self.clean_steps = 0
         self.values: dict[str, object] = {}
+        self.seen_after: set[int] = set()  # steps after last_step some rank reported (bounded)
 
 
 class _State:
@@ -145,6 +150,11 @@ class NanDetector:
                     ep.seen_first.update(seen.to_list())
                     if len(ep.seen_first) != before:
                         changed.add(attempt)
+        if steps is not None and steps.height:
+            for attempt, ep in st.episodes.items():
+                after = steps.filter((pl.col("attempt") == attempt) & (pl.col("step") > ep.last_step))["step"]
+                if after.len() and len(ep.seen_after) < _SEEN_AFTER_MAX:
+                    ep.seen_after.update(after.unique().to_list()[:_SEEN_AFTER_MAX])
         for attempt in changed:  # before the complete steps: an episode is reported before it can close
             self._report(p, st.episodes[attempt])
         refined: set[int] = set()
@@ -162,33 +172,77 @@ class NanDetector:
         tp = np.maximum(topo.tp[ranks], 0) if len(ranks) else ranks
         bad = bad.with_columns(pl.Series("_stage", stage), pl.Series("_replica", replica), pl.Series("_tp", tp))
         changed = set()
-        for attempt, part in bad.partition_by("attempt", as_dict=True, maintain_order=True).items():
-            attempt = attempt[0]
-            ep = st.episodes.get(attempt)
-            if ep is None:
-                ep = st.episodes[attempt] = _Episode(p.book.new_key("nan"), attempt)
-            first = int(part["step"].min())
-            if first < ep.first_step:  # a new (or earlier) start: the origin is decided there
-                ep.first_step, ep.cand_key, ep.cands, ep.flagged_first = first, None, {}, set()
-                ep.num_rows_first = 0
-                ep.seen_first = set()
-                row = part.filter(pl.col("step") == first).row(0, named=True)
-                ep.values = {"loss": json_number(row["loss"]), "grad_norm": json_number(row["grad_norm"])}
-            ep.last_step = max(ep.last_step, int(part["step"].max()))
-            ep.clean_steps = 0
-            ep.flagged_ranks.update(part["rank"].to_list()[:4096])
-            at_first = (part.filter(pl.col("step") == ep.first_step)
-                        .sort(["_phase", "_stage", "_replica", "_tp", "rank"]))
-            for row in at_first.iter_rows(named=True):
-                ep.flagged_first.add(row["rank"])
-                k = _flow_key(row)
-                if ep.cand_key is None or k < ep.cand_key:
-                    ep.cand_key, ep.cands = k, {}
-                if k == ep.cand_key and len(ep.cands) < self.cfg.max_listed_ranks:
-                    ep.cands[row["rank"]] = {c: json_number(row[c]) for c in ("finite_fwd", "finite_bwd", "local_loss")
-                                             if c in row and row[c] is not None}
-            changed.add(attempt)
+        for (attempt,), whole in bad.partition_by("attempt", as_dict=True, maintain_order=True).items():
+            for cut, part in self._clusters(p, st, attempt, whole):
+                if cut:
+                    self._close_before(p, st, attempt, int(part["step"].min()))
+                self._absorb_part(p, st, attempt, part)
+                changed.add(attempt)
         return changed
+
+    def _clusters(self, p, st: _State, attempt: int, part: pl.DataFrame) -> list[tuple[bool, pl.DataFrame]]:
+        """The non-finite rows of one attempt as (starts a new episode, rows), cut where
+        `resolve_after_steps` steps, all reported finite in this pass, lie between two of them:
+        a backlog can bring two episodes in one pass."""
+        steps = p.frames.steps
+        reported = set(steps.filter(pl.col("attempt") == attempt)["step"].to_list()) if steps is not None else set()
+        ep = st.episodes.get(attempt)
+        prev = ep.last_step if ep is not None else None
+        if ep is not None:
+            reported |= ep.seen_after
+        cuts = []
+        for s in sorted(set(part["step"].to_list())):
+            if prev is not None and s - prev - 1 >= self.cfg.resolve_after_steps and \
+                    all(g in reported for g in range(prev + 1, s)):
+                cuts.append(s)
+            prev = s if prev is None else max(prev, s)
+        if not cuts:
+            return [(False, part)]
+        out = []
+        bounds = [None, *cuts, None]
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            m = pl.lit(True)
+            if lo is not None:
+                m = m & (pl.col("step") >= lo)
+            if hi is not None:
+                m = m & (pl.col("step") < hi)
+            piece = part.filter(m)
+            if piece.height:
+                out.append((lo is not None, piece))
+        return out
+
+    def _close_before(self, p, st: _State, attempt: int, step: int) -> None:
+        ep = st.episodes.pop(attempt, None)
+        if ep is not None and p.book.is_open(ep.key):
+            self._report(p, ep)
+            p.resolve(ep.key, evidence={**p.book.get(ep.key).evidence,
+                                        "resolved_because": f"{step - ep.last_step - 1} finite steps since"})
+
+    def _absorb_part(self, p, st: _State, attempt: int, part: pl.DataFrame) -> None:
+        ep = st.episodes.get(attempt)
+        if ep is None:
+            ep = st.episodes[attempt] = _Episode(p.book.new_key("nan"), attempt)
+        first = int(part["step"].min())
+        if first < ep.first_step:  # a new (or earlier) start: the origin is decided there
+            ep.first_step, ep.cand_key, ep.cands, ep.flagged_first = first, None, {}, set()
+            ep.num_rows_first = 0
+            ep.seen_first = set()
+            row = part.filter(pl.col("step") == first).row(0, named=True)
+            ep.values = {"loss": json_number(row["loss"]), "grad_norm": json_number(row["grad_norm"])}
+        ep.last_step = max(ep.last_step, int(part["step"].max()))
+        ep.seen_after = {x for x in ep.seen_after if x > ep.last_step}
+        ep.clean_steps = 0
+        ep.flagged_ranks.update(part["rank"].to_list()[:4096])
+        at_first = (part.filter(pl.col("step") == ep.first_step)
+                    .sort(["_phase", "_stage", "_replica", "_tp", "rank"]))
+        for row in at_first.iter_rows(named=True):
+            ep.flagged_first.add(row["rank"])
+            k = _flow_key(row)
+            if ep.cand_key is None or k < ep.cand_key:
+                ep.cand_key, ep.cands = k, {}
+            if k == ep.cand_key and len(ep.cands) < self.cfg.max_listed_ranks:
+                ep.cands[row["rank"]] = {c: json_number(row[c]) for c in ("finite_fwd", "finite_bwd", "local_loss")
+                                         if c in row and row[c] is not None}
 
     def _complete_steps(self, p, st: _State, changed: set[int]) -> None:
         rel = p.released

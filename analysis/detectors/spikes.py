@@ -21,8 +21,14 @@ which data-parallel replica's `local_loss` jumped, against its own baseline
 (or against the other replicas while that is short), and that replica's sample
 window (`sample_epoch/from/to`), which the healing skips.
 
-A grad-norm spike at a step whose loss spiked too is the same cause: it is
-added to the loss spike's evidence rather than opened on its own.
+A grad-norm spike at a step whose loss spiked too, or at the step right after
+one (the poisoned update's aftermath), is the same cause: it is added to the
+loss spike's evidence rather than opened on its own; a grad-norm spike alone is a
+`grad_spike`, and needs `alone_z_threshold` (grad norms are heavier-tailed than
+losses: a lone 3x excursion in small-batch training is common and benign). This holds however the steps arrive: when a backlog brings the
+spike and the clean steps that close it in one pass, the loss spike closes at
+the start of the next pass (after the grad-norm detector has seen the same
+steps), so one cause is one incident.
 """
 
 from __future__ import annotations
@@ -38,16 +44,16 @@ from analysis.frames import has
 from analysis.registry import register
 from analysis.robust import RollingBaseline, RollingBaselines
 
-_SHARED_LOSS_FLAGS = "loss_spike.flagged"  # (attempt, step) -> loss spike key, for the grad detector
-
 
 class _Episode:
-    __slots__ = ("key", "first", "last", "clean", "peak", "steps", "unenriched", "extra")
+    __slots__ = ("key", "attempt", "first", "last", "clean", "peak", "steps", "unenriched", "extra", "closing")
 
-    def __init__(self, key: str, step: int) -> None:
+    def __init__(self, key: str, attempt: int, step: int) -> None:
         self.key = key
+        self.attempt = attempt
         self.first = self.last = step
         self.clean = 0
+        self.closing = False  # met its close criteria; closes at the start of the next pass (loss only)
         self.peak: dict = {}
         self.steps: dict[tuple[int, int], dict] = {}  # flagged steps -> their numbers (bounded: rebaseline)
         self.unenriched: set[tuple[int, int]] = set()  # flagged steps whose complete rows are not in yet
@@ -72,6 +78,7 @@ class _State:
 class _SpikeDetector:
     column = ""
     kind = ""
+    defer_close = False  # close at the start of the next pass (a later detector may fold into it)
 
     def __init__(self, rules) -> None:
         self.cfg = rules[self.kind]
@@ -80,6 +87,8 @@ class _SpikeDetector:
         return _State(self.cfg.window_steps)
 
     def run(self, p, st: _State) -> None:
+        if st.ep is not None and st.ep.closing:
+            self._close(p, st)
         for sight in p.first_sight:
             self._judge(p, st, sight.attempt, sight.step, getattr(sight, self.column))
         self._complete(p, st)
@@ -97,8 +106,8 @@ class _SpikeDetector:
         scale = max(scale, cfg.min_log_scale)
         z = (lx - med) / scale
         ratio = math.exp(lx - med)
-        if z >= cfg.z_threshold and ratio >= cfg.min_ratio:
-            self._flag(p, st, attempt, step, value=value, z=z, ratio=ratio, baseline=math.exp(med))
+        if z >= cfg.z_threshold and ratio >= cfg.min_ratio and \
+                self._flag(p, st, attempt, step, value=value, z=z, ratio=ratio, baseline=math.exp(med)):
             return
         st.baseline.add(lx)
         st.consecutive = 0
@@ -107,14 +116,21 @@ class _SpikeDetector:
             ep.clean += 1
             self._maybe_resolve(p, st)
 
-    def _flag(self, p, st: _State, attempt: int, step: int, **numbers) -> None:
+    def _flag(self, p, st: _State, attempt: int, step: int, **numbers) -> bool:
+        """Flag the step; False: not a spike after all (the value joins the baseline)."""
+        folded = self._fold(p, attempt, step, numbers)
+        if not folded and not self._alone(numbers):
+            return False
         st.num_flagged += 1
         st.consecutive += 1
-        if self._fold(p, attempt, step, numbers):
-            return
+        if folded:
+            return True
         ep = st.ep
+        if ep is not None and ep.closing:
+            self._close(p, st)
+            ep = None
         if ep is None:
-            ep = st.ep = _Episode(p.book.new_key(self.kind), step)
+            ep = st.ep = _Episode(p.book.new_key(self.kind), attempt, step)
         ep.first, ep.last = min(ep.first, step), max(ep.last, step)
         ep.clean = 0
         info = {"attempt": attempt, "step": step, **{k: json_number(v, 4) for k, v in numbers.items()}}
@@ -122,25 +138,33 @@ class _SpikeDetector:
         ep.unenriched.add((attempt, step))
         if not ep.peak or numbers["z"] > ep.peak["z"]:
             ep.peak = info
-        if self.kind == "loss_spike":
-            p.run.shared.setdefault(_SHARED_LOSS_FLAGS, {})[(attempt, step)] = ep.key
         self._report(p, ep)
         if st.consecutive >= self.cfg.rebaseline_after_steps:  # not a spike: a new level
             p.resolve(ep.key, evidence={**p.book.get(ep.key).evidence, "resolved_because": "level shift"})
             st.ep, st.consecutive = None, 0
             st.baseline.clear()
+        return True
 
     def _fold(self, p, attempt: int, step: int, numbers: dict) -> bool:
         """Whether this flag belongs to another incident (the grad detector folds into loss)."""
         return False
 
+    def _alone(self, numbers: dict) -> bool:
+        """Whether a flag that folds into nothing is strong enough to be an incident of its own."""
+        return True
+
     def _maybe_resolve(self, p, st: _State) -> None:
         ep = st.ep
-        if ep is not None and ep.clean >= self.cfg.resolve_after_steps and not ep.unenriched:
-            if p.book.is_open(ep.key):
-                p.resolve(ep.key, evidence={**p.book.get(ep.key).evidence,
-                                            "resolved_because": f"{ep.clean} steps back on the baseline"})
-            st.ep = None
+        if ep is not None and not ep.closing and ep.clean >= self.cfg.resolve_after_steps and not ep.unenriched:
+            ep.closing = True
+            if not self.defer_close:
+                self._close(p, st)
+
+    def _close(self, p, st: _State) -> None:
+        ep, st.ep = st.ep, None
+        if ep is not None and p.book.is_open(ep.key):
+            p.resolve(ep.key, evidence={**p.book.get(ep.key).evidence,
+                                        "resolved_because": f"{ep.clean} steps back on the baseline"})
 
     def _report(self, p, ep: _Episode) -> None:
         peak = ep.peak
@@ -162,7 +186,7 @@ class _SpikeDetector:
     # -- when steps are complete ------------------------------------------------------
     def _complete(self, p, st: _State) -> None:
         ep = st.ep
-        if ep is not None and ep.unenriched:
+        if ep is not None and ep.unenriched and not ep.closing:
             rel = p.released
             if rel is not None and rel.height:
                 keys = set(rel.select("attempt", "step").unique().iter_rows())
@@ -183,6 +207,7 @@ class LossSpikeDetector(_SpikeDetector):
     kind = "loss_spike"
     kinds = ("loss_spike",)
     column = "loss"
+    defer_close = True
 
     def run(self, p, st: _State) -> None:
         super().run(p, st)
@@ -284,11 +309,19 @@ class GradSpikeDetector(_SpikeDetector):
     kinds = ("grad_spike",)
     column = "grad_norm"
 
+    def _alone(self, numbers: dict) -> bool:
+        return numbers["z"] >= self.cfg.alone_z_threshold
+
     def _fold(self, p, attempt: int, step: int, numbers: dict) -> bool:
-        loss_key = p.run.shared.get(_SHARED_LOSS_FLAGS, {}).get((attempt, step))
-        if loss_key is None or not p.book.is_open(loss_key):
+        """A flag at a step the loss spike flagged, or at the step after one of them:
+        evidence of that loss spike (while it is open: it is closed one pass late
+        for this), not an incident of its own."""
+        loss = p.run.detectors.get(LossSpikeDetector.name)
+        ep = loss.ep if isinstance(loss, _State) else None
+        if ep is None or ep.attempt != attempt or not any((attempt, s) in ep.steps for s in (step, step - 1)):
             return False
-        f = p.book.get(loss_key)
-        ev = {**f.evidence, "grad_norm": {"step": step, **{k: json_number(v, 4) for k, v in numbers.items()}}}
-        p.report(replace(f, evidence=ev))
+        f = p.book.get(ep.key)
+        if f is not None:
+            ev = {**f.evidence, "grad_norm": {"step": step, **{k: json_number(v, 4) for k, v in numbers.items()}}}
+            p.report(replace(f, evidence=ev))
         return True

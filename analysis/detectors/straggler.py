@@ -2,34 +2,65 @@
 
 Per complete step, each rank's compute (`fwd_s + bwd_s + opt_s`, already net of
 the time blocked on communication, so the ranks that *wait* for a straggler do
-not look slow) is divided by the median of its peers in the same pipeline stage
-(leave-one-out: with two ranks per stage the slow one must not pull its own
-reference up). Stages are compared only within themselves: a pipeline whose
-stages differ in speed is not a straggler.
+not look slow) is compared with its peers'. A pipeline whose stages differ in
+speed is not a straggler, so each stage's own level is taken out first: the
+log compute minus the stage's level (the median over the last
+`_STAGE_LEVEL_STEPS` judged steps of the stage's per-step median). The rank's
+ratio is then its normalised compute over the leave-one-out median of every
+other rank's (so a two-rank stage is not judged against one noisy peer, and a
+slow rank does not pull its own reference up). With fewer than three ranks the
+ratio is the plain leave-one-out one within the stage. The cost is the compute's
+excess over the stage peers' median, in seconds.
 
 Persistence is a one-sided CUSUM on the log ratio: `S = max(0, S + min(log r,
-log max_step_ratio) - log min_ratio)`. Clean ranks drift to 0; a rank k times
-slower climbs by about `log k - log min_ratio` per step, so 1.5x opens in ~2
-steps and 1.25x in ~4 (the issue's goals: 5 and 10); the clip keeps a single
-hiccup (a GC pause) below the threshold, and `min_slow_steps` slow steps within
-the last `window_steps` are required as well. The sum is capped at twice the
-threshold, so a rank that recovers after a long straggle drains in a few steps. Excluded steps (start, checkpoint,
-eval: analysis/marks.py) neither add nor reset.
+log max_step_ratio) - k)`. Clean ranks drift to 0; a rank that is slow every
+step climbs. The reference `k` and the threshold `h` are `log min_ratio` and
+`cusum_threshold` on a quiet machine, and grow with the measured noise of the
+run (`noise_k`, `noise_h` times the step-to-step noise of the log ratios, a
+robust MAD over the last `noise_window` of them): on a loaded host, where
+compute times swing by tens of percent from one step to the next, a verdict
+takes more steps instead of firing on the swings. On a quiet one 1.5x opens in
+~2 steps and 1.25x in ~4 (the goals: 5 and 10). The clip keeps a single hiccup
+(a GC pause) below the threshold, and `min_slow_steps` slow steps within the
+last `window_steps` are required as well. The sum is capped at twice the
+threshold, so a rank that recovers after a long straggle drains in a few steps.
+Excluded steps (start, checkpoint, eval: analysis/marks.py) neither add nor
+reset.
+
+A rank fires when its sum is over the threshold, enough recent steps were slow,
+its smoothed ratio is at least `min_ratio`, and it is not a *waiter*: the
+rank everyone waits for is the culprit, and a rank that, net, waits for another
+slow rank (`waiter_share` of its own excess compute or more, from the waits
+matched by `group_seq` in analysis/attribution.py) is held back by it, even when
+its own compute looks slow too (on an oversubscribed host the culprit's tensor-
+parallel partner computes in lockstep with it and shares its contention).
+
+The incident's range starts at the onset: the change point of the rank's log
+ratios over its last judged steps (the split that best separates a lower level
+before from a higher one after, by least squares), no earlier than where the sum
+last left zero. Counting slow steps instead puts it early: on a loaded host a
+few noisy steps before the fault already cross `min_ratio`, but they do not
+shift the level.
 
 Incidents are per node: several slow ranks on one node are one incident (a slow
-node: `rank` not named once `node_min_ranks` of them are slow). The evidence
-states the cost: the seconds per step the job loses (the slowest member's
-compute excess over its peers; the others wait that long every step) and its
-share of the step time, and the attribution from collective waits
-(analysis/attribution.py): how often the rank was the last to enter its
-collectives and how much waiting it caused. An incident resolves when none of
-its ranks' sums has been below the threshold for `resolve_after_steps` judged
-steps in a row.
+node: `rank` not named once `node_min_ranks` of them are slow). Only members
+whose smoothed ratio is at least `min_ratio` are reported (a report with none is
+not emitted); a member is dropped once its sum stayed below half the threshold
+for `resolve_after_steps` judged steps (the margin keeps a rank hovering at the
+threshold from opening and closing incidents), or once it turned out to be a
+waiter. The
+evidence states the cost: the seconds per step the job loses (the slowest
+member's compute excess over its peers; the others wait that long every step)
+and its share of the step time, and the attribution from collective waits: how
+often the rank was the last to enter its collectives, how much waiting it
+caused, and the ranks found to wait for it. An incident resolves when it has no
+member left.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 
 import numpy as np
 import polars as pl
@@ -38,40 +69,54 @@ from analysis.attribution import WaitBook
 from analysis.findings import Finding, json_number
 from analysis.frames import iter_steps, split_key, step_keys
 from analysis.registry import register
-from analysis.robust import loo_median, popcount
+from analysis.robust import MAD_TO_SIGMA, loo_median, popcount
 from analysis.topology import _grow
+
+_STAGE_LEVEL_STEPS = 32  # judged steps a stage's level (median of its per-step medians of log compute) is taken over
+_MIN_NOISE_SAMPLES = 48  # step-to-step changes measured before any verdict (the noise must be known)
+_ONSET_STEPS = 32  # judged steps looked back over for the onset of a climb
+_MIN_JUDGED_STEPS = 16  # and judged steps: a run's first steps after its warm-up are noisier than the rest
+_WAITER_FLOOR_S = 1e-4  # net waits below this (s/step) say nothing
 
 
 class _Episode:
-    __slots__ = ("key", "node", "members", "onset", "fired_at", "ever")
+    __slots__ = ("key", "node", "members", "onset", "fired_at", "ever", "held")
 
     def __init__(self, key: str, node: int) -> None:
         self.key = key
         self.node = node
-        self.members: set[int] = set()
+        self.members: set[int] = set()  # the culprits
         self.onset = 1 << 62
         self.fired_at = -1
         self.ever: set[int] = set()
+        self.held: dict[int, tuple[int, list[int]]] = {}  # rank found waiting for a culprit -> (it, the chain)
 
 
 class _State:
-    __slots__ = ("cusum", "mask", "calm", "ratio", "excess", "compute", "onset", "judged", "episodes", "waits",
-                 "last_judged", "step_s", "num_steps_judged")
+    __slots__ = ("cusum", "mask", "calm", "ratio", "excess", "compute", "onset", "judged", "last_lr", "noise",
+                 "episodes", "waits", "last_judged", "step_s", "num_steps_judged", "stage_levels", "kh",
+                 "lr_hist", "hist_steps")
 
-    def __init__(self, alpha: float) -> None:
+    def __init__(self, alpha: float, noise_window: int) -> None:
         self.cusum = np.zeros(0)
         self.mask = np.zeros(0, np.int64)  # bit i: slow at the i-th latest judged step
-        self.calm = np.zeros(0, np.int64)  # judged steps in a row with the sum below the threshold
+        self.calm = np.zeros(0, np.int64)  # judged steps in a row with the sum below half the threshold
         self.ratio = np.ones(0)  # EWMA of compute / peers
         self.excess = np.zeros(0)  # EWMA of compute - peers, s
         self.compute = np.zeros(0)  # EWMA of compute, s
         self.onset = np.full(0, -1, np.int64)  # step at which the current climb began
         self.judged = np.full(0, -1, np.int64)  # last step judged, per rank
+        self.last_lr = np.full(0, np.nan)  # log ratio at the rank's last judged step
+        self.noise: deque[float] = deque(maxlen=noise_window)  # recent |step-to-step change of log ratio|
         self.episodes: dict[int, _Episode] = {}  # node code (or -1 - rank) -> open episode
         self.waits = WaitBook(alpha=alpha)
         self.last_judged: tuple[int, int] | None = None
         self.step_s = 0.0  # median step_s of the last judged step
         self.num_steps_judged = 0
+        self.stage_levels: dict[int, deque] = {}  # stage -> its recent per-step median log compute
+        self.kh = (0.0, 0.0)  # the CUSUM reference and threshold of the last judged step
+        self.lr_hist = np.full((0, _ONSET_STEPS), np.nan)  # column i: log ratio at the i-th latest judged step
+        self.hist_steps: deque[int] = deque(maxlen=_ONSET_STEPS)  # the judged steps those columns are for
 
     def ensure(self, n: int) -> None:
         self.cusum = _grow(self.cusum, n, 0.0)
@@ -82,9 +127,16 @@ class _State:
         self.compute = _grow(self.compute, n, 0.0)
         self.onset = _grow(self.onset, n, -1)
         self.judged = _grow(self.judged, n, -1)
+        self.last_lr = _grow(self.last_lr, n, np.nan)
+        if len(self.lr_hist) < n:
+            grown = np.full((max(n, 2 * len(self.lr_hist)), _ONSET_STEPS), np.nan)
+            grown[:len(self.lr_hist)] = self.lr_hist
+            self.lr_hist = grown
 
     def footprint(self) -> dict[str, int]:
-        return {"episodes": len(self.episodes), "rank_slots": len(self.cusum), **self.waits.footprint()}
+        return {"episodes": len(self.episodes), "rank_slots": len(self.cusum), "noise": len(self.noise),
+                "stage_levels": sum(len(d) for d in self.stage_levels.values()),
+                **self.waits.footprint()}
 
 
 @register
@@ -94,13 +146,25 @@ class StragglerDetector:
 
     def __init__(self, rules) -> None:
         self.cfg = rules.straggler
-        self.k = math.log(self.cfg.min_ratio)
+        self.k0 = math.log(self.cfg.min_ratio)
         self.clip = math.log(self.cfg.max_step_ratio)
         self.full = (1 << self.cfg.window_steps) - 1
-        self.cap = 2.0 * self.cfg.cusum_threshold
 
     def new_state(self) -> _State:
-        return _State(self.cfg.ewma_alpha)
+        return _State(self.cfg.ewma_alpha, self.cfg.noise_window)
+
+    # -- the noise-adaptive reference and threshold ----------------------------------
+    def noise_s(self, st: _State) -> float | None:
+        """Step-to-step noise of a rank's log ratio (a sigma), None until enough is seen."""
+        if len(st.noise) < _MIN_NOISE_SAMPLES:
+            return None
+        d = np.fromiter(st.noise, float)
+        return MAD_TO_SIGMA * float(np.median(d)) / math.sqrt(2.0)
+
+    def reference(self, st: _State) -> tuple[float, float]:
+        """(k, h): the CUSUM's per-step reference and its threshold."""
+        sigma = self.noise_s(st) or 0.0
+        return max(self.k0, self.cfg.noise_k * sigma), max(self.cfg.cusum_threshold, self.cfg.noise_h * sigma)
 
     def run(self, p, st: _State) -> None:
         st.waits.add(p.frames.collectives)
@@ -132,16 +196,36 @@ class StragglerDetector:
             return False
         r, c, ref = r[ok], c[ok], ref[ok]
         ratio = c / ref
+        if len(r) >= 3:  # against every rank, each stage's own level taken out
+            stage = topo.stage_of(r)
+            lc = np.log(c)
+            stages, at = np.unique(stage, return_inverse=True)
+            level = np.empty(len(stages))
+            for i, g in enumerate(stages.tolist()):
+                hist = st.stage_levels.setdefault(g, deque(maxlen=_STAGE_LEVEL_STEPS))
+                hist.append(float(np.median(lc[at == i])))
+                level[i] = float(np.median(np.fromiter(hist, float, len(hist))))
+            x = lc - level[at]
+            x_ref, _ = loo_median(x, np.zeros(len(x), np.int64))
+            ratio = np.exp(x - x_ref)
         lr = np.clip(np.log(ratio), -self.clip, self.clip)
+        k, h = st.kh = self.reference(st)  # from the noise before this step
+        prev = st.last_lr[r]
+        seen = np.isfinite(prev) & (st.judged[r] >= 0)
+        st.noise.extend(np.abs(lr[seen] - prev[seen]).tolist())
+        st.last_lr[r] = lr
         before = st.cusum[r]
-        after = np.clip(before + lr - self.k, 0.0, self.cap)  # capped: a long straggle recovers fast
+        after = np.clip(before + lr - k, 0.0, 2.0 * h)  # capped: a long straggle recovers fast
         st.cusum[r] = after
         climbing = (before <= 0) & (after > 0)
         st.onset[r[climbing]] = step
         st.onset[r[after <= 0]] = -1
-        st.calm[r] = np.where(after < self.cfg.cusum_threshold, st.calm[r] + 1, 0)
+        st.calm[r] = np.where(after < 0.5 * h, st.calm[r] + 1, 0)  # hysteresis: calm well below the threshold
         slow = (ratio >= self.cfg.min_ratio).astype(np.int64)
         st.mask[r] = ((st.mask[r] << 1) | slow) & self.full
+        st.lr_hist[r, 1:] = st.lr_hist[r, :-1]
+        st.lr_hist[r, 0] = lr
+        st.hist_steps.appendleft(step)
         a = self.cfg.ewma_alpha
         st.ratio[r] = a * ratio + (1 - a) * st.ratio[r]
         st.excess[r] = a * (c - ref) + (1 - a) * st.excess[r]
@@ -153,16 +237,38 @@ class StragglerDetector:
         st.num_steps_judged += 1
         return True
 
+    # -- who is held back by whom --------------------------------------------------
+    def _held_by(self, st: _State, rank: int, culprits: set[int]) -> tuple[int, list[int]] | None:
+        """The slow rank `rank` is held back by: the end of its chain of net waits (its own
+        by `waiter_share` of its excess or more), when that rank is slow too (a culprit, or
+        its sum climbing); None when `rank` is the one the others wait for."""
+        need = max(_WAITER_FLOOR_S, self.cfg.waiter_share * max(float(st.excess[rank]), 0.0))
+        sink, chain = st.waits.sink(rank, need, _WAITER_FLOOR_S)
+        if sink == rank or not (sink in culprits or (sink < len(st.cusum) and st.cusum[sink] > 0)):
+            return None
+        return sink, chain
+
     # -- incidents -----------------------------------------------------------------
     def _episodes(self, p, st: _State) -> None:
         cfg, topo = self.cfg, p.topo
-        window_mask = (1 << cfg.window_steps) - 1
-        firing = np.flatnonzero((st.cusum >= cfg.cusum_threshold)
-                                & (popcount(st.mask & window_mask) >= cfg.min_slow_steps))
+        _, h = st.kh
         step = st.last_judged[1]
-        touched: set[int] = set()
+        known = len(st.noise) >= _MIN_NOISE_SAMPLES and st.num_steps_judged >= _MIN_JUDGED_STEPS
+        firing = np.flatnonzero((st.cusum >= h) & (popcount(st.mask & self.full) >= cfg.min_slow_steps)
+                                & (st.ratio >= cfg.min_ratio)) if known else np.zeros(0, np.int64)
+        # culprits: the firing ranks and the open incidents' members; a culprit that waits for
+        # another culprit is held back by it (the rank everyone waits for is the culprit)
+        culprits = set(firing.tolist()) | {r for ep in st.episodes.values() for r in ep.members}
+        held: dict[int, tuple[int, list[int]]] = {}
+        for rank in sorted(culprits):
+            got = self._held_by(st, rank, culprits)
+            if got is not None:
+                held[rank] = got
+        culprits -= set(held)
         for rank in firing.tolist():
-            node = int(topo.node_of[rank]) if rank < len(topo.node_of) and topo.node_of[rank] >= 0 else -1 - rank
+            if rank in held:
+                continue
+            node = self._node(topo, rank)
             ep = st.episodes.get(node)
             if ep is None:
                 prefix = f"straggler:{topo.node_names[node]}" if node >= 0 else f"straggler:rank{rank}"
@@ -171,26 +277,58 @@ class StragglerDetector:
             if rank not in ep.members:
                 ep.members.add(rank)
                 ep.ever.add(rank)
-                onset = int(st.onset[rank]) if st.onset[rank] >= 0 else step
-                ep.onset = min(ep.onset, onset)
-            touched.add(node)
+                ep.onset = min(ep.onset, self._onset(st, rank, step))
         for node, ep in list(st.episodes.items()):
             for rank in list(ep.members):
-                if st.calm[rank] >= cfg.resolve_after_steps:
-                    ep.members.discard(rank)  # recovered
-                elif st.judged[rank] >= 0 and step - st.judged[rank] > cfg.resolve_after_steps:
-                    ep.members.discard(rank)  # gone (isolated, or no longer reporting)
-            if not ep.members:
+                if rank in held:
+                    ep.members.discard(rank)  # it waits for another culprit
+                    ep.held[rank] = held[rank]
+            for rank in list(ep.members) + list(ep.held):
+                if st.calm[rank] >= cfg.resolve_after_steps or (
+                        st.judged[rank] >= 0 and step - st.judged[rank] > cfg.resolve_after_steps):
+                    ep.members.discard(rank)  # recovered, or gone (isolated, no longer reporting)
+                    ep.held.pop(rank, None)
+            if not ep.members and not ep.held:
                 if p.book.is_open(ep.key):
                     p.resolve(ep.key, step_to=step,
                               evidence={**p.book.get(ep.key).evidence, "resolved_because": "back to its peers' speed"})
                 del st.episodes[node]
                 continue
-            self._report(p, st, ep, step)
+            waiters = {r: got for r, got in held.items() if got[0] in ep.members}
+            self._report(p, st, ep, step, waiters)
 
-    def _report(self, p, st: _State, ep: _Episode, step: int) -> None:
+    @staticmethod
+    def _onset(st: _State, rank: int, step: int) -> int:
+        """Where the rank's slowness began: the change point of its log ratios over the last
+        `_ONSET_STEPS` judged steps (the split maximising t(n-t)/n (mean after - mean before)^2
+        with the later level higher), no earlier than the climb's start (where the sum left zero)."""
+        climb = int(st.onset[rank]) if st.onset[rank] >= 0 else step
+        steps = np.fromiter(st.hist_steps, np.int64, len(st.hist_steps))[::-1]  # oldest first
+        x = st.lr_hist[rank, :len(steps)][::-1]
+        keep = np.isfinite(x)
+        steps, x = steps[keep], x[keep]
+        n = len(x)
+        if n < 2:
+            return climb
+        t = np.arange(1, n)  # t values before the split
+        head = np.cumsum(x)[:-1]
+        before = head / t
+        after = (x.sum() - head) / (n - t)
+        score = np.where(after > before, t * (n - t) / n * (after - before) ** 2, -1.0)
+        best = int(np.argmax(score))
+        if score[best] <= 0:
+            return climb
+        return max(climb, int(steps[best + 1]))
+
+    @staticmethod
+    def _node(topo, rank: int) -> int:
+        return int(topo.node_of[rank]) if rank < len(topo.node_of) and topo.node_of[rank] >= 0 else -1 - rank
+
+    def _report(self, p, st: _State, ep: _Episode, step: int, waiters: dict[int, tuple[int, list[int]]]) -> None:
         cfg, topo = self.cfg, p.topo
-        members = np.array(sorted(ep.members), np.int64)
+        members = np.array(sorted(r for r in ep.members if st.ratio[r] >= cfg.min_ratio), np.int64)
+        if not len(members):
+            return  # its members are calming down: the row keeps what it showed while they were slow
         slowest = int(members[np.argmax(st.excess[members])])
         cost_s = float(max(0.0, st.excess[members].max()))
         share = cost_s / st.step_s if st.step_s > 0 else None
@@ -198,6 +336,7 @@ class StragglerDetector:
         caused = st.waits.caused(members)
         node = topo.node_name(slowest)
         aggregated = len(members) >= cfg.node_min_ranks
+        k, h = st.kh
         per_rank = {str(int(r)): {"compute_ratio": json_number(st.ratio[r], 4),
                                   "compute_s": json_number(st.compute[r], 4),
                                   "excess_s": json_number(st.excess[r], 4), "cusum": json_number(st.cusum[r], 4),
@@ -208,12 +347,17 @@ class StragglerDetector:
         agree = float(known.max()) if len(known) else None
         confidence = 0.7 if agree is None else round(0.55 + 0.45 * min(1.0, agree), 3)
         ratio = float(st.ratio[slowest])
+        waiters = {str(w): {"waits_for": q, "chain": chain[:8],
+                            "net_wait_s_per_step": json_number(st.waits.net_wait(w, chain[1]), 4)}
+                   for w, (q, chain) in sorted(waiters.items())[:16] if q in members}
         evidence = {"ranks": members.tolist(), "node": node, "stage": topo.coords(slowest)["pp"],
                     "compute_ratio": json_number(ratio, 4), "onset_step": ep.onset, "fired_at_step": ep.fired_at,
                     "cost_s_per_step": json_number(cost_s, 4), "share_of_step": json_number(share, 3),
                     "step_s": json_number(st.step_s, 4), "window_steps": cfg.window_steps,
-                    "min_ratio": cfg.min_ratio, "per_rank": per_rank,
-                    "waited_on": {"last_share": json_number(agree, 3) if agree is not None else None}}
+                    "min_ratio": cfg.min_ratio, "cusum_reference": json_number(k, 3),
+                    "cusum_threshold": json_number(h, 3), "per_rank": per_rank,
+                    "waited_on": {"last_share": json_number(agree, 3) if agree is not None else None,
+                                  "waiters": waiters}}
         cost = f"costs {cost_s:.3g} s/step" + (f" ({100 * share:.0f}% of step time)" if share is not None else "")
         if aggregated:
             root = (f"slow node {node}: ranks {', '.join(map(str, members.tolist()))} compute up to "
@@ -221,6 +365,8 @@ class StragglerDetector:
         else:
             where = f" on {node}" if node else ""
             root = f"slow rank {slowest}{where}: compute {ratio:.2f}x its stage peers; {cost}"
+            if waiters:
+                root += f"; rank(s) {', '.join(waiters)} wait for it"
         p.report(Finding(kind="straggler", key=ep.key, run_id=p.run.run_id,
                          severity="critical" if share is not None and share >= 0.25 else "warning",
                          rank=None if aggregated else slowest, node=node, step_from=ep.onset, step_to=step,

@@ -20,7 +20,8 @@ thousands of steps):
   phase; rows with a non-finite loss, or a spike, are flushed at once; the
   collector group-commits every `tick_s`.
 
-Faults: `Straggler`, `Spike`, `Nan`, `Hang`, `Crash` (see each). The ground
+Faults: `Straggler`, `Spike`, `Nan`, `Hang`, `Crash` (see each); `Contention`
+slows a rank without being a fault (no ground truth). The ground
 truth comes back as `Sim.truth`, rows shaped like injections.jsonl.
 """
 
@@ -38,6 +39,17 @@ from analysis.frames import Frames
 
 @dataclass(frozen=True)
 class Straggler:
+    rank: int
+    start: int
+    factor: float
+    end: int = 1 << 40
+
+
+@dataclass(frozen=True)
+class Contention:
+    """A rank's compute stretched by `factor` over `[start, end)` steps without being a fault (no
+    ground truth): on an oversubscribed host, the culprit's tensor-parallel partner computes in
+    lockstep with it and shares its contention. One step (`end = start + 1`) is a hiccup."""
     rank: int
     start: int
     factor: float
@@ -170,6 +182,8 @@ class Sim:
         hang = next((f for f in self.faults if isinstance(f, (Hang, Crash))), None)
         last_step = S if hang is None else hang.step - 1  # steps that complete
         for f in self.faults:
+            if isinstance(f, Contention):
+                compute[max(f.start, 1) - 1:min(f.end, S + 1) - 1, f.rank] *= f.factor
             if isinstance(f, Straggler):
                 lo, hi = max(f.start, 1) - 1, min(f.end, S)
                 compute[lo:hi, f.rank] *= f.factor
@@ -230,9 +244,10 @@ class Sim:
             steps["sample_epoch"] = np.zeros(len(r_idx), np.int64)
             steps["sample_from"] = (s_idx * replicas + dp_of[r_idx]) * per_replica
             steps["sample_to"] = steps["sample_from"] + per_replica
-        if nan_fault is not None:
-            self._poison(steps, s_idx, r_idx, nan_fault, local_cols)
-            urgent[nan_fault.step - 1] = True
+        for f in self.faults:  # each NaN fault poisons its step
+            if isinstance(f, Nan):
+                self._poison(steps, s_idx, r_idx, f, local_cols)
+                urgent[f.step - 1] = True
         steps_df = pl.DataFrame(steps).filter(pl.Series(keep))
         step_urgent = urgent[s_idx][keep]
 
@@ -595,3 +610,29 @@ def last_of(findings) -> dict[str, object]:
 
 def isfinite(x) -> bool:
     return x is not None and math.isfinite(x)
+
+
+def backlogged(commits, every_s: float):
+    """The same rows as commits arriving in bursts of `every_s` seconds (a collector
+    that fell behind, or a replay window): each burst is one commit, fed at its end."""
+    out: list[tuple[float, Frames]] = []
+    group: list[Frames] = []
+    end = None
+    for now, frames in commits:
+        if end is not None and now > end:
+            out.append((end, _merge(group)))
+            group = []
+        if not group:
+            end = now + every_s
+        group.append(frames)
+    if group:
+        out.append((end, _merge(group)))
+    return out
+
+
+def _merge(group: list[Frames]) -> Frames:
+    tables: dict[str, list[pl.DataFrame]] = {}
+    for f in group:
+        for name, df in f.tables().items():
+            tables.setdefault(name, []).append(df)
+    return Frames(**{name: pl.concat(dfs, how="diagonal_relaxed") for name, dfs in tables.items()})

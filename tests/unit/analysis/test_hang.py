@@ -61,3 +61,26 @@ def test_the_hang_resolves_when_the_run_finishes():
     out = analyzer.feed(Frames(events=events_frame([{"run_id": "sim", "rank": 1, "ts": 1.0, "step": 100,
                                                      "kind": "run_finished", "data": "{}"}])), now=last_progress + 21)
     assert [f.resolved for f in out] == [True]
+
+
+def test_a_run_shut_down_after_a_hang_is_no_second_hang():
+    """Seen live: the run interrupted after its hang; the hung rank's agent closed first, and the
+    peers still waiting for it were taken for a second hang on another rank."""
+    from analysis.frames import events_frame
+    from analysis import Frames
+
+    layout = Layout(dp=2, tp=2, nodes=2)
+    sim, analyzer, findings, last_progress = hang_run(layout, 2, step=80)
+    assert [f.rank for f in opened(findings).values()] == [2]
+    t = last_progress + 20.0
+    closes = [(t + 0.2, 2), (t + 1.4, 0), (t + 1.5, 3), (t + 2.0, 1)]  # the launcher stops them one by one
+    hb = [c for now, c in sim.build() if t < now <= t + 2.0 and c.heartbeats is not None]
+    for now, rank in closes:
+        ev = events_frame([{"run_id": "sim", "rank": rank, "ts": now, "step": 80, "kind": "agent_closed",
+                            "data": "{}"}])
+        beats = [c.heartbeats for c in hb if c.heartbeats["ts"].max() <= now]
+        findings += analyzer.feed(Frames(events=ev, heartbeats=beats[-1] if beats else None), now=now)
+    for k in range(40):
+        findings += analyzer.tick(now=t + 2.0 + 0.25 * k)
+    hangs = opened(findings, "hang")
+    assert [f.rank for f in hangs.values()] == [2], [f.summary() for f in hangs.values()]

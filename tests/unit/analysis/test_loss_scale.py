@@ -54,3 +54,45 @@ def test_backoffs_on_non_finite_losses_are_the_nan_detectors():
         losses += [2.0, float("nan")]
         s /= 2
     assert feed_scales(scales, losses=losses) == []
+
+
+def test_the_rank_whose_own_gradients_overflowed_is_named():
+    """With `finite_bwd` (a rank's own gradients, before the DP reduction spread them) the
+    collapse names the rank that overflowed at its backoff steps."""
+    a = Analyzer(detectors=["loss_scale_collapse"])
+    out = []
+    s = 65536.0
+    for step in range(1, 61):
+        overflow = 31 <= step <= 37
+        if overflow:
+            s /= 2
+        rows = [{"run_id": "r", "attempt": 0, "step": step, "rank": r, "ts": float(step), "loss": 2.0,
+                 "grad_norm": 1.0, "loss_scale": s, "node": f"node{r}",
+                 "finite_bwd": 0 if overflow and r == 1 else 1} for r in range(2)]
+        out += a.feed(Frames(steps=steps_frame(rows)), now=float(step))
+    named = [f for f in out if f.rank is not None]
+    assert named and {(f.rank, f.node) for f in named} == {(1, "node1")}
+    assert named[-1].step_from == 31 and named[-1].evidence["overflow_steps_per_rank"]["1"] >= 5
+
+
+def test_an_overflow_in_the_last_stage_is_named_there_not_upstream():
+    """Backward runs from the last stage: rank 3's infinite gradients reach rank 1 (its stage-0 peer
+    in the pipeline) too, so both report non-finite local gradients; the origin is the later stage."""
+    from analysis.frames import runs_frame
+
+    a = Analyzer(detectors=["loss_scale_collapse"])
+    runs = runs_frame([{"run_id": "r", "world_size": 4, "status": "running", "config": "{}",
+                        "mesh": '{"dp": 2, "tp": 1, "pp": 2}', "node_map": '{"0": "node0", "1": "node0", '
+                        '"2": "node1", "3": "node1"}'}])
+    out = a.feed(Frames(runs=runs), now=0.0)
+    s = 65536.0
+    for step in range(1, 61):
+        overflow = 31 <= step <= 37
+        if overflow:
+            s /= 2
+        rows = [{"run_id": "r", "attempt": 0, "step": step, "rank": r, "ts": float(step), "loss": 2.0,
+                 "grad_norm": 1.0, "loss_scale": s, "finite_bwd": 0 if overflow and r in (1, 3) else 1}
+                for r in range(4)]
+        out += a.feed(Frames(steps=steps_frame(rows)), now=float(step))
+    named = [f for f in out if f.rank is not None]
+    assert named and {(f.rank, f.node) for f in named} == {(3, "node1")}

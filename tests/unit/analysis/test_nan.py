@@ -78,3 +78,17 @@ def test_an_fp16_overflow_is_not_a_nan():
     assert [f for f in out if f.kind == "nan"] == []
     bad = steps_frame([_row(41, 0, loss=float("nan"), loss_scale=65536.0)])
     assert [f.kind for f in a.feed(Frames(steps=bad), now=101.0)] == ["nan"]
+
+
+def test_two_nans_that_a_backlog_brings_in_one_pass_are_two_incidents():
+    """Seen live: a pass held steps 26-51 of a run with NaNs at 26 and 51; they became one
+    incident spanning both although 24 finite steps lay between them."""
+    from tests.unit.analysis.sim import backlogged
+
+    sim = Sim(layout=Layout(dp=2, pp=2, nodes=2), steps=200, seed=41,
+              faults=(Nan(step=100, rank=3), Nan(step=112, rank=0)))
+    findings = feed(Analyzer(), backlogged(sim.build(), every_s=8.0))  # ~35 steps per pass
+    first = opened(findings, "nan")
+    assert sorted((f.step_from, f.rank) for f in last_of(findings).values()) == [(100, 3), (112, 0)], \
+        [f.summary() for f in first.values()]
+    assert all(f.resolved for f in last_of(findings).values())

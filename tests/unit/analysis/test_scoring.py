@@ -76,3 +76,14 @@ def test_scoring_simulated_runs_end_to_end():
         k = s.by_kind[kind]
         assert (k.precision, k.recall) == (1.0, 1.0), kind
         assert k.culprit_accuracy in (1.0, None), kind
+
+
+def test_background_jitter_is_no_truth_and_an_overflow_is_found_as_a_collapse():
+    rows = [{"kind": "jitter", "rank": -1, "node": r, "step": 1, "ts": 1.0, "pct": 10.0} for r in range(2)]
+    rows.append({"kind": "overflow", "rank": 1, "node": 1, "step": 33, "ts": 5.0, "to": 39})
+    truths = truths_from_rows(rows)
+    assert [t.kind for t in truths] == ["overflow"]
+    s = score([f("loss_scale_collapse", "c#1", 33, 37, rank=1, node="node1", ts=6.0)], truths)
+    k = s.by_kind["overflow"]
+    assert (k.precision, k.recall, k.culprit_accuracy, k.latency_s) == (1.0, 1.0, 1.0, [1.0])
+    assert not s.missed and not s.false_positives

@@ -40,3 +40,23 @@ def test_a_small_spike_megatron_would_miss_is_caught():
     sim = Sim(layout=Layout(dp=2, nodes=2), steps=200, seed=7, faults=(Spike(step=150, factor=1.3, grad_factor=1.0),))
     first = opened(feed(Analyzer(), sim.build()))
     assert [(f.kind, f.step_from) for f in first.values()] == [("loss_spike", 150)]
+
+
+def test_one_spike_is_one_incident_when_a_backlog_brings_it_with_the_steps_that_close_it():
+    """Seen live on the demo: steps 70-73 in one commit; the loss spike opened and closed in that
+    pass, and the grad-norm spike of the same step, judged after it, opened a second incident."""
+    from tests.unit.analysis.sim import backlogged
+
+    sim = Sim(layout=Layout(dp=2, tp=2, nodes=2), steps=200, seed=8, faults=(Spike(step=120, factor=3.0),))
+    findings = feed(Analyzer(), backlogged(sim.build(), every_s=4.0))  # steps 109-131 in one pass
+    first = opened(findings)
+    assert [(f.kind, f.step_from) for f in first.values()] == [("loss_spike", 120)]
+    last = last_of(findings)[next(iter(first))]
+    assert last.resolved and last.evidence["grad_norm"]["step"] == 120
+
+
+def test_a_grad_norm_spike_the_step_after_a_loss_spike_is_the_same_cause():
+    sim = Sim(layout=Layout(dp=2, nodes=2), steps=200, seed=9,
+              faults=(Spike(step=120, factor=3.0, grad_factor=1.0), Spike(step=121, factor=1.0, grad_factor=6.0)))
+    first = opened(feed(Analyzer(), sim.build()))
+    assert [(f.kind, f.step_from) for f in first.values()] == [("loss_spike", 120)]

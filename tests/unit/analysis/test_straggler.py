@@ -80,3 +80,56 @@ def test_scoring_the_straggler_runs():
     s = score(findings, truths).by_kind["straggler"]
     assert (s.precision, s.recall, s.culprit_accuracy) == (1.0, 1.0, 1.0)
     assert max(s.latency_steps) < 12
+
+
+def _never_under_min_ratio(findings, min_ratio=1.1):
+    """No straggler finding names, or lists as a member, a rank whose compute ratio is under min_ratio."""
+    for f in findings:
+        if f.kind != "straggler":
+            continue
+        assert f.evidence["compute_ratio"] >= min_ratio, f.summary()
+        for r in f.evidence["ranks"]:
+            assert f.evidence["per_rank"][str(r)]["compute_ratio"] >= min_ratio, (r, f.summary())
+
+
+def test_the_culprits_tensor_parallel_partner_waits_for_it_and_is_not_blamed():
+    """Seen on the demo (2 cores): rank 3 straggles and its TP partner rank 2, in lockstep with it,
+    computes slower too; it enters every TP collective before rank 3 and waits there. The rank
+    everyone waits for is the culprit: rank 3 alone, rank 2 listed as its waiter."""
+    from tests.unit.analysis.sim import Contention
+
+    sim = Sim(layout=Layout(dp=2, tp=2, nodes=2), steps=160, seed=31,
+              faults=(Straggler(rank=3, start=60, factor=1.5), Contention(rank=2, start=60, factor=1.25)))
+    findings = feed(Analyzer(), sim.build())
+    first = opened(findings)
+    assert len(first) == 1, [f.summary() for f in first.values()]
+    assert {f.rank for f in findings} == {3}, [f.summary() for f in findings]
+    last = last_of(findings)[next(iter(first))]
+    assert last.evidence["ranks"] == [3] and last.evidence["onset_step"] >= 59
+    assert last.evidence["waited_on"]["waiters"]["2"]["waits_for"] == 3
+    _never_under_min_ratio(findings)
+
+
+def test_a_hiccup_and_two_mildly_slow_steps_open_nothing():
+    """Seen on real runs: a healthy rank's one-step pause plus two slightly slow steps opened an
+    incident that then reported it at 0.93x with no cost until it closed again."""
+    from tests.unit.analysis.sim import Contention
+
+    sim = Sim(layout=Layout(dp=2, tp=2, nodes=2), steps=160, seed=32, jitter=0.02,
+              faults=(Contention(rank=1, start=100, end=101, factor=2.5),
+                      Contention(rank=1, start=101, end=103, factor=1.15)))
+    findings = feed(Analyzer(), sim.build())
+    assert [f.summary() for f in findings] == []
+
+
+def test_a_member_that_calms_down_leaves_the_node_incident():
+    layout = Layout(dp=2, tp=2, nodes=2)  # node1 holds ranks 2 and 3
+    sim = Sim(layout=layout, steps=170, seed=33, faults=(Straggler(rank=2, start=60, factor=1.5, end=100),
+                                                         Straggler(rank=3, start=60, factor=1.5)))
+    findings = feed(Analyzer(), sim.build())
+    assert len({f.key for f in findings}) == 1
+    node_wide = [f for f in findings if f.rank is None]
+    assert node_wide and node_wide[0].evidence["ranks"] == [2, 3]
+    late = [f for f in findings if f.step_to >= 106]
+    assert late and all(f.rank == 3 and f.evidence["ranks"] == [3] for f in late), [f.summary() for f in late]
+    _never_under_min_ratio(findings)

@@ -1,0 +1,99 @@
+"""Real runs for the end-to-end scenarios: `trainer --telemetry` (embedded collector), then
+what it left behind: the incidents table of `<run dir>/telemetry.duckdb` and the
+ground truth in `<run dir>/injections.jsonl`.
+
+Timing facts are asserted in steps (deterministic); seconds are measured by
+bench/bench_detection.py, not asserted here (a loaded 2-core box makes them flaky).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import duckdb
+
+from tests.integration.trainer_run import ROOT, TINY, Run, run_trainer
+
+E2E_TIMEOUT_S = 150  # one run; the suite's budget is 4 minutes on 2 cores
+
+
+@dataclass
+class Outcome:
+    run: Run
+    incidents: list[dict] = field(default_factory=list)  # incidents rows, in id order, evidence parsed
+    step_end_ts: dict[int, float] = field(default_factory=dict)  # step -> when its last rank reported it
+    last_ts: float | None = None  # the newest step row's ts: the run's end as the ranks saw it
+
+    def of(self, kind: str) -> list[dict]:
+        return [i for i in self.incidents if i["kind"] == kind]
+
+    def truths(self, kind: str) -> list[dict]:
+        return [t for t in self.run.injections() if t["kind"] == kind]
+
+    def summary(self) -> str:
+        return "\n".join(f"{i['kind']} rank={i['rank']} node={i['node']} steps={i['step_from']}-{i['step_to']} "
+                         f"status={i['status']} {i['root_cause']}" for i in self.incidents) or "(no incidents)"
+
+
+def read_outcome(run: Run) -> Outcome:
+    con = duckdb.connect(str(run.run_dir / "telemetry.duckdb"), read_only=True)
+    try:
+        cur = con.execute("SELECT * FROM incidents ORDER BY id")
+        names = [d[0] for d in cur.description]
+        rows = [dict(zip(names, r)) for r in cur.fetchall()]
+        ends = dict(con.execute("SELECT step, max(ts) FROM steps GROUP BY step").fetchall())
+        last = con.execute("SELECT max(ts) FROM steps").fetchone()[0]
+    finally:
+        con.close()
+    for r in rows:
+        if isinstance(r.get("evidence"), str):
+            r["evidence"] = json.loads(r["evidence"])
+    return Outcome(run=run, incidents=rows, step_end_ts=ends, last_ts=last)
+
+
+def run_scenario(run_dir: Path, *args: str) -> Outcome:
+    """A run that ends by itself (cleanly, or through a crash the launcher handles)."""
+    run = run_trainer(run_dir, "--telemetry", *args, timeout=E2E_TIMEOUT_S)
+    return read_outcome(run)
+
+
+def run_until_incident(run_dir: Path, kind: str, *args: str, timeout_s: float = E2E_TIMEOUT_S) -> Outcome:
+    """A run that never ends by itself (a hang): start it, watch the launcher's incident
+    lines (trainer/incident_feed.py), interrupt it once an incident of `kind` opened, and
+    read what it stored. Fails on the timeout rather than waiting forever."""
+    run_dir = Path(run_dir)
+    argv = [sys.executable, "-m", "trainer", "--run-dir", str(run_dir), "--run-id", run_dir.name,
+            "--metrics-jsonl", str(run_dir / "metrics.jsonl"), "--telemetry", *TINY, *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    seen = threading.Event()
+    lines: list[str] = []
+
+    def watch() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith(f"incident: {kind} "):
+                seen.set()
+
+    reader = threading.Thread(target=watch, daemon=True)
+    reader.start()
+    found = seen.wait(timeout_s)
+    proc.send_signal(signal.SIGINT)  # the launcher stops its ranks and the collector, which closes the file
+    try:
+        _, stderr = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+    reader.join(timeout=5)
+    run = Run(proc.returncode, "".join(lines), stderr, run_dir)
+    assert found, f"no {kind} incident within {timeout_s} s:\n{run.stdout[-3000:]}\n{stderr[-3000:]}"
+    return read_outcome(run)
+

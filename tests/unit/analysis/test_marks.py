@@ -1,0 +1,33 @@
+"""Excluded steps: a skipped or non-finite step and the few after it say nothing about speed."""
+
+from __future__ import annotations
+
+import math
+
+import polars as pl
+import pytest
+
+from analysis.frames import Frames, steps_frame
+from analysis.marks import RunMarks
+from analysis.topology import Topology
+
+
+def _row(step: int, rank: int, **kw) -> dict:
+    row = {"run_id": "r", "attempt": 0, "step": step, "rank": rank, "ts": float(step), "loss": 2.0,
+           "grad_norm": 1.0, "loss_scale": 1.0, "step_s": 0.1, "fwd_s": 0.03, "bwd_s": 0.05, "opt_s": 0.01}
+    row.update(kw)
+    return row
+
+
+@pytest.mark.parametrize("skipped_dtype", [pl.Boolean, pl.Int8])  # the table's BOOLEAN, the wire's int8
+def test_a_skipped_or_nonfinite_step_and_the_steps_after_it_are_not_judged(skipped_dtype):
+    marks = RunMarks(steps_after_start=1, steps_after_checkpoint=0, steps_after_eval=0, steps_after_skip=3)
+    rows = [_row(s, r) for s in range(1, 41) for r in (0, 1)]
+    rows[2 * (10 - 1) + 1] = _row(10, 1, skipped=True)  # one rank's optimizer step skipped
+    rows[2 * (25 - 1)] = _row(25, 0, loss=math.nan)  # a NaN loss, not (yet) marked skipped
+    rows[2 * (33 - 1)] = _row(33, 0, loss=None)  # unknown is not odd
+    steps = steps_frame(rows).with_columns(pl.col("skipped").cast(skipped_dtype))
+    marks.update(Frames(steps=steps), now=0.0)
+    topo = Topology()
+    excluded = [s for s in range(3, 41) if marks.is_excluded(0, s, topo)]
+    assert excluded == [10, 11, 12, 13, 25, 26, 27, 28]
