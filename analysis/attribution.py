@@ -20,8 +20,10 @@ when waited, in step s+1). Final collectives feed moving averages over steps:
 - per pair of ranks, `waited_for(a, b)`: seconds per step `a` waited for `b`.
   The straggler detector reads the pairs: a slow rank that, net, waits for
   another slow rank is that rank's waiter, not a culprit (the rank everyone
-  waits for is). Pairs are kept sparse (only those that waited), decayed lazily,
-  and pruned beyond a bound proportional to the ranks seen.
+  waits for is). Pairs are kept sparse (only those that waited) in sorted numpy
+  arrays (one pass merges a step's pairs into them vectorised, 10,000 ranks
+  included), decayed together, and pruned beyond a bound proportional to the
+  ranks seen.
 
 Only those averages and the rows of the last few steps are kept.
 """
@@ -39,9 +41,17 @@ _PAIR_BITS = 24  # a pair key is waiter << _PAIR_BITS | waited-for (ranks below 
 _PAIR_FLOOR_S = 1e-6  # decayed below this, a pair is forgotten when the book prunes
 
 
+def _distinct(x: np.ndarray) -> np.ndarray:
+    """The sorted distinct values of an int array (a sort: np.unique hashes, slowly, here)."""
+    if not len(x):
+        return x
+    x = np.sort(x)
+    return x[np.r_[True, x[1:] != x[:-1]]]
+
+
 class WaitBook:
-    __slots__ = ("alpha", "_chunks", "_axes", "caused_wait_s", "last_ops", "all_ops", "num_final", "_pairs",
-                 "_best", "_best_at")
+    __slots__ = ("alpha", "_chunks", "_axes", "caused_wait_s", "last_ops", "all_ops", "num_final", "_pair_keys",
+                 "_pair_s", "_pairs_at", "_best", "_best_at")
 
     def __init__(self, *, alpha: float) -> None:
         self.alpha = alpha
@@ -51,20 +61,26 @@ class WaitBook:
         self.last_ops = np.zeros(0)  # EWMA over steps of collectives it entered last
         self.all_ops = np.zeros(0)  # EWMA over steps of collectives it took part in
         self.num_final = 0  # final steps so far (the clock of the lazy decay)
-        self._pairs: dict[int, tuple[float, int]] = {}  # pair key -> (EWMA s/step, num_final when set)
+        self._pair_keys = np.zeros(0, np.int64)  # sorted pair keys (waiter << _PAIR_BITS | waited-for)
+        self._pair_s = np.zeros(0)  # their EWMA s/step, as of num_final == _pairs_at
+        self._pairs_at = 0
         self._best: dict[int, tuple[int | None, float]] = {}  # rank -> whom it waits for most, net (a cache)
         self._best_at = -1  # num_final the cache is for
 
     def footprint(self) -> dict[str, int]:
-        return {"open_collective_rows": sum(len(c["rank"]) for c in self._chunks), "wait_pairs": len(self._pairs)}
+        return {"open_collective_rows": sum(len(c["rank"]) for c in self._chunks),
+                "wait_pairs": len(self._pair_keys)}
+
+    def _decay(self) -> float:
+        return (1.0 - self.alpha) ** (self.num_final - self._pairs_at)
 
     def waited_for(self, a: int, b: int) -> float:
         """Seconds per step (moving average) rank `a` waited for rank `b`."""
-        got = self._pairs.get((int(a) << _PAIR_BITS) | int(b))
-        if got is None:
+        key = (int(a) << _PAIR_BITS) | int(b)
+        i = int(np.searchsorted(self._pair_keys, key))
+        if i == len(self._pair_keys) or self._pair_keys[i] != key:
             return 0.0
-        value, at = got
-        return value * (1.0 - self.alpha) ** (self.num_final - at)
+        return float(self._pair_s[i]) * self._decay()
 
     def net_wait(self, a: int, b: int) -> float:
         """How much more `a` waited for `b` than `b` for `a` (s/step; > 0: `a` waits for `b`)."""
@@ -77,12 +93,13 @@ class WaitBook:
         got = self._best.get(a)
         if got is None:
             got = (None, 0.0)
-            for key in self._pairs:
-                if key >> _PAIR_BITS == a:  # a waited for b at all: only then can the net be positive
-                    b = key & ((1 << _PAIR_BITS) - 1)
-                    net = self.net_wait(a, b)
-                    if net > got[1]:
-                        got = (b, net)
+            keys = self._pair_keys  # a's pairs are one run of the sorted keys
+            lo, hi = np.searchsorted(keys, [int(a) << _PAIR_BITS, (int(a) + 1) << _PAIR_BITS])
+            for key in keys[lo:hi].tolist():  # a waited for b at all: only then can the net be positive
+                b = key & ((1 << _PAIR_BITS) - 1)
+                net = self.net_wait(a, b)
+                if net > got[1]:
+                    got = (b, net)
             self._best[a] = got
         return got[0] if got[0] is not None and got[1] >= need_s else None
 
@@ -170,7 +187,7 @@ class WaitBook:
         keep = (pw > 0) & (pa != pb)
         pa, pb, pw, ps = pa[keep], pb[keep], pw[keep], ps[keep]
         alpha = self.alpha
-        keys = np.unique(step_key)
+        keys = _distinct(step_key)
         n0 = self.num_final
         for key in keys:  # a step or two per pass live, in order (a replay or a backlog: more)
             m = col_step == key
@@ -185,18 +202,25 @@ class WaitBook:
             # every step of this call at once: the j-th final step's waits weigh alpha (1 - alpha)^(J-1-j)
             j = np.searchsorted(keys, ps)
             weight = alpha * (1.0 - alpha) ** (len(keys) - 1 - j)
-            uk, inv = np.unique((pa << _PAIR_BITS) | pb, return_inverse=True)
-            sums = np.bincount(inv, weights=pw * weight)
-            n, keep = self.num_final, 1.0 - alpha
-            for pair, w in zip(uk.tolist(), sums.tolist()):
-                prev = self._pairs.get(pair)
-                old = prev[0] * keep ** (n - prev[1]) if prev else 0.0
-                self._pairs[pair] = (w + old, n)
+            pk = (pa << _PAIR_BITS) | pb
+            o = np.argsort(pk, kind="stable")  # a sort and a segmented sum: np.unique hashes slowly here
+            pk = pk[o]
+            first = np.flatnonzero(np.r_[True, pk[1:] != pk[:-1]])
+            uk, sums = pk[first], np.add.reduceat((pw * weight)[o], first)
+            value = self._pair_s * self._decay()  # every pair decayed to now, then the new waits added
+            at = np.searchsorted(self._pair_keys, uk)
+            known = at < len(self._pair_keys)
+            known[known] = self._pair_keys[at[known]] == uk[known]
+            value[at[known]] += sums[known]
+            # new pairs go in at their sorted places (both arrays are sorted: one O(n) insert)
+            self._pair_keys = np.insert(self._pair_keys, at[~known], uk[~known])
+            self._pair_s = np.insert(value, at[~known], sums[~known])
+            self._pairs_at = self.num_final
         self._prune(size)
 
     def _prune(self, num_ranks: int) -> None:
         """Bound the pairs: forget those decayed to nothing once there are many."""
-        if len(self._pairs) <= 4096 + 16 * num_ranks:
+        if len(self._pair_keys) <= 4096 + 16 * num_ranks:
             return
-        n, keep = self.num_final, 1.0 - self.alpha
-        self._pairs = {k: v for k, v in self._pairs.items() if v[0] * keep ** (n - v[1]) >= _PAIR_FLOOR_S}
+        live = self._pair_s * self._decay() >= _PAIR_FLOOR_S
+        self._pair_keys, self._pair_s = self._pair_keys[live], self._pair_s[live]
