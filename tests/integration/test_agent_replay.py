@@ -81,7 +81,8 @@ def test_the_command_line_needs_no_token(collector, tmp_path):
     out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60,
                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "LLMWATCH_TOKEN": "tok"})
     assert out.returncode == 0, out.stderr
-    assert not any(a.startswith("--token") for a in argv) and "replayed 1 batches" in out.stdout
+    # the step's batch and the one close() cuts for its agent_closed event
+    assert not any(a.startswith("--token") for a in argv) and "replayed 2 batches" in out.stdout
     assert [r["step"] for r in collector.rows("step")] == [0]
 
 

@@ -88,6 +88,6 @@ def test_a_ca_file_that_cannot_be_read_is_logged_and_batches_spool(https_collect
         assert not agent.flush(1.0)
         agent.close()
     assert any("cannot load the CA file" in r.getMessage() and missing in r.getMessage() for r in caplog.records)
-    assert agent.stats()["batches"]["spooled"] == 1
+    assert agent.stats()["batches"]["spooled"] == 2  # the step's batch, then close()'s agent_closed event
     assert replay.main([str(tmp_path / "spool"), "--url", https_collector.url, "--token", "tok",
                         "--ca-file", missing]) == 2

@@ -65,9 +65,12 @@ def test_replay_json_names_the_culprits(run):
     score = got["score"]["by_kind"]
     assert score["straggler"]["recall"] == 1.0 and score["nan"]["recall"] == 1.0
     assert score["straggler"]["culprit_accuracy"] == 1.0
-    # onset at step 10, the run ends at 40: found while it went on (a few steps after onset on
-    # an idle machine, ~13 when other processes share the two cores)
-    assert 0 <= score["straggler"]["latency_steps_p50"] <= 20
+    # onset at step 10, the run ends at 40: found while it went on. Not within a few steps
+    # here: no straggler verdict comes before 16 judged steps (the noise estimate's warm-up,
+    # docs/rules.md), and this run judges few: steps 1-5 (start), 10-12, 20-22 and 30-32
+    # (checkpoints) and 25-28 (the NaN's skipped step and the 3 after it) are not judged,
+    # so the 16th judged step is step 34 (the e2e scenarios assert the 5-step goal)
+    assert 0 <= score["straggler"]["latency_steps_p50"] <= 28
     incidents = got["runs"][run.run_id]["incidents"]
     (nan,) = [i for i in incidents if i["kind"] == "nan"]
     assert nan["step_from"] == NAN["step"] and nan["status"] == "closed"
