@@ -24,6 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from agent import Agent, AgentConfig, wire
+from tests.polling import wait_until as _wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -156,15 +157,6 @@ def _config(url: str, tmp_path, **kw) -> AgentConfig:
                 capacity=4096, timeout_s=1.0, retry_min_s=0.05, retry_max_s=0.2, spool_flush_interval_s=0.2)
     base.update(kw)
     return AgentConfig(**base)
-
-
-def _wait_for(cond, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 def _step(agent: Agent, step: int) -> None:

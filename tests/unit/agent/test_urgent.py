@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 
 import pytest
 
@@ -13,6 +12,7 @@ from agent import Agent, AgentConfig, wire
 from agent.transport import PostResult
 from agent.ring import Recorder
 from agent.urgent import LossBaseline
+from tests.polling import wait_until as wait_for
 
 NAN, INF = math.nan, math.inf
 
@@ -173,15 +173,6 @@ class StubClient:
 
     def close(self) -> None:
         pass
-
-
-def wait_for(predicate, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 def test_the_flusher_ships_an_urgent_step_without_waiting_for_its_period(monkeypatch, tmp_path):

@@ -4,7 +4,6 @@ findings written back as incidents, and ingest never waiting for them."""
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pyarrow as pa
@@ -18,15 +17,7 @@ from collector.incidents import Finding
 from collector.settings import Settings
 from collector.storage import Storage
 from tests.unit.collector.collector_batches import make_batch, steps_section
-
-
-def wait_until(predicate, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
+from tests.polling import wait_until
 
 
 class SlowRank:

@@ -17,19 +17,11 @@ from collector.outbox import Delivery, DeliveryResult, Lane, RetryPolicy, build_
 from collector.projection import Projection
 from collector.settings import Settings
 from collector.storage import Storage
+from tests.polling import wait_until
 
 SECRET = "hook-secret-0123456789abcdef"
 HOOK = "http://alice:pa55word@127.0.0.1:9/hooks/T0K3N?key=qu3ry"
 AM = "http://127.0.0.1:9"
-
-
-def wait_until(predicate, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 class FakeTransport:
