@@ -15,3 +15,16 @@ def wait_until(predicate: Callable[[], object], timeout_s: float = 10.0, interva
             return True
         time.sleep(interval_s)
     return bool(predicate())
+
+
+def wait_for(predicate: Callable[[], object], timeout_s: float, what: str, interval_s: float = 0.05):
+    """Poll `predicate` until it returns something truthy, and return that; after
+    `timeout_s`, fail the test naming `what` was awaited."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(interval_s)

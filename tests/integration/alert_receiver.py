@@ -4,33 +4,13 @@ make a real collector's NaN detector open an incident and close it again."""
 from __future__ import annotations
 
 import json
-import socket
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 
 from agent import wire
 from tests.unit.collector.collector_batches import make_batch, steps_section
-
-
-def wait_until(predicate, timeout_s: float, what: str):
-    """Poll `predicate` until it returns something truthy (returned), at most `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(0.05)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class WebhookReceiver:

@@ -17,7 +17,9 @@ import subprocess
 import httpx
 import pytest
 
-from tests.integration.alert_receiver import NanRun, WebhookReceiver, free_port, wait_until
+from tests.integration.alert_receiver import NanRun, WebhookReceiver
+from tests.polling import wait_for as wait_until
+from trainer.launch import free_port
 from tests.unit.collector.collector_server import CollectorProcess
 
 pytestmark = [pytest.mark.integration]

@@ -11,7 +11,9 @@ import os
 import pytest
 
 from collector import alerts
-from tests.integration.alert_receiver import NanRun, WebhookReceiver, free_port, wait_until
+from tests.integration.alert_receiver import NanRun, WebhookReceiver
+from tests.polling import wait_for as wait_until
+from trainer.launch import free_port
 from tests.unit.collector.collector_server import CollectorProcess
 
 pytestmark = [pytest.mark.integration]
@@ -38,20 +40,26 @@ def outbox(c: CollectorProcess) -> list[list]:
     return c.sql("SELECT kind, status, attempts, last_error, receiver FROM alert_outbox ORDER BY id")
 
 
+def fire_and_resolve(c, hook: WebhookReceiver, run_id: str) -> list:
+    """Open a NaN incident and close it through collector `c`, wait until `hook` got the
+    firing and the resolved alert and both outbox rows are delivered; the rows. Stops `c`."""
+    run = NanRun(c.url, c.token, run_id=run_id)
+    try:
+        run.open_incident()
+        wait_until(lambda: hook.alerts("firing"), 20, "the firing alert")
+        run.close_incident()
+        wait_until(lambda: hook.alerts("resolved"), 20, "the resolved alert")
+        return wait_until(lambda: (r := outbox(c)) and all(x[1] == "delivered" for x in r) and r, 10,
+                          "both rows delivered")
+    finally:
+        run.close()
+        assert c.stop() == 0
+
+
 def test_an_incident_and_its_resolution_reach_the_webhook_signed(tmp_path):
     with WebhookReceiver() as hook:
         c = collector(tmp_path, f"{hook.url}/{PATH_TOKEN}?key=q").start()
-        run = NanRun(c.url, c.token, run_id="hooked")
-        try:
-            run.open_incident()
-            wait_until(lambda: hook.alerts("firing"), 20, "the firing alert")
-            run.close_incident()
-            wait_until(lambda: hook.alerts("resolved"), 20, "the resolved alert")
-            rows = wait_until(lambda: (r := outbox(c)) and all(x[1] == "delivered" for x in r) and r, 10,
-                              "both rows delivered")
-        finally:
-            run.close()
-            assert c.stop() == 0
+        rows = fire_and_resolve(c, hook, "hooked")
     assert [(k, s, a, r) for k, s, a, _, r in rows] == [("firing", "delivered", 1, "webhook:1"),
                                                         ("resolved", "delivered", 1, "webhook:1")]
     assert len(hook.requests) == 2
@@ -78,17 +86,7 @@ def test_an_incident_and_its_resolution_reach_the_webhook_signed(tmp_path):
 def test_a_receiver_answering_503_three_times_still_gets_every_alert(tmp_path):
     with WebhookReceiver(fail_first=3) as hook:
         c = collector(tmp_path, hook.url, *FAST_RETRIES).start()
-        run = NanRun(c.url, c.token, run_id="flaky")
-        try:
-            run.open_incident()
-            wait_until(lambda: hook.alerts("firing"), 20, "the firing alert after three 503s")
-            run.close_incident()
-            wait_until(lambda: hook.alerts("resolved"), 20, "the resolved alert")
-            rows = wait_until(lambda: (r := outbox(c)) and all(x[1] == "delivered" for x in r) and r, 10,
-                              "both rows delivered")
-        finally:
-            run.close()
-            assert c.stop() == 0
+        rows = fire_and_resolve(c, hook, "flaky")
     assert hook.refused == 3 and len(hook.requests) == 2
     assert rows[0][:3] == ["firing", "delivered", 4] and rows[0][3] == "HTTP 503"  # the last failure stays
 
