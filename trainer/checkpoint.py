@@ -37,7 +37,10 @@ A persist that is still waiting when a newer checkpoint is finalized is skipped
 backs up the first.
 
 Loading: `load_latest()` tries finalized checkpoints newest first (for one
-step the local copy, then the persisted one). Each rank verifies sha256 and
+step the local copy, then the persisted one); `load_latest(before_step=S)` only
+those of steps before S: the newest verified checkpoint from before a bad step,
+where a rollback restarts. The checkpoints it passes over stay on disk until the
+next save prunes them as an abandoned lineage. Each rank verifies sha256 and
 size of the files it needs; one `all_reduce(MIN)` of a flag makes every rank
 move on together when any rank's shard is bad. A different dp size reshards by
 mapping each rank to the model file of its (pp, tp) coordinate; tp/pp cannot
@@ -491,11 +494,14 @@ class Checkpointer:
                     shutil.rmtree(entry.path, ignore_errors=True)
 
     # -- loading -------------------------------------------------------------
-    def load_latest(self) -> LoadedCheckpoint | None:
-        """Newest checkpoint that verifies on every rank, or None. Collective (every rank calls it)."""
+    def load_latest(self, before_step: int | None = None) -> LoadedCheckpoint | None:
+        """Newest checkpoint that verifies on every rank, or None. With `before_step`, only
+        checkpoints of earlier steps count: a rollback must restart before the bad step,
+        even when a newer checkpoint (saved at or after it) is intact. Collective (every
+        rank calls it, with the same `before_step`)."""
         self.wait()
         self.comm.barrier(Axis.WORLD)  # every rank's saves have landed: all ranks list the same directories
-        candidates = self._candidates()
+        candidates = [c for c in self._candidates() if before_step is None or c.step < before_step]
         index = 0
         while True:
             cand = candidates[index] if index < len(candidates) else None

@@ -16,6 +16,18 @@ d-th run of `micro_batches` of them. So a single process with
 `DataPosition(epoch, index)` counts the samples of the epoch consumed before a
 step; an epoch ends when fewer than a global batch remain (that tail is dropped)
 and the next one starts at index 0.
+
+Healing moves the data in two ways, both deterministic so that every dp rank
+agrees without a collective:
+
+- bad windows (epoch, from, to), in the same sample coordinates as
+  `step_window()`: a step whose global batch overlaps one is never served; the
+  loader jumps past the window and the same step number gets the next clean
+  global batch (a rollback that skips poisoned data, and every later resume);
+- a replica swap at one step: dp rank d serves replica (d + shift) % dp's
+  micro-batches of the same global batch, so the math of the step is unchanged
+  but each sample lands on another device: a rerun that separates a data fault
+  (it moves with the samples) from a device fault (it stays on the rank).
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ import dataclasses
 import queue
 import threading
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -110,6 +123,13 @@ def poison(batch: StepBatch, seed: int) -> StepBatch:
     return dataclasses.replace(batch, micro_batches=poisoned, meta={**batch.meta, "poisoned": True})
 
 
+def _as_window(window) -> tuple[int, int, int]:
+    epoch, lo, hi = (int(x) for x in window)
+    if epoch < 0 or not 0 <= lo < hi:
+        raise ValueError(f"bad window {tuple(window)}: needs epoch >= 0 and 0 <= from < to")
+    return (epoch, lo, hi)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Failure:
     error: Exception
@@ -122,11 +142,18 @@ class DataLoader:
     in `next()`). `wait_s` is how long the last `next()` blocked: the step's data
     time. An exception in the thread is re-raised by `next()` (and by every call
     after). `seek()` drops the prepared steps and restarts at a position: resume
-    and rollback. Preparing a step of 8 micro-batches of 4x128 costs ~0.2 ms."""
+    and rollback. `add_bad_window()` and `swap_at()` drop them too, since the
+    steps already prepared may be the ones they change. Preparing a step of 8
+    micro-batches of 4x128 costs ~0.2 ms.
+
+    Every served StepBatch's meta has `window` (the global batch), `replica_window`
+    (the samples this rank got), `skipped_windows` (the bad windows jumped over
+    just before this step, usually empty) and `swap_shift` (0 unless swapped)."""
 
     def __init__(self, corpus: Corpus, *, seq_len: int, micro_batch_size: int, micro_batches: int, dp_size: int,
                  dp_rank: int, seed: int, position: DataPosition, group_window: int, prefetch: int,
-                 pad_multiple: int = 1, start_step: int = 0) -> None:
+                 pad_multiple: int = 1, start_step: int = 0,
+                 bad_windows: Sequence[tuple[int, int, int]] = ()) -> None:
         if min(micro_batch_size, micro_batches, dp_size, group_window, pad_multiple) < 1 or prefetch < 0:
             raise ValueError("micro_batch_size, micro_batches, dp_size, group_window, pad_multiple must be >= 1, "
                              "prefetch >= 0")
@@ -150,6 +177,10 @@ class DataLoader:
             raise ValueError(f"{len(corpus.train_ids)} training samples are fewer than one global batch "
                              f"of {self.samples_per_step}")
         self.wait_s = 0.0
+        # Immutable, replaced whole: the producer thread reads them without a lock, and a
+        # change is followed by a restart that drops what the old values prepared.
+        self._bad_windows = tuple(_as_window(w) for w in bad_windows)
+        self._swap: tuple[int, int] | None = None  # (step, shift), until that step is served
         self._order_cache: tuple[int, np.ndarray] | None = None
         self._thread: threading.Thread | None = None
         self._queue: queue.Queue | None = None
@@ -161,7 +192,7 @@ class DataLoader:
     # -- positions ---------------------------------------------------------
     @property
     def position(self) -> DataPosition:
-        """Where the next step served by `next()` starts."""
+        """Where the next step served by `next()` starts, unless a bad window moves it."""
         return self._position
 
     @property
@@ -200,6 +231,28 @@ class DataLoader:
         self.seek(new, self._step)
         return new
 
+    # -- healing -------------------------------------------------------------
+    @property
+    def bad_windows(self) -> tuple[tuple[int, int, int], ...]:
+        return self._bad_windows
+
+    def add_bad_window(self, window: tuple[int, int, int]) -> None:
+        """Never serve a step that overlaps `window` (epoch, from, to), from the next
+        step on. Prepared steps are dropped; position and step number stay."""
+        window = _as_window(window)
+        if window not in self._bad_windows:
+            self._bad_windows = (*self._bad_windows, window)
+        self.seek(self._position, self._step)
+
+    def swap_at(self, step: int, shift: int) -> None:
+        """At step number `step`, serve replica (dp_rank + shift) % dp_size's share of
+        the global batch instead of our own. One pending swap (a later call replaces
+        it), used up when that step is served, so a later replay of the same step
+        number serves the usual share. Prepared steps are dropped; position and step
+        number stay."""
+        self._swap = (int(step), int(shift))
+        self.seek(self._position, self._step)
+
     # -- serving -----------------------------------------------------------
     def next(self) -> StepBatch:
         self._check_open()
@@ -212,6 +265,8 @@ class DataLoader:
             batch = self._get()
         self.wait_s = time.perf_counter() - t0
         self._position, self._step = batch.next_position, batch.step + 1
+        if self._swap is not None and self._swap[0] == batch.step:
+            self._swap = None
         return batch
 
     def close(self) -> None:
@@ -238,11 +293,30 @@ class DataLoader:
             self._order_cache = (epoch, order)
         return self._order_cache[1]
 
+    def _overlapping_bad_window(self, position: DataPosition) -> tuple[int, int, int] | None:
+        lo, hi = position.index, position.index + self.samples_per_step
+        return next((w for w in self._bad_windows if w[0] == position.epoch and w[1] < hi and lo < w[2]), None)
+
+    def _past_bad_windows(self, position: DataPosition) -> tuple[DataPosition, list[tuple[int, int, int]]]:
+        """The first position at or after `position` whose global batch is clean, and the
+        bad windows jumped over to get there. Each jump moves forward (the window ends
+        after `position`), and bad windows are finite, so this ends."""
+        skipped = []
+        while (bad := self._overlapping_bad_window(position)) is not None:
+            skipped.append(bad)
+            end = -(-bad[2] // self.micro_batch_size) * self.micro_batch_size
+            position = self.normalize(DataPosition(position.epoch, end))
+        return position, skipped
+
     def _make_step(self, position: DataPosition, step: int) -> StepBatch:
+        position, skipped = self._past_bad_windows(position)
         order = self._order(position.epoch)
         lo, hi = position.index, position.index + self.samples_per_step
         mbs = self.micro_batch_size
-        mine = lo + self.dp_rank * self.micro_batches * mbs
+        swap = self._swap
+        shift = swap[1] if swap is not None and swap[0] == step else 0
+        replica = (self.dp_rank + shift) % self.dp_size
+        mine = lo + replica * self.micro_batches * mbs
         micro = [collate(self.corpus, order[mine + k * mbs:mine + (k + 1) * mbs], pad_multiple=self.pad_multiple)
                  for k in range(self.micro_batches)]
         # Every rank knows every sample's length: the global token count needs no collective.
@@ -251,8 +325,9 @@ class DataLoader:
         return StepBatch(step=step, micro_batches=micro, global_num_tokens=global_num_tokens, position=position,
                          next_position=self.normalize(DataPosition(position.epoch, hi)),
                          meta={"window": (position.epoch, lo, hi), "num_pad_tokens": num_padded,
-                               # this dp rank's own samples of the window: what its replica trained on
-                               "replica_window": (position.epoch, mine, mine + self.micro_batches * mbs)})
+                               # the samples this dp rank got (another replica's under a swap)
+                               "replica_window": (position.epoch, mine, mine + self.micro_batches * mbs),
+                               "skipped_windows": skipped, "swap_shift": shift})
 
     def _start(self, position: DataPosition, step: int) -> None:
         self._position, self._step = position, step

@@ -1,6 +1,6 @@
 """Fault injection for demos and tests.
 
-    --inject nan@step=40,rank=2[,mode=data|transient]
+    --inject nan@step=40,rank=2[,mode=data|transient|device]
     --inject spike@step=60
     --inject straggler@rank=3,from=30,factor=1.5[,to=80]
     --inject hang@rank=1,step=80
@@ -21,16 +21,32 @@ the attempt and the step: reproducible, independent across ranks), by the same
 waiting as a straggler's. Its one row in the ground truth (kind `jitter`, at the
 first step) records that it was on; it is nothing to detect.
 
+`nan` has three modes, the three verdicts the healing logic must tell apart:
+`transient` fires once (a cosmic ray: a replay is clean), `device` fires on its
+rank on every step from `step` on, in every attempt, whatever the data (broken
+hardware: only removing the rank helps), and `data` (the default) is data-tied.
+
 Data-tied faults (`spike`, `nan` with `mode=data`) are attached to the *samples*
 of the step where they first fire, not to the step number: replaying that batch
 reproduces them, and a rollback that skips the window makes them go away. That is
-the difference the root-cause logic tests for (data vs hardware).
+the difference the root-cause logic tests for (data vs hardware). A data `nan`
+poisons the samples of the injected rank's dp replica only; afterwards it fires on
+whichever rank holds any of them (after a replica swap, another replica) at the
+injected rank's (tp, pp) stage, and not on the injected rank when it holds other
+samples. `spike` poisons the whole global batch on every rank.
+
+Injections name ranks of the *original* layout: after an elastic restart with
+fewer dp replicas the rank numbers change, but a fault belongs to hardware, so
+each injector knows its process's original rank (`hw_rank`) and rank-bound faults
+follow it. Ground-truth rows say `rank` = that original rank (and `current_rank`
+when the two differ).
 
 The ground truth goes to `<run dir>/injections.jsonl`. Nothing in the product
 reads it; only tests and offline scoring do. Each rank's injector keeps its own
 state (which windows are poisoned, which one-shot faults fired) in
-`<run dir>/.faults-state-rank<R>.json`, one file per rank so that no two
-processes write one file, and on disk so that it survives a restart.
+`<run dir>/.faults-state-rank<R>.json` (R the original rank), one file per rank
+so that no two processes write one file, and on disk so that it survives a
+restart, also one that renumbers the ranks.
 """
 
 from __future__ import annotations
@@ -53,6 +69,7 @@ _KEYS: dict[str, dict[str, type]] = {
     "overflow": {"rank": int, "from": int, "to": int},
     "jitter": {"pct": float, "seed": int},
 }
+_NAN_MODES = ("data", "transient", "device")
 _REQUIRED = {
     "nan": ("step", "rank"),
     "spike": ("step",),
@@ -69,7 +86,7 @@ class Injection:
     kind: str
     step: int = -1  # nan, spike, hang, crash; `from` for straggler
     rank: int = -1  # -1: every rank (spike)
-    mode: str = "data"  # nan: data | transient
+    mode: str = "data"  # nan: data | transient | device
     factor: float = 1.0  # straggler; jitter: 1 + pct / 100
     to_step: int = 1 << 62  # straggler, overflow: last affected step
     seed: int = 0  # jitter
@@ -102,8 +119,8 @@ def parse_injection(spec: str, *, world_size: int | None = None) -> Injection:
     if world_size is not None and rank >= world_size:
         raise ConfigError(f"--inject {spec!r}: rank {rank} outside world of {world_size}")
     mode = str(values.get("mode", "data"))
-    if mode not in ("data", "transient"):
-        raise ConfigError(f"--inject {spec!r}: mode must be data or transient")
+    if mode not in _NAN_MODES:
+        raise ConfigError(f"--inject {spec!r}: mode must be one of {', '.join(_NAN_MODES)}")
     factor = float(values.get("factor", 1.0))
     if kind == "straggler" and factor < 1.0:
         raise ConfigError(f"--inject {spec!r}: factor must be >= 1")
@@ -146,14 +163,22 @@ def _jitter_factor(inj: Injection, rank: int, attempt: int, step: int) -> float:
 
 
 class FaultInjector:
-    """Decides, per step and rank, which faults fire; writes the ground truth."""
+    """Decides, per step and rank, which faults fire; writes the ground truth.
+
+    `rank` and `tp`/`pp`/`dp` are this process's place in the current layout;
+    `hw_rank` (default: `rank`) and `orig_dp` (default: `dp`) describe the original
+    layout, in which the injections name their ranks (tp and pp never change)."""
 
     def __init__(self, injections: list[Injection], *, rank: int, node: int, run_dir: str | os.PathLike | None,
-                 clock=time.time) -> None:
+                 clock=time.time, hw_rank: int | None = None, tp: int = 1, pp: int = 1, dp: int = 1,
+                 orig_dp: int | None = None) -> None:
         self.injections = injections
         self.rank = rank
+        self.hw_rank = rank if hw_rank is None else hw_rank
         self.node = node
         self.clock = clock
+        self.tp, self.pp, self.dp = tp, pp, dp
+        self.orig_dp = dp if orig_dp is None else orig_dp
         self.run_dir = Path(run_dir) if run_dir else None
         self._state = {"windows": {}, "fired": []}  # windows: injection name -> [epoch, lo, hi]
         if self.run_dir is not None and self._state_path.exists():
@@ -165,7 +190,7 @@ class FaultInjector:
     @property
     def _state_path(self) -> Path:
         assert self.run_dir is not None
-        return self.run_dir / f".faults-state-rank{self.rank}.json"
+        return self.run_dir / f".faults-state-rank{self.hw_rank}.json"
 
     def __bool__(self) -> bool:
         return bool(self.injections)
@@ -177,11 +202,21 @@ class FaultInjector:
         tmp.write_text(json.dumps(self._state))
         os.replace(tmp, self._state_path)
 
+    def _mark_fired(self, key: str) -> bool:
+        """Record a one-shot event; False if it was recorded before (also by an earlier process)."""
+        if key in self._state["fired"]:
+            return False
+        self._state["fired"].append(key)
+        self._save_state()
+        return True
+
     def _truth(self, inj: Injection, step: int, attempt: int, **extra) -> None:
         if self.run_dir is None:
             return
-        row = {"kind": inj.kind, "rank": self.rank if inj.rank >= 0 else -1, "node": self.node, "step": step,
+        row = {"kind": inj.kind, "rank": self.hw_rank if inj.rank >= 0 else -1, "node": self.node, "step": step,
                "attempt": attempt, "ts": self.clock(), "spec": inj.name, **extra}
+        if self.rank != self.hw_rank:
+            row["current_rank"] = self.rank
         if inj.kind == "nan":
             row["mode"] = inj.mode
         if inj.kind == "straggler":
@@ -192,7 +227,26 @@ class FaultInjector:
             os.fsync(f.fileno())
 
     def _mine(self, inj: Injection) -> bool:
-        return inj.rank < 0 or inj.rank == self.rank
+        return inj.rank < 0 or inj.rank == self.hw_rank
+
+    # -- layout ------------------------------------------------------------
+    def _stage(self) -> tuple[int, int]:
+        """(tp_rank, pp_rank) of this process in the current layout."""
+        return self.rank % self.tp, self.rank // (self.tp * self.dp)
+
+    def _orig_coords(self, rank: int) -> tuple[int, int, int]:
+        """(tp_rank, dp_rank, pp_rank) of `rank` in the original layout."""
+        return rank % self.tp, (rank // self.tp) % self.orig_dp, rank // (self.tp * self.orig_dp)
+
+    def _replica_of(self, inj: Injection, window: tuple[int, int, int]) -> tuple[int, int, int]:
+        """The samples of `window` (a global batch) that the injected rank's replica holds:
+        replica d holds [lo + d*n, lo + (d+1)*n), n = (hi - lo) // dp. Its dp index in the
+        current layout is the original one; after an elastic restart that renumbered it
+        away (index >= dp) it wraps around, which every rank computes alike."""
+        epoch, lo, hi = window
+        d = self._orig_coords(inj.rank)[1] % self.dp
+        n = (hi - lo) // self.dp
+        return (epoch, lo + d * n, lo + (d + 1) * n)
 
     def _in_window(self, inj: Injection, window: tuple[int, int, int]) -> bool:
         w = self._state["windows"].get(inj.name)
@@ -201,61 +255,84 @@ class FaultInjector:
         epoch, lo, hi = window
         return w[0] == epoch and lo < w[2] and w[1] < hi
 
-    def step_faults(self, step: int, attempt: int, window: tuple[int, int, int]) -> StepFaults:
+    # -- per step ----------------------------------------------------------
+    def step_faults(self, step: int, attempt: int, window: tuple[int, int, int], *,
+                    replica_window: tuple[int, int, int] | None = None) -> StepFaults:
         """Faults of this step. `window` is (epoch, first sample, end sample) of the
-        step's global batch: data-tied faults follow those samples."""
+        step's global batch, `replica_window` the part this rank was served
+        (meta["replica_window"]): data-tied faults follow those samples. Without
+        `replica_window` a data `nan` poisons the global window on the injected rank."""
         if not self.injections:
             return NO_FAULTS
         nan = spike = overflow = False
         slowdown = jitter = 1.0
         for inj in self.injections:
-            if inj.kind in ("nan", "spike"):
-                data_tied = inj.kind == "spike" or inj.mode == "data"
-                first = step == inj.step and inj.name not in self._state["windows"] and inj.name not in self._state["fired"]
-                if first:
-                    if data_tied:
-                        self._state["windows"][inj.name] = list(window)
-                    else:
-                        self._state["fired"].append(inj.name)
-                    self._save_state()
-                fires = first or (data_tied and self._in_window(inj, window))
-                if fires and self._mine(inj):
-                    self._truth(inj, step, attempt, samples=list(window), replay=not first)
-                    if inj.kind == "nan":
-                        nan = True
-                    else:
-                        spike = True
+            if inj.kind == "spike":
+                spike |= self._data_tied(inj, step, attempt, window, None)
+            elif inj.kind == "nan":
+                nan |= self._nan(inj, step, attempt, window, replica_window)
             elif inj.kind == "straggler" and self._mine(inj) and inj.step <= step <= inj.to_step:
-                if inj.name not in self._state["fired"]:
-                    self._state["fired"].append(inj.name)
-                    self._save_state()
+                if self._mark_fired(inj.name):
                     self._truth(inj, step, attempt)
                 slowdown = max(slowdown, inj.factor)
             elif inj.kind == "overflow" and self._mine(inj) and inj.step <= step <= inj.to_step:
-                if inj.name not in self._state["fired"]:
-                    self._state["fired"].append(inj.name)
-                    self._save_state()
+                if self._mark_fired(inj.name):
                     self._truth(inj, step, attempt, to=inj.to_step)
                 overflow = True
             elif inj.kind == "jitter" and step >= inj.step:
-                if inj.name not in self._state["fired"]:
-                    self._state["fired"].append(inj.name)
-                    self._save_state()
+                if self._mark_fired(inj.name):
                     self._truth(inj, step, attempt, pct=round(100.0 * (inj.factor - 1.0), 6), seed=inj.seed)
                 jitter = max(jitter, _jitter_factor(inj, self.rank, attempt, step))
         if not (nan or spike or overflow) and slowdown == jitter == 1.0:
             return NO_FAULTS
         return StepFaults(nan=nan, slowdown=slowdown * jitter, spike=spike, overflow=overflow)
 
+    def _nan(self, inj: Injection, step: int, attempt: int, window: tuple[int, int, int],
+             replica_window: tuple[int, int, int] | None) -> bool:
+        if inj.mode == "device":
+            if not (self._mine(inj) and step >= inj.step):
+                return False
+            if self._mark_fired(f"{inj.name}/attempt={attempt}"):  # one row per attempt, not per step
+                self._truth(inj, step, attempt)
+            return True
+        if inj.mode == "transient":
+            # every rank marks it at the step, so that no rank fires it in a later attempt
+            if step != inj.step or not self._mark_fired(inj.name) or not self._mine(inj):
+                return False
+            self._truth(inj, step, attempt, samples=list(window), replay=False)
+            return True
+        return self._data_tied(inj, step, attempt, window, replica_window)
+
+    def _data_tied(self, inj: Injection, step: int, attempt: int, window: tuple[int, int, int],
+                   replica_window: tuple[int, int, int] | None) -> bool:
+        """Record the poisoned samples at the first firing (every rank, into its own state,
+        so that each decides alone later), then fire wherever they are served again.
+        With `replica_window` the samples are the injected replica's and the fault goes
+        with them to any rank of the injected stage; without, the global window on the
+        injected rank (spike: every rank)."""
+        first = step == inj.step and inj.name not in self._state["windows"]
+        if first:
+            poisoned = window if replica_window is None else self._replica_of(inj, window)
+            self._state["windows"][inj.name] = list(poisoned)
+            self._save_state()
+            fires = self._mine(inj)
+        elif replica_window is None:
+            fires = self._mine(inj) and self._in_window(inj, window)
+        else:
+            tp_rank, _, pp_rank = self._orig_coords(inj.rank)
+            fires = self._stage() == (tp_rank, pp_rank) and self._in_window(inj, replica_window)
+        if fires:
+            served = window if replica_window is None else replica_window
+            self._truth(inj, step, attempt, samples=list(served), replay=not first)
+        return fires
+
     def before_step(self, step: int, attempt: int) -> None:
         """One-shot process faults: hang or crash this rank at the start of `step`."""
         for inj in self.injections:
             if inj.kind not in ("hang", "crash") or inj.step != step or not self._mine(inj):
                 continue
-            if inj.name in self._state["fired"]:
+            if not self._mark_fired(inj.name):
                 continue
-            self._state["fired"].append(inj.name)
-            self._save_state()
             self._truth(inj, step, attempt, pid=os.getpid())
             if inj.kind == "crash":
                 os._exit(17)

@@ -379,3 +379,23 @@ def test_a_different_tp_is_a_clear_error(tmp_path, logs):
     with pytest.raises(ValueError, match="cannot reshard tp/pp"):
         other.load_latest()
     other.close()
+
+
+def test_load_latest_before_a_step_picks_the_newest_earlier_checkpoint(tmp_path, logs):
+    ck = make(tmp_path, logs, keep=0)
+    for step in (2, 4, 6):
+        save(ck, step)
+    assert ck.wait(10)
+    assert ck.load_latest(before_step=6).step == 4  # the bad step's own checkpoint is not a candidate
+    assert ck.load_latest(before_step=5).step == 4
+    assert ck.load_latest(before_step=100).step == 6
+    assert ck.load_latest(before_step=2) is None
+    _flip_byte(tmp_path / "ckpt" / step_dirname(4) / model_filename(0, 0))
+    assert ck.load_latest(before_step=6).step == 2  # a bad one falls back, still before the step
+    # the rollback trains on from step 2: the next save drops the abandoned lineage
+    ck.load_latest(before_step=3)
+    save(ck, 3)
+    assert ck.wait(10)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [step_dirname(2), step_dirname(3)]
+    assert ck.load_latest().step == 3
+    ck.close()

@@ -362,3 +362,127 @@ def test_poison_replaces_tokens_but_keeps_shapes():
     assert changed > 0.9 * total
     again = poison(batch, seed=11)
     assert all(torch.equal(a.inputs, b.inputs) for a, b in zip(bad.micro_batches, again.micro_batches))
+
+
+# -- healing: bad windows and the replica swap ------------------------------------------
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_bad_window_is_never_served_and_the_step_number_stays(prefetch):
+    c = synthetic_corpus()  # global batch 8, 29 steps per epoch
+    with loader(c, prefetch=prefetch) as dl:
+        run = take(dl, 8)
+    bad = (0, 18, 21)  # inside step 2's [16, 24): the loader jumps to 24 (21 rounded up to a micro-batch)
+    with loader(c, prefetch=prefetch, bad_windows=[bad]) as dl:
+        got = take(dl, 7)
+    assert [b.step for b in got] == list(range(7))
+    assert [ids_of(b) for b in got] == [ids_of(b) for b in run[:2] + run[3:8]]
+    assert [b.meta["skipped_windows"] for b in got] == [[], [], [bad], [], [], [], []]
+    assert got[2].position == run[3].position and got[2].meta["window"] == (0, 24, 32)
+    assert got[1].next_position == run[2].position  # the skip happens when the next step is prepared
+
+
+def test_bad_windows_round_up_to_micro_batches_and_cross_the_epoch_end():
+    c = synthetic_corpus()
+    with loader(c) as dl:
+        run = take(dl, 31)
+    # 231 rounds up to 232 = the epoch's end: the next step is epoch 1's first
+    bad = [(0, 225, 231), (1, 0, 3)]  # and epoch 1's first micro-batch too
+    with loader(c, position=run[27].position, start_step=27, bad_windows=bad, prefetch=0) as dl:
+        got = take(dl, 2)
+    assert [b.step for b in got] == [27, 28]
+    assert ids_of(got[0]) == ids_of(run[27])
+    assert got[1].position == DataPosition(1, 4) and got[1].meta["skipped_windows"] == bad
+    # epoch 1 from index 4: not a step of the unskipped run, but the same samples as its order says
+    order = epoch_order(c, seed=3, epoch=1, micro_batch_size=4, group_window=4)
+    assert ids_of(got[1]) == order[4:12].tolist()
+
+
+def test_a_window_of_another_epoch_is_not_skipped():
+    c = synthetic_corpus()
+    with loader(c, prefetch=0) as plain, loader(c, prefetch=0, bad_windows=[(1, 0, 8)]) as dl:
+        assert [ids_of(b) for b in take(dl, 3)] == [ids_of(b) for b in take(plain, 3)]
+
+
+@pytest.mark.parametrize("prefetch", [0, 3])
+def test_add_bad_window_drops_prepared_steps_and_keeps_the_step(prefetch):
+    c = synthetic_corpus()
+    with loader(c) as dl:
+        run = take(dl, 6)
+    with loader(c, prefetch=prefetch) as dl:
+        take(dl, 2)
+        dl.add_bad_window(run[2].meta["window"])
+        dl.add_bad_window(run[2].meta["window"])  # twice is once
+        assert dl.step == 2 and dl.position == run[2].position and dl.bad_windows == (run[2].meta["window"],)
+        nxt = dl.next()
+        # a seek back before the window (a rollback) still skips it
+        dl.seek(run[0].position, 0)
+        replay = take(dl, 3)
+    assert nxt.step == 2 and ids_of(nxt) == ids_of(run[3]) and nxt.meta["skipped_windows"] == [(0, 16, 24)]
+    assert [ids_of(b) for b in replay] == [ids_of(b) for b in (run[0], run[1], run[3])]
+
+
+def test_every_dp_rank_skips_alike():
+    c = synthetic_corpus()
+    bad = [(0, 30, 31)]
+    single = loader(c, micro_batches=6, bad_windows=bad)
+    ranks = [loader(c, dp_size=3, dp_rank=d, micro_batches=2, bad_windows=bad) for d in range(3)]
+    for _ in range(4):
+        whole = single.next()
+        parts = [r.next() for r in ranks]
+        assert ids_of(whole) == [i for p in parts for i in ids_of(p)]
+        assert {p.position for p in parts} == {whole.position}
+        assert all(p.meta["skipped_windows"] == whole.meta["skipped_windows"] for p in parts)
+    for dl in [single, *ranks]:
+        dl.close()
+
+
+def test_bad_window_validation():
+    c = synthetic_corpus()
+    with pytest.raises(ValueError, match="bad window"):
+        loader(c, bad_windows=[(0, 8, 8)])
+    with loader(c, prefetch=0) as dl, pytest.raises(ValueError, match="bad window"):
+        dl.add_bad_window((0, -4, 4))
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_swap_moves_replica_windows_and_keeps_the_global_batch(prefetch):
+    c = synthetic_corpus()
+    plain = [loader(c, dp_size=3, dp_rank=d, prefetch=prefetch) for d in range(3)]
+    ranks = [loader(c, dp_size=3, dp_rank=d, prefetch=prefetch) for d in range(3)]
+    expected = [take(dl, 4) for dl in plain]
+    for dl in ranks:
+        dl.next()
+        dl.swap_at(2, 7)  # replaced by the next call
+        dl.swap_at(2, 1)
+    got = [[dl.next() for _ in range(3)] for dl in ranks]  # steps 1, 2, 3
+    for d in range(3):
+        normal, swapped, after = got[d]
+        source = expected[(d + 1) % 3][2]
+        assert ids_of(swapped) == ids_of(source) and swapped.meta["replica_window"] == source.meta["replica_window"]
+        assert swapped.meta["swap_shift"] == 1 and normal.meta["swap_shift"] == after.meta["swap_shift"] == 0
+        assert swapped.meta["window"] == expected[d][2].meta["window"]
+        assert swapped.global_num_tokens == expected[d][2].global_num_tokens
+        assert swapped.next_position == expected[d][2].next_position
+        assert ids_of(normal) == ids_of(expected[d][1]) and ids_of(after) == ids_of(expected[d][3])
+    assert sorted(i for d in range(3) for i in ids_of(got[d][1])) == sorted(
+        i for d in range(3) for i in ids_of(expected[d][2]))
+    # the swap was used up: a replay of step 2 (a later rollback) serves the usual share
+    ranks[0].seek(expected[0][2].position, 2)
+    replay = ranks[0].next()
+    assert ids_of(replay) == ids_of(expected[0][2]) and replay.meta["swap_shift"] == 0
+    for dl in plain + ranks:
+        dl.close()
+
+
+def test_swap_after_a_seek_back_applies_to_the_replay():
+    c = synthetic_corpus()
+    with loader(c, dp_size=2, dp_rank=1) as other:
+        theirs = take(other, 3)
+    with loader(c, dp_size=2, dp_rank=0) as dl:
+        mine = take(dl, 3)
+        dl.seek(mine[0].position, 0)  # a rollback, then the rerun swaps step 2
+        dl.swap_at(2, 1)
+        replay = take(dl, 3)
+    assert [ids_of(b) for b in replay] == [ids_of(mine[0]), ids_of(mine[1]), ids_of(theirs[2])]
+    assert replay[2].meta["replica_window"] == theirs[2].meta["replica_window"] == (0, 40, 48)

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from trainer.config import ConfigError
-from trainer.faults import FaultInjector, parse_injection
+from trainer.faults import NO_FAULTS, FaultInjector, parse_injection
 
 
 def test_parse_all_kinds():
@@ -52,3 +52,111 @@ def test_other_ranks_unaffected(tmp_path):
 def test_straggler_window(tmp_path):
     inj = FaultInjector([parse_injection("straggler@rank=0,from=2,factor=3,to=4")], rank=0, node=0, run_dir=tmp_path)
     assert [inj.step_faults(s, 0, (0, s, s + 1)).slowdown for s in range(1, 6)] == [1.0, 3.0, 3.0, 3.0, 1.0]
+
+
+def rows_of(run_dir):
+    return [json.loads(x) for x in (run_dir / "injections.jsonl").read_text().splitlines()]
+
+
+def test_parse_device_mode():
+    assert parse_injection("nan@step=40,rank=2,mode=device").mode == "device"
+
+
+def test_device_nan_fires_every_step_and_attempt_on_its_rank_only(tmp_path):
+    spec = [parse_injection("nan@step=5,rank=1,mode=device")]
+    inj = FaultInjector(spec, rank=1, node=0, run_dir=tmp_path)
+    other = FaultInjector(spec, rank=0, node=0, run_dir=tmp_path)
+    assert [inj.step_faults(s, 0, (0, 8 * s, 8 * s + 8)).nan for s in range(3, 9)] == [False] * 2 + [True] * 4
+    assert not any(other.step_faults(s, 0, (0, 8 * s, 8 * s + 8)).nan for s in range(3, 9))
+    # a rollback to before step 5, on other samples: it is the device, so it fires again from step 5
+    assert [inj.step_faults(s, 1, (1, 8 * s, 8 * s + 8)).nan for s in range(4, 7)] == [False, True, True]
+    again = FaultInjector(spec, rank=1, node=0, run_dir=tmp_path)  # a restarted process, same attempt
+    assert again.step_faults(7, 1, (1, 0, 8)).nan
+    assert [(r["step"], r["attempt"], r["rank"], r["mode"]) for r in rows_of(tmp_path)] == [
+        (5, 0, 1, "device"), (5, 1, 1, "device")]
+
+
+def test_faults_stay_with_the_hardware_after_ranks_are_renumbered(tmp_path):
+    spec = [parse_injection("straggler@rank=2,from=1,factor=3"), parse_injection("overflow@rank=2,from=1,to=9"),
+            parse_injection("nan@step=5,rank=2,mode=transient"), parse_injection("nan@step=1,rank=2,mode=device")]
+    # an elastic restart: the process of original rank 2 is rank 0 now, and rank 2 is someone else
+    moved = FaultInjector(spec, rank=0, hw_rank=2, node=0, run_dir=tmp_path)
+    newcomer = FaultInjector(spec, rank=2, hw_rank=4, node=1, run_dir=tmp_path)
+    f = moved.step_faults(5, 0, (0, 0, 8))
+    assert f.nan and f.overflow and f.slowdown == 3.0
+    assert newcomer.step_faults(5, 0, (0, 0, 8)) is NO_FAULTS
+    rows = rows_of(tmp_path)
+    assert {r["kind"] for r in rows} == {"straggler", "overflow", "nan"} and len(rows) == 4
+    assert all(r["rank"] == 2 and r["current_rank"] == 0 for r in rows)
+    # the state is the hardware's: found again under another rank number, the transient does not come back
+    assert (tmp_path / ".faults-state-rank2.json").exists() and not (tmp_path / ".faults-state-rank0.json").exists()
+    later = FaultInjector(spec, rank=1, hw_rank=2, node=0, run_dir=tmp_path)
+    assert later.step_faults(5, 1, (0, 0, 8)).nan  # the device nan still fires
+    assert [r["mode"] for r in rows_of(tmp_path)[4:] if r["kind"] == "nan"] == ["device"]  # no transient row
+
+
+def test_rows_have_no_current_rank_when_the_layout_is_original(tmp_path):
+    inj = FaultInjector([parse_injection("straggler@rank=1,from=1,factor=2")], rank=1, node=0, run_dir=tmp_path)
+    inj.step_faults(1, 0, (0, 0, 8))
+    [row] = rows_of(tmp_path)
+    assert row["rank"] == 1 and "current_rank" not in row
+
+
+def replica(window, d, dp):
+    epoch, lo, hi = window
+    n = (hi - lo) // dp
+    return (epoch, lo + d * n, lo + (d + 1) * n)
+
+
+def test_data_nan_follows_its_samples_to_another_replica(tmp_path):
+    """dp=2, tp=2: rank = dp_rank*2 + tp_rank. The nan is injected on rank 3 (tp 1 of replica 1)."""
+    spec = [parse_injection("nan@step=5,rank=3")]
+    ranks = [FaultInjector(spec, rank=r, node=0, run_dir=tmp_path, tp=2, dp=2) for r in range(4)]
+    window = (0, 40, 56)
+
+    def fired(step, attempt, shift=0):
+        return [r for r, inj in enumerate(ranks)
+                if inj.step_faults(step, attempt, window,
+                                   replica_window=replica(window, ((r // 2) + shift) % 2, 2)).nan]
+
+    assert fired(4, 0) == []
+    assert fired(5, 0) == [3]
+    for r in range(4):  # every rank recorded the injected replica's samples, not the global batch
+        state = json.loads((tmp_path / f".faults-state-rank{r}.json").read_text())
+        assert state["windows"]["nan@step=5,rank=3"] == [0, 48, 56]
+    assert fired(5, 1) == [3]  # a plain replay: the same samples on the same rank
+    assert fired(5, 2, shift=1) == [1]  # swapped: replica 0 holds them now, at the injected rank's stage tp 1
+    assert fired(5, 3, shift=1) == [1]  # and keeps doing so: it is the data
+    assert [(r["rank"], r["attempt"], r["replay"], r["samples"]) for r in rows_of(tmp_path)] == [
+        (3, 0, False, [0, 48, 56]), (3, 1, True, [0, 48, 56]), (1, 2, True, [0, 48, 56]),
+        (1, 3, True, [0, 48, 56])]
+
+
+def test_data_nan_stays_off_the_injected_rank_when_it_holds_other_samples(tmp_path):
+    spec = [parse_injection("nan@step=5,rank=1")]
+    inj = FaultInjector(spec, rank=1, node=0, run_dir=tmp_path, dp=2)
+    assert inj.step_faults(5, 0, (0, 0, 16), replica_window=(0, 8, 16)).nan
+    assert not inj.step_faults(5, 1, (0, 0, 16), replica_window=(0, 0, 8)).nan  # swapped away
+    assert not inj.step_faults(5, 2, (0, 16, 32), replica_window=(0, 24, 32)).nan  # skipped by a rollback
+    assert inj.step_faults(9, 3, (0, 4, 20), replica_window=(0, 12, 20)).nan  # any overlap counts
+
+
+def test_data_nan_survives_an_elastic_restart_with_fewer_replicas(tmp_path):
+    spec = [parse_injection("nan@step=5,rank=1")]
+    before = FaultInjector(spec, rank=1, node=0, run_dir=tmp_path, dp=2)
+    assert before.step_faults(5, 0, (0, 0, 16), replica_window=(0, 8, 16)).nan
+    # dp 2 -> 1: hw rank 1 is rank 0 now and serves whole global batches of 8
+    after = FaultInjector(spec, rank=0, hw_rank=1, node=0, run_dir=tmp_path, dp=1, orig_dp=2)
+    assert not after.step_faults(5, 1, (0, 0, 8), replica_window=(0, 0, 8)).nan
+    assert after.step_faults(6, 1, (0, 8, 16), replica_window=(0, 8, 16)).nan
+    assert rows_of(tmp_path)[-1]["current_rank"] == 0
+
+
+def test_spike_stays_global(tmp_path):
+    spec = [parse_injection("spike@step=5")]
+    ranks = [FaultInjector(spec, rank=r, node=0, run_dir=tmp_path, dp=2) for r in range(2)]
+    assert all(inj.step_faults(5, 0, (0, 0, 16), replica_window=replica((0, 0, 16), r, 2)).spike
+               for r, inj in enumerate(ranks))
+    # swapped halves or not, the whole global batch is poisoned
+    assert all(inj.step_faults(5, 1, (0, 0, 16), replica_window=replica((0, 0, 16), 1 - r, 2)).spike
+               for r, inj in enumerate(ranks))
