@@ -12,6 +12,10 @@ injected clock and random source:
   replayed delivery (the signature covers both).
 - `alertmanager_alerts` gives the same alerts in the shape Alertmanager's own
   `POST /api/v2/alerts` takes, for pushing into a real Alertmanager.
+- `action_webhook_payload` / `action_alertmanager_alerts`: the same two shapes for
+  an action of the healing policy (collector/actions.py): alertname
+  `llmwatch_action`, a one-off event rather than a condition, so it carries its
+  own end (`endsAt` a few minutes after it was made) and is never resolved.
 - `sign` / `verify`: `X-Signature-256: sha256=<hex HMAC-SHA256 of the raw body>`,
   GitHub's convention, checked in constant time.
 - `retry_delay_s`: exponential backoff with jitter ("equal jitter": half the
@@ -106,7 +110,12 @@ def _common(dicts: list[dict[str, str]]) -> dict[str, str]:
 def webhook_payload(incidents: Iterable[Mapping[str, Any]], *, now_ts: float, external_url: str = "",
                     receiver: str = RECEIVER, delivery_id: int | None = None) -> dict[str, Any]:
     """One webhook delivery for `incidents` (usually one), in Alertmanager's shape."""
-    alerts = [_alert(i, external_url=external_url) for i in incidents]
+    return _envelope([_alert(i, external_url=external_url) for i in incidents], now_ts=now_ts,
+                     external_url=external_url, receiver=receiver, delivery_id=delivery_id)
+
+
+def _envelope(alerts: list[dict[str, Any]], *, now_ts: float, external_url: str, receiver: str,
+              delivery_id: int | None) -> dict[str, Any]:
     if not alerts:
         raise ValueError("a webhook carries at least one alert")
     group_labels = {k: alerts[0]["labels"][k] for k in ("alertname", "run_id")}
@@ -125,6 +134,15 @@ def webhook_payload(incidents: Iterable[Mapping[str, Any]], *, now_ts: float, ex
     }
 
 
+def _posted(a: Mapping[str, Any]) -> dict[str, Any]:
+    """A webhook-shaped alert as Alertmanager's API takes it (no status, no fingerprint)."""
+    posted = {"labels": a["labels"], "annotations": a["annotations"], "startsAt": a["startsAt"],
+              "generatorURL": a["generatorURL"]}
+    if a["endsAt"] != NEVER:
+        posted["endsAt"] = a["endsAt"]
+    return posted
+
+
 def alertmanager_alerts(incidents: Iterable[Mapping[str, Any]], *, external_url: str = "",
                         firing_until_ts: float | None = None) -> list[dict[str, Any]]:
     """The body of Alertmanager's `POST /api/v2/alerts` for `incidents`.
@@ -136,14 +154,80 @@ def alertmanager_alerts(incidents: Iterable[Mapping[str, Any]], *, external_url:
     out = []
     for i in incidents:
         a = _alert(i, external_url=external_url)
-        posted = {"labels": a["labels"], "annotations": a["annotations"], "startsAt": a["startsAt"],
-                  "generatorURL": a["generatorURL"]}
-        if a["endsAt"] != NEVER:
-            posted["endsAt"] = a["endsAt"]
-        elif firing_until_ts is not None:
+        posted = _posted(a)
+        if a["endsAt"] == NEVER and firing_until_ts is not None:
             posted["endsAt"] = rfc3339(firing_until_ts)
         out.append(posted)
     return out
+
+
+# -- actions: what the healing policy did (collector/actions.py rows) ---------------------
+ACTION_ALERTNAME = "llmwatch_action"
+_ACTION_DID = {"shadow": "recorded in shadow mode, not done", "issued": "issued",
+               "acked": "acknowledged by the trainer", "done": "done", "failed": "failed",
+               "refused": "refused by a guard rail"}
+
+
+def action_severity(status: str | None) -> str:
+    return "warning" if status in ("failed", "refused") else "info"
+
+
+def action_labels(action: Mapping[str, Any]) -> dict[str, str]:
+    """The labels of an action's alert: one alert per action and status."""
+    labels = {"alertname": ACTION_ALERTNAME, "run_id": str(action["run_id"]), "action": str(action["kind"]),
+              "status": str(action["status"]), "mode": str(action.get("mode") or "auto"),
+              "severity": action_severity(action.get("status")), "action_id": str(action["id"])}
+    for name in ("incident_id", "rank", "node"):
+        if action.get(name) is not None and action.get(name) != "":
+            labels[name] = str(action[name])
+    return labels
+
+
+def action_summary(action: Mapping[str, Any]) -> str:
+    """What was done, to what, and (from detail's `reason`, when it has one) why."""
+    where = [f"{k} {action[k]}" for k in ("node", "rank") if action.get(k) is not None]
+    if action.get("incident_id") is not None:
+        where.append(f"incident {action['incident_id']}")
+    status = action.get("status")
+    did = _ACTION_DID.get(status, str(status))
+    if action.get("command_id") is not None:
+        did += f" (command {action['command_id']})"
+    text = f"{action['kind']} in run {action['run_id']}" + (f" ({', '.join(where)})" if where else "") + f": {did}"
+    detail = action.get("detail")
+    reason = detail.get("reason") if isinstance(detail, Mapping) else None
+    return text + (f"; {reason}" if reason else "")
+
+
+def _action_alert(action: Mapping[str, Any], *, now_ts: float, until_ts: float, external_url: str) -> dict[str, Any]:
+    labels = action_labels(action)
+    annotations = {"summary": action_summary(action)}
+    if action.get("detail") is not None:
+        annotations["detail"] = json.dumps(action["detail"], sort_keys=True, default=str)
+    if action.get("recovery_s") is not None:
+        annotations["recovery_s"] = f"{action['recovery_s']:.3f}"
+    return {
+        "status": "firing",
+        "labels": labels,
+        "annotations": annotations,
+        "startsAt": rfc3339(now_ts),
+        "endsAt": rfc3339(until_ts),  # an event, not a condition: it ends by itself
+        "generatorURL": f"{external_url.rstrip('/')}/v1/runs/{action['run_id']}/actions" if external_url else "",
+        "fingerprint": fingerprint(labels),
+    }
+
+
+def action_webhook_payload(action: Mapping[str, Any], *, now_ts: float, until_ts: float, external_url: str = "",
+                           receiver: str = RECEIVER, delivery_id: int | None = None) -> dict[str, Any]:
+    """One webhook delivery about an action row (as it is after the change it reports)."""
+    return _envelope([_action_alert(action, now_ts=now_ts, until_ts=until_ts, external_url=external_url)],
+                     now_ts=now_ts, external_url=external_url, receiver=receiver, delivery_id=delivery_id)
+
+
+def action_alertmanager_alerts(action: Mapping[str, Any], *, now_ts: float, until_ts: float,
+                               external_url: str = "") -> list[dict[str, Any]]:
+    """The body of Alertmanager's `POST /api/v2/alerts` for an action: pushed once,
+    ending at `until_ts`."""
+    return [_posted(_action_alert(action, now_ts=now_ts, until_ts=until_ts, external_url=external_url))]
 
 
 def encode(payload: Any) -> bytes:

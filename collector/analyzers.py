@@ -11,6 +11,7 @@ steps can be assembled across ranks and peers compared within a pipeline stage.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,8 @@ class AnalysisDetector:
 
     def __call__(self, state: dict[str, Any], tables: Mapping[str, pa.Table], now: float) -> list:
         run_id = state["run_id"]
+        if state["complete"] and _restarted(tables):
+            state["complete"] = False  # a restart on fewer nodes: another world size, node map and mesh
         if not state["complete"]:
             meta = self._meta(run_id)
             state["complete"] = _complete(meta)
@@ -48,6 +51,22 @@ class AnalysisDetector:
         return self._read(read.run_meta_tables, run_id)
 
 
+def _restarted(tables: Mapping[str, pa.Table]) -> bool:
+    """A commit holding a rank 0 `run_started` event of a restart round."""
+    events = tables.get("events")
+    if events is None or not events.num_rows:
+        return False
+    for e in events.select(["kind", "rank", "data"]).to_pylist():
+        if e["kind"] == "run_started" and e["rank"] == 0:
+            try:
+                data = json.loads(e["data"]) if isinstance(e["data"], str) else (e["data"] or {})
+            except ValueError:
+                continue
+            if int(data.get("restart") or 0) > 0:
+                return True
+    return False
+
+
 def _complete(meta: Mapping[str, pa.Table]) -> bool:
     """The run's size is known and every rank has reported its coordinates."""
     runs, ranks = meta.get("runs"), meta.get("ranks")
@@ -55,6 +74,17 @@ def _complete(meta: Mapping[str, pa.Table]) -> bool:
         return False
     world = runs.column("world_size")[0].as_py()
     return bool(world) and ranks.num_rows >= world
+
+
+def policy_for(rules, *, mode: str | None = None, min_nodes: int | None = None):
+    """The healing policy (analysis/policy.py) of `collector serve`: the rules' [policy],
+    `--policy` and `--min-nodes` over it."""
+    from analysis.policy import Policy
+    from analysis.rules import Rules, merge_rules
+
+    if min_nodes is not None:
+        rules = Rules(merge_rules(rules.as_dict(), {"policy": {"min_nodes": int(min_nodes)}}), source=rules.source)
+    return Policy(rules, mode=mode)
 
 
 def detectors_for(reader: Reader, *, rules_path: str | Path | None = None, enabled: bool = True) -> list:

@@ -151,16 +151,19 @@ def serve(args: argparse.Namespace) -> int:
                         alert_retry_cap_s=args.alert_retry_cap_s, alert_max_age_s=args.alert_give_up_s,
                         alert_max_attempts=args.alert_max_attempts)
     from analysis import RulesError, load_rules
-    from collector.analyzers import detectors_for
+    from collector.analyzers import detectors_for, policy_for
 
     try:
-        load_rules(args.rules)  # a bad rules file is an error now, not on the detection thread
-    except (RulesError, OSError) as e:
+        rules = load_rules(args.rules)  # a bad rules file is an error now, not on the detection thread
+        policy = policy_for(rules, mode=args.policy, min_nodes=args.min_nodes) if not args.no_detect else None
+    except (RulesError, OSError, ValueError) as e:
         print(f"collector: error: --rules: {e}", file=sys.stderr)
         return 2
+    if policy is not None:
+        print(f"collector: policy {policy.mode}", flush=True)
     try:
         storage = Storage(settings, detector_factory=lambda s: detectors_for(
-            s.read, rules_path=args.rules, enabled=not args.no_detect))
+            s.read, rules_path=args.rules, enabled=not args.no_detect), policy=policy)
     except duckdb.Error as e:
         print(f"collector: cannot open {db_path}: {e}", file=sys.stderr)
         return 2
@@ -280,6 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--public-metrics", action="store_true", help="serve GET /metrics without a token")
     s.add_argument("--rules", help="detection rules (TOML) overriding analysis/rules.toml; see docs/rules.md")
     s.add_argument("--no-detect", action="store_true", help="store only: run no detectors")
+    s.add_argument("--policy", choices=("auto", "shadow", "off"),
+                   help="what is done about incidents (default: the rules' [policy] mode, auto): auto rolls back, "
+                        "skips bad data and isolates nodes; shadow records what it would do; off only alerts")
+    s.add_argument("--min-nodes", type=int, help="never isolate below this many healthy nodes (rules: min_nodes)")
     s.add_argument("--tls-cert", help="PEM certificate (chain): serve HTTPS")
     s.add_argument("--tls-key", help="PEM private key of --tls-cert")
     s.add_argument("--insecure-plaintext", action="store_true",

@@ -21,6 +21,14 @@ inside the incident's transaction:
   An incident that never fired (it opened before any receiver was configured)
   closes silently.
 
+Actions of the healing policy (collector/actions.py) alert too: `AlertOutbox` is
+also an `ActionHook` of the actions projection, written in the action's
+transaction. Every recorded action (shadow and refused ones included) is one
+`action` row per receiver, and reaching done or failed is one more; each is a
+one-off event (alertname `llmwatch_action`, collector/alerts.py) that Alertmanager
+is told ends `action_hold_s` later. The rows carry `action_id` and the action's
+`incident_id`.
+
 How it leaves (`Sender`: one `Lane`, i.e. one thread, per receiver, so a receiver
 that hangs does not hold up the others): after the commit the writer hands the
 new rows to the sender (`AlertOutbox.apply_incidents` -> `Sender.offer`, a deque
@@ -59,6 +67,7 @@ from typing import Any
 import duckdb
 
 from collector import alerts
+from collector.actions import ActionPlan
 from collector.incidents import IncidentPlan
 from collector.projection import Group, Projection
 
@@ -68,6 +77,8 @@ WEBHOOK, ALERTMANAGER = "webhook", "alertmanager"
 WEBHOOK_SECRET_ENV = "LLMWATCH_WEBHOOK_SECRET"  # the webhook HMAC key, when not in --webhook-secret-file
 AM_ALERTS_PATH = "/api/v2/alerts"
 _LABEL_FIELDS = ("kind", "severity", "rank", "node")  # what a resolved alert repeats from the firing one
+ACTION_ROW = "action"  # alert_outbox.kind of an action's alert
+ACTION_ALERTS_AGAIN = frozenset({"done", "failed"})  # an action that reaches these alerts once more
 MAX_ERROR_CHARS = 300
 
 
@@ -210,15 +221,22 @@ class AlertOutbox(Projection):
     name = "outbox"
 
     def __init__(self, con: duckdb.DuckDBPyConnection, *, receivers: Sequence[Receiver], external_url: str = "",
-                 firing_hold_s: float = 86400.0, on_commit: Callable[[list[Delivery]], None] | None = None) -> None:
+                 firing_hold_s: float = 86400.0, action_hold_s: float = 300.0,
+                 on_commit: Callable[[list[Delivery]], None] | None = None) -> None:
         """`firing_hold_s`: how long Alertmanager holds a firing alert we pushed once
-        (its endsAt) unless resolved sooner. `on_commit(deliveries)`: called with the new
-        rows after each commit that made some (the sender's `offer`)."""
+        (its endsAt) unless resolved sooner; `action_hold_s`: the same for an action's
+        alert, an event that is never resolved. `on_commit(deliveries)`: called with the
+        new rows after each commit that made some (the sender's `offer`)."""
         self.receivers = list(receivers)
         self.external_url = external_url
         self.firing_hold_s = firing_hold_s
+        self.action_hold_s = action_hold_s
         self.on_commit = on_commit
         self._next_id = con.execute("SELECT coalesce(max(id), 0) + 1 FROM alert_outbox").fetchall()[0][0]
+        # Where the next hook plan of the group being planned numbers its rows from: a
+        # group's incident and action plans are both made before either commits, so the
+        # second starts after the first's rows. Planning scratch, reset after each commit.
+        self._planning: tuple[Group, int] | None = None
         self._open: dict[int, dict[str, Any]] = {}  # the open incidents, as their rows are now
         self._alerted: dict[int, dict[str, Any]] = {}  # what fired for each: its labels' fields
         self.pending_at_start: list[Delivery] = []
@@ -244,8 +262,13 @@ class AlertOutbox(Projection):
             "WHERE status = 'pending' ORDER BY next_attempt_ts, id").fetchall()]
 
     # -- incident changes (inside the incidents projection) -------------------------
+    def _first_id(self, group: Group) -> int:
+        if self._planning is not None and self._planning[0] is group:
+            return max(self._planning[1], self._next_id)
+        return self._next_id
+
     def plan_incidents(self, plan: IncidentPlan, group: Group) -> OutboxPlan:
-        out = OutboxPlan(next_id=self._next_id)
+        out = OutboxPlan(next_id=self._first_id(group))
         if not self.receivers:
             return out
         now = group.now
@@ -279,6 +302,7 @@ class AlertOutbox(Projection):
                     was.get("severity")):
                 old = {**_labels_view(was, before), "status": "closed", "closed_ts": now}
                 self._alert(out, after, "firing", [old, after], now)
+        self._planning = (group, out.next_id)
         return out
 
     def _alert(self, out: OutboxPlan, inc: Mapping[str, Any], kind: str, shown: list[Mapping[str, Any]],
@@ -309,6 +333,49 @@ class AlertOutbox(Projection):
         if firing is not None:
             out.alerted[inc["id"]] = {k: firing.get(k) for k in _LABEL_FIELDS}
 
+    # -- action changes (inside the actions projection) ------------------------------
+    def plan_actions(self, plan: ActionPlan, group: Group) -> OutboxPlan:
+        """One alert per recorded action, and one more when an action reaches done or failed."""
+        out = OutboxPlan(next_id=self._first_id(group))
+        if not self.receivers:
+            return out
+        for before, after in plan.changes:
+            if before is None or (after.get("status") in ACTION_ALERTS_AGAIN
+                                  and after.get("status") != before.get("status")):
+                self._action_alert(out, after, group.now)
+        self._planning = (group, out.next_id)
+        return out
+
+    def _action_alert(self, out: OutboxPlan, action: Mapping[str, Any], now: float) -> None:
+        until = now + self.action_hold_s
+        try:
+            labels = alerts.action_labels(action)
+            bodies = []
+            for r in self.receivers:
+                rid = out.next_id + len(bodies)
+                if r.kind == WEBHOOK:
+                    payload: Any = alerts.action_webhook_payload(action, now_ts=now, until_ts=until,
+                                                                 external_url=self.external_url, delivery_id=rid)
+                else:
+                    payload = alerts.action_alertmanager_alerts(action, now_ts=now, until_ts=until,
+                                                                external_url=self.external_url)
+                bodies.append((rid, r, alerts.encode(payload)))
+        except Exception:  # an alert must never sink the action it reports
+            log.exception("no alert for action %s: its payload could not be built", action.get("id"))
+            return
+        for rid, r, body in bodies:
+            out.rows.append({"id": rid, "run_id": action["run_id"], "incident_id": action.get("incident_id"),
+                             "action_id": action["id"], "receiver": r.name, "kind": ACTION_ROW,
+                             "status": "pending", "body": body, "labels": json.dumps(labels),
+                             "created_ts": now, "next_attempt_ts": now, "attempts": 0})
+        out.next_id += len(bodies)
+
+    def write_actions(self, con: duckdb.DuckDBPyConnection, plan: OutboxPlan, group: Group) -> None:
+        self.write_incidents(con, plan, group)
+
+    def apply_actions(self, plan: OutboxPlan, group: Group) -> None:
+        self.apply_incidents(plan, group)  # an action plan changes no incident: only the ids and the rows
+
     def write_incidents(self, con: duckdb.DuckDBPyConnection, plan: OutboxPlan, group: Group) -> None:
         for row in plan.rows:
             names = list(row)
@@ -334,6 +401,9 @@ class AlertOutbox(Projection):
     # -- delivery results (the `outbox` projection's own intents) -----------------------
     def plan(self, group: Group) -> list[DeliveryResult] | None:
         return group.intents.get(self.name) or None
+
+    def apply(self, plan: list[DeliveryResult] | None, group: Group) -> None:
+        self._planning = None  # the group committed: its hook plans applied (or it had none)
 
     def write(self, con: duckdb.DuckDBPyConnection, plan: list[DeliveryResult] | None, group: Group) -> None:
         for r in plan or ():

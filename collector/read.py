@@ -136,6 +136,12 @@ def actions(cur: Cursor, run_id: str) -> Rows:
     return records(cur, "SELECT * FROM actions WHERE run_id = ? ORDER BY requested_ts, id", [run_id])
 
 
+def bad_batches(cur: Cursor, run_id: str) -> Rows:
+    """The sample windows the run's rollbacks skipped, in data order."""
+    return records(cur, "SELECT * FROM bad_batches WHERE run_id = ? ORDER BY epoch, sample_from, sample_to",
+                   [run_id])
+
+
 def checkpoints(cur: Cursor, run_id: str) -> Rows:
     return records(cur, "SELECT * FROM checkpoints WHERE run_id = ? ORDER BY step, attempt", [run_id])
 

@@ -298,6 +298,41 @@ _STEP_SUMMARY_V6 = [
         GROUP BY s.run_id, s.attempt, s.step""",
 ]
 
+# v7: automated healing (collector/actions.py). An action row says how it was taken
+# (`mode`: 'auto' did it, 'shadow' only recorded what it would have done), the command
+# it issued, the node or rank it was about, the training attempt it produced, when
+# the trainer started it, and how long the run took to train again (`recovery_s`,
+# from the incident's opened_ts to the first new step). Older rows get their mode
+# from dry_run and their updated_ts from their last time. `bad_batches`: the samples
+# a rollback skipped, from the trainer's `batch_skipped` events (each rank reports the
+# same window: stored once). `nodes` remembers when a node was isolated and the
+# incident that changed its status.
+_HEALING_V7 = [
+    "ALTER TABLE actions ADD COLUMN mode VARCHAR",
+    "ALTER TABLE actions ADD COLUMN command_id BIGINT",
+    "ALTER TABLE actions ADD COLUMN node VARCHAR",
+    "ALTER TABLE actions ADD COLUMN rank INTEGER",
+    "ALTER TABLE actions ADD COLUMN attempt INTEGER",
+    "ALTER TABLE actions ADD COLUMN started_ts DOUBLE",
+    "ALTER TABLE actions ADD COLUMN recovery_s DOUBLE",
+    "ALTER TABLE actions ADD COLUMN updated_ts DOUBLE",
+    """UPDATE actions SET mode = CASE WHEN dry_run THEN 'shadow' ELSE 'auto' END,
+        updated_ts = coalesce(finished_ts, requested_ts)""",
+    """CREATE TABLE bad_batches (
+        run_id VARCHAR NOT NULL,
+        epoch BIGINT NOT NULL,
+        sample_from BIGINT NOT NULL,
+        sample_to BIGINT NOT NULL,
+        step BIGINT,
+        incident_id BIGINT,
+        verdict VARCHAR,
+        ts DOUBLE NOT NULL,
+        PRIMARY KEY (run_id, epoch, sample_from, sample_to)
+    )""",
+    "ALTER TABLE nodes ADD COLUMN isolated_ts DOUBLE",
+    "ALTER TABLE nodes ADD COLUMN incident_id BIGINT",
+]
+
 MIGRATIONS: list[tuple[int, list[str]]] = [
     (1, _TABLES_V1 + _VIEWS_V1),
     (2, _BATCH_HASH_V2),
@@ -305,6 +340,7 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
     (4, _LOCAL_SIGNALS_V4),
     (5, _ALERT_OUTBOX_V5),
     (6, _STEP_SUMMARY_V6),
+    (7, _HEALING_V7),
 ]
 
 

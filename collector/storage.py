@@ -11,13 +11,14 @@ call them.
 Writes (ingest, commands, incidents, actions, node status) all go through the
 writer thread; the methods here only queue them and return futures (or take a
 `done` callback): submitting never blocks, whatever thread calls it, and only
-`ingest_blocking` waits for its commit. Actions and node status are still
-`write` calls of their own transaction (the healing work makes them projections
-like commands and incidents). Subscribers
+`ingest_blocking` waits for its commit. Actions and node status are intents of
+the actions projection (collector/actions.py), like commands and incidents; the
+samples a rollback skipped (`batch_skipped` events) fill `bad_batches` in their
+batch's transaction. Subscribers
 (`subscribe`) get each commit's rows after it; detectors given to the
 constructor run on a subscriber thread of their own (collector/detection.py).
-With alert receivers in the settings, incident changes also write alert_outbox
-rows in their transaction, and a sender delivers them (collector/outbox.py).
+With alert receivers in the settings, incident changes and actions also write
+alert_outbox rows in their transaction, and a sender delivers them (collector/outbox.py).
 """
 
 from __future__ import annotations
@@ -36,9 +37,12 @@ import duckdb
 import pyarrow as pa
 from prometheus_client import Counter, Gauge
 
+from analysis.policy import Policy
 from collector import read
+from collector.actions import (ActionsProjection, BadBatchesProjection, RecordAction, SetNodeStatus,
+                               UpdateAction)
 from collector.commands import CommandsProjection, IssueCommand, validate_request
-from collector.decode import DecodedBatch, json_text
+from collector.decode import DecodedBatch
 from collector.dedupe import BatchKeysProjection
 from collector.detection import DetectionRunner, Detector
 from collector.feed import Feed, Subscription
@@ -46,6 +50,7 @@ from collector.incidents import (Finding, IncidentsProjection, OpenIncident, Rec
                                  as_finding, check_fields)
 from collector.liveness import LivenessProjection
 from collector.metrics import CollectorMetrics
+from collector.policy import IncidentWatch, PolicyRunner
 from collector.outbox import AlertOutbox, RetryPolicy, Sender, Transport, build_receivers, urllib_transport
 from collector.projection import Ids, Projection
 from collector.runinfo import RunInfoProjection
@@ -97,12 +102,16 @@ class Storage:
                  clock: Callable[[], float] = time.time, detectors: Sequence[Detector] = (),
                  detection_tick_s: float = 1.0, detection_queue_commits: int = 64,
                  detector_factory: Callable[["Storage"], Sequence[Detector]] | None = None,
-                 extra_projections: Sequence[Projection] = (), alert_transport: Transport | None = None) -> None:
+                 extra_projections: Sequence[Projection] = (), alert_transport: Transport | None = None,
+                 policy: Policy | None = None) -> None:
         """`detectors`: run on a detection thread (collector/detection.py) when given;
         `detector_factory(storage)` builds more that need this storage (to read).
         `extra_projections`: more parts for the writer, after the built-in ones.
-        `alert_transport`: how the alert sender POSTs (default: urllib; tests fake it)."""
+        `alert_transport`: how the alert sender POSTs (default: urllib; tests fake it).
+        `policy`: the healing policy (analysis/policy.py), carried out on a thread of
+        its own (collector/policy.py); None acts on nothing."""
         self.settings = settings
+        self._policy = policy
         self._clock = clock
         self._alert_transport = alert_transport or urllib_transport
         self._con = connect(settings.db_path, threads=settings.duckdb_threads,
@@ -134,6 +143,10 @@ class Storage:
                 self.subscribe("detection", max_commits=detection_queue_commits), detectors,
                 submit=self.record_findings, clock=clock, tick_s=detection_tick_s, registry=self.metrics.registry)
             self.detection.start()
+        self.policy: PolicyRunner | None = None
+        if policy is not None:
+            self.policy = PolicyRunner(self, policy, self.subscribe("policy"), self._incident_watch, clock=clock)
+            self.policy.start()
 
     def _build_writer(self, extra: Sequence[Projection]) -> Writer:
         """The writer and its projections, in the order their writes must run: runs
@@ -143,8 +156,12 @@ class Storage:
         keys = BatchKeysProjection(con)
         commands = CommandsProjection(con, ids=ids, ttl_s=s.command_ttl_s, now=self._clock())
         self._outbox, self.sender = self._build_outbox()
+        self._incident_watch = IncidentWatch(con) if self._policy is not None else None
+        incident_hooks = [self._outbox] + ([self._incident_watch] if self._incident_watch is not None else [])
         projections = [LivenessProjection(con), keys, RunInfoProjection(), commands,
-                       IncidentsProjection(con, ids=ids, hooks=[self._outbox]), self._outbox, *extra]
+                       IncidentsProjection(con, ids=ids, hooks=incident_hooks),
+                       ActionsProjection(con, ids=ids, hooks=[self._outbox]), BadBatchesProjection(),
+                       self._outbox, *extra]
         return Writer(con, admission=keys, projections=projections, replies=commands, ids=ids,
                       metrics=self.metrics, feed=Feed(self.metrics.registry), clock=self._clock,
                       group_max_rows=s.group_max_rows, group_max_bytes=s.group_max_bytes,
@@ -181,6 +198,8 @@ class Storage:
         self._closed = True
         if self.detection is not None:
             self.detection.stop()
+        if self.policy is not None:
+            self.policy.stop()  # its last decisions are queued for the writer
         if self.sender is not None:
             # The last findings' alerts (a run's end closes incidents) commit first, then
             # each receiver gets one more try of what is due: an embedded collector
@@ -210,6 +229,8 @@ class Storage:
             return False, "the detection thread has died; see the collector's log"
         if self.sender is not None and not self.sender.alive():
             return False, "an alert sender thread has died; see the collector's log"
+        if self.policy is not None and not self.policy.alive():
+            return False, "the policy thread has died; see the collector's log"
         return True, ""
 
     def subscribe(self, name: str, *, max_commits: int = 64, max_bytes: int = 256 << 20) -> Subscription:
@@ -274,31 +295,38 @@ class Storage:
         check_fields(fields)
         return self._writer.submit_intent("incidents", UpdateIncident(incident_id, fields), done=done)
 
-    def record_action(self, run_id: str, kind: str, status: str, *, incident_id: int | None = None,
-                      dry_run: bool = False, detail: Any = None) -> Future:
-        def call(ctx: WriteContext) -> int:
-            aid = ctx.next_id("actions")
-            ctx.con.execute("INSERT INTO actions VALUES (?, ?, ?, ?, ?, ?, ?, NULL, ?)",
-                            [aid, run_id, incident_id, kind, status, dry_run, ctx.now, json_text(detail)])
-            return aid
-        return self.write(call)
+    def record_action(self, run_id: str, kind: str, status: str, *, mode: str = "auto",
+                      incident_id: int | None = None, command_id: int | None = None, node: str | None = None,
+                      rank: int | None = None, detail: Any = None, done: Done | None = None,
+                      dry_run: bool | None = None) -> Future | None:
+        """Record an action (collector/actions.py), in the next group commit, with its
+        alerts. Never blocks: a future of its id (ValueError for a malformed one), or
+        None and `done(id, error)` after the commit. `dry_run=True` is the older
+        spelling of mode="shadow"."""
+        if dry_run:
+            mode = "shadow"
+        intent = RecordAction(run_id, kind, status, mode, incident_id=incident_id, command_id=command_id,
+                              node=node, rank=rank, detail=detail)
+        return self._writer.submit_intent("actions", intent, done=done)
 
-    def finish_action(self, action_id: int, status: str, detail: Any = None) -> Future:
-        def call(ctx: WriteContext) -> None:
-            ctx.con.execute("UPDATE actions SET status = ?, finished_ts = ?, detail = coalesce(?, detail) WHERE id = ?",
-                            [status, ctx.now, json_text(detail), action_id])
-        return self.write(call)
+    def update_action(self, action_id: int, *, done: Done | None = None, **fields: Any) -> Future | None:
+        """Set fields of an action (actions.UPDATE_FIELDS: status, command_id, attempt,
+        started_ts, finished_ts, recovery_s, detail); a terminal status sets finished_ts
+        unless given. Never blocks; the future gives the row after (KeyError: no such action)."""
+        return self._writer.submit_intent("actions", UpdateAction(action_id, fields), done=done)
 
-    def set_node_status(self, run_id: str, node: str, status: str, reason: str | None = None) -> Future:
-        if status not in ("healthy", "suspect", "isolated"):
-            raise ValueError("node status is healthy, suspect or isolated")
+    def finish_action(self, action_id: int, status: str, detail: Any = None, *,
+                      done: Done | None = None) -> Future | None:
+        """`update_action` with a status and, when given, a new detail."""
+        return self.update_action(action_id, status=status, done=done,
+                                  **({"detail": detail} if detail is not None else {}))
 
-        def call(ctx: WriteContext) -> None:
-            ctx.con.execute("""
-                INSERT INTO nodes (run_id, node, status, reason, updated_ts) VALUES (?, ?, ?, ?, ?)
-                ON CONFLICT (run_id, node) DO UPDATE SET status = excluded.status, reason = excluded.reason,
-                    updated_ts = excluded.updated_ts""", [run_id, node, status, reason, ctx.now])
-        return self.write(call)
+    def set_node_status(self, run_id: str, node: str, status: str, reason: str | None = None, *,
+                        incident_id: int | None = None, done: Done | None = None) -> Future | None:
+        """A node's status (healthy, suspect, isolated: which sets isolated_ts), in the
+        next group commit. Never blocks; ValueError through the future for another status."""
+        return self._writer.submit_intent("actions", SetNodeStatus(run_id, node, status, reason, incident_id),
+                                          done=done)
 
     # -- reads -----------------------------------------------------------------
     @contextmanager
@@ -413,6 +441,9 @@ class Storage:
 
     def actions(self, run_id: str) -> list[dict[str, Any]]:
         return self.read(read.actions, run_id)
+
+    def bad_batches(self, run_id: str) -> list[dict[str, Any]]:
+        return self.read(read.bad_batches, run_id)
 
     def checkpoints(self, run_id: str) -> list[dict[str, Any]]:
         return self.read(read.checkpoints, run_id)

@@ -81,6 +81,12 @@ def get_actions(run_id: str, storage: StorageDep) -> Response:
     return json_response(storage.actions(run_id))
 
 
+@router.get("/{run_id}/bad_batches")
+def get_bad_batches(run_id: str, storage: StorageDep) -> Response:
+    """The sample windows the run's rollbacks skipped (from batch_skipped events)."""
+    return json_response(storage.bad_batches(run_id))
+
+
 @router.get("/{run_id}/checkpoints")
 def get_checkpoints(run_id: str, storage: StorageDep) -> Response:
     return json_response(storage.checkpoints(run_id))

@@ -1,0 +1,235 @@
+"""The healing policy: which action an incident or a rerun verdict calls for.
+
+Pure, like the detectors: incidents and verdicts in (plain dicts), `Decision`s
+out, a clock value given. The collector's `PolicyRunner` (collector/policy.py)
+feeds it and carries the decisions out; `collector replay` can run it over a
+stored run to say what it would have done.
+
+What calls for what (DESIGN.md section 7, the keys are `[policy]` in rules.toml):
+
+- `nan`, `loss_spike`, `grad_spike` (`rollback_on`): **rollback** to the newest
+  verified checkpoint before the incident's first step; the rerun of that step
+  with the replicas swapped is the diagnosis (trainer/diagnosis.py). Its verdict
+  comes back as an event (`on_verdict`):
+  - `data`: nothing more (the trainer skipped the samples);
+  - `device`: **isolate** the node;
+  - `transient`: counted against the node; `transient_limit` of them within
+    `transient_window_s` isolate it.
+- `straggler` whose cost stays at or above `straggler_cost_s` seconds per step for
+  `straggler_persist_s`: **isolate** its node.
+- `hang`: **isolate** the culprit's node (`isolate_on_hang`).
+- `crash`: **restart** (the supervisor's own; recorded), and the
+  `crashes_to_isolate`-th crash on one node **isolates** it.
+
+Guard rails, each a `refused` decision with the reason (recorded and alerted,
+not done): a `cooldown_s` between two actions of one kind in a run; at most
+`max_rollbacks` within `rollback_window_s` (past it: **stop** the run rather than
+loop); never isolate below `min_nodes` healthy nodes; nothing at all once the
+run has finished. Modes: `auto` acts, `shadow` records what it would do, `off`
+does nothing; `mode` for all, `rollback_mode` / `isolate_mode` per action.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+MODES = ("auto", "shadow", "off")
+ROLLBACK, ISOLATE, STOP, RESTART = "rollback", "isolate", "stop", "restart"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    kind: str  # rollback | isolate | stop | restart
+    run_id: str
+    reason: str
+    incident_id: int | None = None
+    args: dict[str, Any] = field(default_factory=dict)  # the command's arguments
+    node: str | None = None
+    rank: int | None = None
+    mode: str = "auto"  # auto | shadow
+    refused: str | None = None  # a guard rail said no: why
+
+    def detail(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"reason": self.reason, "args": self.args}
+        if self.refused:
+            out["refused"] = self.refused
+        return out
+
+
+@dataclass(slots=True)
+class RunPolicy:
+    """What the policy remembers of one run."""
+
+    run_id: str
+    nodes: list[str] = field(default_factory=list)  # every node of the run's first layout
+    isolated: set[str] = field(default_factory=set)
+    finished: bool = False
+    rollbacks: deque = field(default_factory=deque)  # times of rollbacks issued
+    last_ts: dict[str, float] = field(default_factory=dict)  # action kind -> when last issued
+    transients: dict[str, deque] = field(default_factory=dict)  # node -> times of transient verdicts
+    crashes: dict[str, int] = field(default_factory=dict)  # node -> crash incidents
+    acted: set[int] = field(default_factory=set)  # incidents an action was decided for
+    slow_since: dict[int, float] = field(default_factory=dict)  # straggler incident -> costly since
+
+
+def _number(value: Any) -> float | None:
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+class Policy:
+    def __init__(self, rules, *, mode: str | None = None) -> None:
+        """`rules`: the whole Rules object (its `policy` section is read); `mode`
+        overrides `policy.mode` (the --policy flag)."""
+        self.cfg = rules.policy
+        self.spikes = {"loss_spike": rules.loss_spike, "grad_spike": rules.grad_spike}
+        self.mode = mode or self.cfg.mode
+        if self.mode not in MODES:
+            raise ValueError(f"policy mode {self.mode!r}: one of {', '.join(MODES)}")
+
+    def mode_of(self, kind: str) -> str:
+        own = {ROLLBACK: self.cfg.rollback_mode, ISOLATE: self.cfg.isolate_mode}.get(kind, "")
+        if self.mode == "off":
+            return "off"
+        return own if own in MODES else self.mode
+
+    # -- inputs --------------------------------------------------------------
+    def on_incident(self, st: RunPolicy, inc: dict[str, Any], now: float) -> list[Decision]:
+        """An incident opened or changed (the row as it is now)."""
+        if st.finished or inc.get("status", "open") != "open" or inc.get("id") in st.acted:
+            return []
+        kind = inc.get("kind")
+        if kind in self.cfg.rollback_on:
+            return self._rollback(st, inc, now)
+        if kind == "straggler":
+            return self._straggler(st, inc, now)
+        if kind == "hang" and self.cfg.isolate_on_hang:
+            return self._isolate(st, inc, inc.get("node"), now,
+                                 f"hang: rank {inc.get('rank')} stopped entering collectives")
+        if kind == "crash":
+            return self._crash(st, inc, now)
+        return []
+
+    def on_verdict(self, st: RunPolicy, verdict: dict[str, Any], node: str | None, now: float) -> list[Decision]:
+        """A rerun's verdict (the trainer's `rerun_verdict` event); `node`: its rank's."""
+        if st.finished or node is None:
+            return []
+        inc = {"id": verdict.get("incident_id"), "rank": verdict.get("rank"), "node": node}
+        what = verdict.get("verdict")
+        if what == "device":
+            return self._isolate(st, inc, node, now, f"device: {verdict.get('evidence', 'the fault stayed on it')}")
+        if what == "transient":
+            times = st.transients.setdefault(node, deque())
+            times.append(now)
+            while times and now - times[0] > self.cfg.transient_window_s:
+                times.popleft()
+            if len(times) >= self.cfg.transient_limit:
+                return self._isolate(st, inc, node, now, f"{len(times)} transient faults within "
+                                                         f"{self.cfg.transient_window_s:g} s")
+        return []
+
+    def on_finished(self, st: RunPolicy) -> None:
+        st.finished = True
+
+    # -- decisions -------------------------------------------------------------
+    def _decision(self, st: RunPolicy, kind: str, inc: dict[str, Any], reason: str, now: float, *,
+                  args: dict[str, Any] | None = None, node: str | None = None, refused: str | None = None,
+                  cooldown: bool = True) -> list[Decision]:
+        mode = self.mode_of(kind)
+        if mode == "off":
+            return []
+        if refused is None and cooldown and now - st.last_ts.get(kind, -math.inf) < self.cfg.cooldown_s:
+            refused = f"cooldown: a {kind} was issued {now - st.last_ts[kind]:.1f} s ago (cooldown_s " \
+                      f"{self.cfg.cooldown_s:g})"
+        if inc.get("id") is not None:
+            st.acted.add(inc["id"])
+        if refused is None:
+            st.last_ts[kind] = now
+        return [Decision(kind=kind, run_id=st.run_id, reason=reason, incident_id=inc.get("id"), args=args or {},
+                         node=node, rank=inc.get("rank"), mode=mode, refused=refused)]
+
+    def _rollback(self, st: RunPolicy, inc: dict[str, Any], now: float) -> list[Decision]:
+        if inc.get("node") in st.isolated:
+            return []  # its node is on its way out: the isolation is the action
+        step = inc.get("step_from")
+        reason = f"{inc['kind']} at step {step}" + (f" on rank {inc['rank']}" if inc.get("rank") is not None else "")
+        if step is None:
+            return self._decision(st, ROLLBACK, inc, reason, now, refused="the incident names no step")
+        args: dict[str, Any] = {"step": int(step), "incident_id": inc.get("id"), "kind": inc["kind"],
+                                "skip_batches": int(self.cfg.skip_batches)}
+        if inc.get("rank") is not None:
+            args["rank"] = int(inc["rank"])
+        args.update(self._reproduce_thresholds(inc))
+        while st.rollbacks and now - st.rollbacks[0] > self.cfg.rollback_window_s:
+            st.rollbacks.popleft()
+        if len(st.rollbacks) >= self.cfg.max_rollbacks:
+            cap = f"{len(st.rollbacks)} rollbacks within {self.cfg.rollback_window_s:g} s (max_rollbacks " \
+                  f"{self.cfg.max_rollbacks}): stopping the run instead of looping"
+            stop = self._decision(st, STOP, inc, cap, now, args={"reason": cap}, cooldown=False)
+            if self.mode_of(ROLLBACK) == "shadow":  # the rollbacks it counts were never carried out
+                stop = [replace(d, mode="shadow") for d in stop]
+            return self._decision(st, ROLLBACK, inc, reason, now, args=args, refused=cap) + stop
+        out = self._decision(st, ROLLBACK, inc, reason, now, args=args, node=inc.get("node"))
+        if out and out[0].refused is None:
+            st.rollbacks.append(now)
+        return out
+
+    def _reproduce_thresholds(self, inc: dict[str, Any]) -> dict[str, float]:
+        """What a reproduced spike looks like in the rerun: above the geometric midpoint of
+        the detector's own bar (level x min_ratio) and the spike's peak."""
+        spec = self.spikes.get(inc.get("kind"))
+        peak = (inc.get("evidence") or {}).get("peak") or {}
+        level, value = _number(peak.get("level")), _number(peak.get("value"))
+        if spec is None or level is None or value is None or level <= 0:
+            return {}
+        bar = level * spec.min_ratio
+        above = math.sqrt(bar * max(value, bar))
+        return {"loss_above" if inc["kind"] == "loss_spike" else "grad_norm_above": round(above, 6)}
+
+    def _straggler(self, st: RunPolicy, inc: dict[str, Any], now: float) -> list[Decision]:
+        cost = _number((inc.get("evidence") or {}).get("cost_s_per_step"))
+        iid = inc["id"]
+        if cost is None or cost < self.cfg.straggler_cost_s:
+            st.slow_since.pop(iid, None)
+            return []
+        since = st.slow_since.setdefault(iid, now)
+        if now - since < self.cfg.straggler_persist_s:
+            return []
+        st.slow_since.pop(iid, None)
+        return self._isolate(st, inc, inc.get("node"), now,
+                             f"straggler: rank {inc.get('rank')} costs {cost:.3g} s/step for "
+                             f"{now - since:.1f} s (straggler_cost_s {self.cfg.straggler_cost_s:g})")
+
+    def _crash(self, st: RunPolicy, inc: dict[str, Any], now: float) -> list[Decision]:
+        node = inc.get("node")
+        if node is None:
+            return self._decision(st, RESTART, inc, "crash: the job restarts from its last checkpoint", now,
+                                  cooldown=False)
+        st.crashes[node] = st.crashes.get(node, 0) + 1
+        if st.crashes[node] >= self.cfg.crashes_to_isolate:
+            return self._isolate(st, inc, node, now, f"crash #{st.crashes[node]} on {node}")
+        return self._decision(st, RESTART, inc, f"crash on {node}: the job restarts from its last checkpoint",
+                              now, node=node, cooldown=False)
+
+    def _isolate(self, st: RunPolicy, inc: dict[str, Any], node: str | None, now: float,
+                 reason: str) -> list[Decision]:
+        if node is None:
+            return self._decision(st, ISOLATE, inc, reason, now, refused="no node to isolate")
+        if node in st.isolated:
+            return []
+        healthy = [n for n in st.nodes if n not in st.isolated and n != node] if st.nodes else None
+        refused = None
+        if healthy is not None and len(healthy) < self.cfg.min_nodes:
+            refused = (f"min_nodes: isolating {node} would leave {len(healthy)} healthy node(s), fewer than "
+                       f"{self.cfg.min_nodes}")
+        out = self._decision(st, ISOLATE, inc, reason, now, node=node, cooldown=False, refused=refused,
+                             args={"node": node, "reason": reason, "incident_id": inc.get("id")})
+        if out and out[0].refused is None and out[0].mode == "auto":
+            st.isolated.add(node)
+        return out

@@ -1,0 +1,350 @@
+"""The collector acting on incidents: the policy's decisions carried out and followed.
+
+`analysis/policy.py` decides (pure); `PolicyRunner` is its hands, on a thread of
+its own so that ingest never waits for it. What it hears:
+
+- incident changes, in commit order: `IncidentWatch`, an IncidentHook of the
+  incidents projection (collector/incidents.py), mirrors the open incidents and
+  hands each changed row over after its commit;
+- the trainer's events and the step rows, through a post-commit subscription
+  (collector/feed.py): command acks, rerun verdicts, the end of a run, and the
+  first new step after an action, which ends it.
+
+What it does with a decision, through the writer (never blocking):
+
+- `refused` (a guard rail) or `shadow`: an `actions` row with that status;
+- `auto`: the command (`rollback`, `stop`, `isolate`) is issued, and an
+  `actions` row `issued` records it with its command id; an isolation also
+  marks the node `isolated` in `nodes` (the supervisor watches for that, so a
+  node whose ranks are stuck is still taken out); a crash's `restart` is the
+  supervisor's own, recorded as `issued` without a command.
+
+Then the row follows the action: `acked` when every rank acked the command
+(`failed` when one refused it, with its reason), `done` with `recovery_s` when
+the first new step completes (a step of a later attempt past the last step the
+abandoned lineage reached; `recovery_s` counts from the incident's `opened_ts`).
+Every recorded action is also an alert (the outbox's action hook).
+
+A rerun verdict is also written to its incident's `root_cause`, with the
+evidence the trainer gathered, before the policy decides on it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from analysis.policy import ISOLATE, RESTART, Decision, Policy, RunPolicy
+from collector.feed import Subscription
+from collector.incidents import IncidentPlan
+from collector.projection import Group
+
+log = logging.getLogger("collector.policy")
+
+_EVENT_KINDS = ("command_ack", "rerun_verdict", "run_finished", "run_started")
+_FAILED_ACKS = frozenset({"failed", "error", "rejected"})
+_TICK_S = 0.25  # how often open stragglers are looked at again without news
+
+
+class IncidentWatch:
+    """An IncidentHook: the open incidents as their rows are now, and after each commit
+    the rows it changed, handed to `on_change` (the runner's queue)."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection) -> None:
+        self.on_change: Callable[[list[dict[str, Any]]], None] | None = None
+        self._open: dict[int, dict[str, Any]] = {}
+        cur = con.execute("SELECT * FROM incidents WHERE status = 'open' ORDER BY id")
+        names = [d[0] for d in cur.description]
+        for row in cur.fetchall():
+            self._open[row[0]] = _incident(dict(zip(names, row)))
+
+    def open_rows(self) -> list[dict[str, Any]]:
+        return list(self._open.values())
+
+    def plan_incidents(self, plan: IncidentPlan, group: Group) -> list[dict[str, Any]]:
+        changed: dict[int, dict[str, Any]] = {}
+        for row in plan.inserts:
+            changed[row["id"]] = _incident(dict(row))
+        for iid, values in plan.updates:
+            before = changed.get(iid) or self._open.get(iid)
+            if before is not None:
+                changed[iid] = _incident({**before, **values})
+        return list(changed.values())
+
+    def write_incidents(self, con: duckdb.DuckDBPyConnection, rows: list[dict[str, Any]], group: Group) -> None:
+        """Nothing of its own to write."""
+
+    def apply_incidents(self, rows: list[dict[str, Any]], group: Group) -> None:
+        for row in rows:
+            if row.get("status", "open") == "open":
+                self._open[row["id"]] = row
+            else:
+                self._open.pop(row["id"], None)
+        if rows and self.on_change is not None:
+            self.on_change(rows)
+
+
+def _incident(row: dict[str, Any]) -> dict[str, Any]:
+    ev = row.get("evidence")
+    if isinstance(ev, str):
+        try:
+            row["evidence"] = json.loads(ev)
+        except ValueError:
+            row["evidence"] = None
+    return row
+
+
+@dataclass(slots=True)
+class Pending:
+    """An action between `issued` and `done`."""
+
+    action_id: int
+    run_id: str
+    kind: str
+    incident_opened_ts: float | None
+    attempt: int  # the newest attempt when it was issued: recovery is a step of a later one past the
+    # last step the earlier attempts reached (their rows arrive first: the same agents ship in order)
+    command_id: int | None = None
+    acks: set[int] = field(default_factory=set)
+    acked: bool = False
+
+
+class PolicyRunner:
+    def __init__(self, storage, policy: Policy, subscription: Subscription, watch: IncidentWatch, *,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.storage = storage
+        self.policy = policy
+        self.clock = clock
+        self._sub = subscription
+        self._watch = watch
+        self._incidents: deque[list[dict[str, Any]]] = deque()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # `_pending`: the writer thread's done callbacks add to it
+        self._pending: dict[int, Pending] = {}
+        self._runs: dict[str, RunPolicy] = {}
+        self._reached: dict[str, dict[int, int]] = {}  # run -> attempt -> highest step seen
+        self._world: dict[str, int] = {}
+        self._node_map: dict[str, dict[int, str]] = {}
+        self._thread = threading.Thread(target=self._run, name="llmwatch-policy", daemon=True)
+        watch.on_change = self._offer
+
+    # -- lifecycle ---------------------------------------------------------------
+    def start(self) -> None:
+        for row in self._watch.open_rows():  # what a restarted collector finds open
+            self._incidents.append([row])
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout_s)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _offer(self, rows: list[dict[str, Any]]) -> None:  # on the writer thread: a deque append
+        self._incidents.append(rows)
+        self._wake.set()
+
+    def _run(self) -> None:
+        last_tick = 0.0
+        while not self._stop.is_set():
+            delivery = self._sub.get(timeout_s=0.05)
+            try:
+                if delivery is not None:
+                    self._commit(delivery.commit.tables)
+                while self._incidents:
+                    for row in self._incidents.popleft():
+                        self._incident(row)
+                now = self.clock()
+                if now - last_tick >= _TICK_S:
+                    last_tick = now
+                    for row in self._watch.open_rows():
+                        if row.get("kind") == "straggler":
+                            self._incident(row)
+            except Exception:  # noqa: BLE001 - the policy must outlive one bad input
+                log.exception("policy pass failed")
+
+    # -- inputs ------------------------------------------------------------------
+    def _state(self, run_id: str) -> RunPolicy:
+        st = self._runs.get(run_id)
+        if st is None:
+            st = self._runs[run_id] = RunPolicy(run_id=run_id)
+            self._refresh_run(run_id)
+            nodes = self.storage.read(_nodes_of, run_id)
+            st.nodes = sorted(set(self._node_map.get(run_id, {}).values()) | set(nodes["all"]))
+            st.isolated = set(nodes["isolated"])
+            st.finished = nodes["finished"]
+        return st
+
+    def _refresh_run(self, run_id: str) -> None:
+        info = self.storage.read(_run_layout, run_id)
+        self._world[run_id] = info["world_size"] or 0
+        self._node_map[run_id] = info["node_map"]
+        reached = self._reached.setdefault(run_id, {})
+        for attempt, step in info["reached"].items():
+            reached[attempt] = max(reached.get(attempt, 0), step)
+
+    def _incident(self, row: dict[str, Any]) -> None:
+        st = self._state(row["run_id"])
+        for d in self.policy.on_incident(st, row, self.clock()):
+            self._carry_out(d, row)
+
+    def _commit(self, tables: Mapping[str, pa.Table]) -> None:
+        events = tables.get("events")
+        if events is not None and events.num_rows:
+            mask = pc.is_in(events["kind"], value_set=pa.array(_EVENT_KINDS))
+            for ev in events.filter(mask).to_pylist():
+                self._event(ev)
+        steps = tables.get("steps")
+        if steps is not None and steps.num_rows:
+            self._steps(steps)
+
+    def _event(self, ev: dict[str, Any]) -> None:
+        data = ev.get("data")
+        data = json.loads(data) if isinstance(data, str) else (data or {})
+        run_id, kind = ev["run_id"], ev["kind"]
+        if kind == "command_ack":
+            self._ack(run_id, int(ev["rank"]), data, ev.get("ts"))
+        elif kind == "rerun_verdict":
+            self._verdict(run_id, data)
+        elif kind == "run_finished":
+            self.policy.on_finished(self._state(run_id))
+        elif kind == "run_started" and int(ev.get("rank", -1)) == 0:
+            self._refresh_run(run_id)  # a restart on fewer nodes: another world size and node map
+
+    def _ack(self, run_id: str, rank: int, data: dict[str, Any], ts: float | None) -> None:
+        try:
+            command_id = int(data.get("command_id"))
+        except (TypeError, ValueError):
+            return
+        with self._lock:
+            p = next((p for p in self._pending.values() if p.command_id == command_id and p.run_id == run_id), None)
+        if p is None:
+            return
+        status = data.get("status")
+        if status in _FAILED_ACKS:
+            with self._lock:
+                self._pending.pop(p.action_id, None)
+            self.storage.update_action(p.action_id, status="failed",
+                                       detail={"failed_rank": rank, "ack": status, "reason": data.get("detail")})
+            return
+        if status != "done" or p.acked:
+            return
+        p.acks.add(rank)
+        world = self._world.get(run_id) or 0
+        if world and len(p.acks) >= world:
+            p.acked = True
+            self.storage.update_action(p.action_id, status="acked", started_ts=ts)
+
+    def _verdict(self, run_id: str, data: dict[str, Any]) -> None:
+        iid = data.get("incident_id")
+        verdict = data.get("verdict")
+        if iid is not None and verdict in ("data", "device", "transient"):
+            confidence = 0.9 if verdict != "transient" else 0.7
+            self.storage.update_incident(int(iid), root_cause=f"{verdict}: {data.get('evidence', '')}",
+                                         confidence=confidence)
+        rank = data.get("rank")
+        node = self._node_map.get(run_id, {}).get(int(rank)) if rank is not None else None
+        incident = next((r for r in self._watch.open_rows() if r["id"] == iid), {"id": iid, "run_id": run_id})
+        for d in self.policy.on_verdict(self._state(run_id), data, node, self.clock()):
+            self._carry_out(d, incident)
+
+    def _steps(self, steps: pa.Table) -> None:
+        """Follow the run's lineage: the highest step per attempt, and for each pending
+        action the first step of a later attempt past every step the earlier ones reached."""
+        with self._lock:
+            waiting = list(self._pending.values())
+        for run_id in pc.unique(steps["run_id"]).to_pylist():
+            rows = steps.filter(pc.equal(steps["run_id"], run_id)).select(["attempt", "step", "ts"])
+            reached = self._reached.setdefault(run_id, {})
+            for g in rows.group_by("attempt").aggregate([("step", "max")]).to_pylist():
+                reached[g["attempt"]] = max(reached.get(g["attempt"], 0), g["step_max"])
+            for p in (p for p in waiting if p.run_id == run_id):
+                past = max((s for a, s in reached.items() if a <= p.attempt), default=0)
+                new = rows.filter(pc.and_(pc.greater(rows["attempt"], p.attempt), pc.greater(rows["step"], past)))
+                if new.num_rows:
+                    first = new.take([pc.index(new["step"], pc.min(new["step"])).as_py()]).to_pylist()[0]
+                    self._done(p, first["attempt"], first["step"], first["ts"], past)
+
+    def _done(self, p: Pending, attempt: int, step: int, ts: float | None, past: int) -> None:
+        with self._lock:
+            if self._pending.pop(p.action_id, None) is None:
+                return
+        at = ts if ts is not None else self.clock()
+        recovery = at - p.incident_opened_ts if p.incident_opened_ts is not None else None
+        self.storage.update_action(p.action_id, status="done", attempt=attempt, finished_ts=at,
+                                   recovery_s=round(recovery, 3) if recovery is not None else None,
+                                   detail={"first_new_step": step, "attempt": attempt, "past_step": past})
+        log.info("action %s (%s) done: step %s of attempt %s, %.2f s after the incident", p.action_id, p.kind, step,
+                 attempt, recovery if recovery is not None else float("nan"))
+
+    # -- carrying out ------------------------------------------------------------
+    def _carry_out(self, d: Decision, incident: dict[str, Any]) -> None:
+        common = dict(mode=d.mode, incident_id=d.incident_id, node=d.node, rank=d.rank, detail=d.detail())
+        if d.refused is not None or d.mode == "shadow":
+            status = "refused" if d.refused is not None else "shadow"
+            log.info("policy %s: %s for run %s (%s)", status, d.kind, d.run_id, d.refused or d.reason)
+            self.storage.record_action(d.run_id, d.kind, status, **common)
+            return
+        attempt = max(self._reached.get(d.run_id, {}), default=0)
+        opened = incident.get("opened_ts")
+        if d.kind == ISOLATE:
+            self.storage.set_node_status(d.run_id, d.node, "isolated", d.reason, incident_id=d.incident_id)
+        if d.kind == RESTART:  # the supervisor restarts a crashed job by itself: recorded, followed
+            self.storage.record_action(d.run_id, d.kind, "issued", **common,
+                                       done=self._follow(d, None, opened, attempt))
+            return
+
+        def issued(row: Any, error: BaseException | None) -> None:  # on the writer thread: submit only
+            if error is not None:
+                self.storage.record_action(d.run_id, d.kind, "failed",
+                                           **{**common, "detail": {**d.detail(), "error": str(error)}})
+                return
+            self.storage.record_action(d.run_id, d.kind, "issued", command_id=row["id"], **common,
+                                       done=self._follow(d, row["id"], opened, attempt))
+
+        log.info("policy: %s for run %s (%s)", d.kind, d.run_id, d.reason)
+        self.storage.issue_command(d.run_id, d.kind, d.args, None, done=issued)
+
+    def _follow(self, d: Decision, command_id: int | None, opened: float | None,
+                attempt: int) -> Callable[[Any, BaseException | None], None]:
+        def recorded(action_id: Any, error: BaseException | None) -> None:
+            if error is not None:
+                log.error("policy: the %s action for run %s was not recorded: %s", d.kind, d.run_id, error)
+                return
+            with self._lock:
+                self._pending[int(action_id)] = Pending(action_id=int(action_id), run_id=d.run_id, kind=d.kind,
+                                                        incident_opened_ts=opened, attempt=attempt,
+                                                        command_id=command_id)
+        return recorded
+
+
+def _nodes_of(cur: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, Any]:
+    rows = cur.execute("SELECT node, status FROM nodes WHERE run_id = ?", [run_id]).fetchall()
+    (status,) = cur.execute("SELECT status FROM runs WHERE run_id = ?", [run_id]).fetchone() or (None,)
+    return {"all": [n for n, _ in rows], "isolated": [n for n, s in rows if s == "isolated"],
+            "finished": status in ("completed", "stopped", "failed")}
+
+
+def _run_layout(cur: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, Any]:
+    row = cur.execute("SELECT world_size, node_map::VARCHAR FROM runs WHERE run_id = ?", [run_id]).fetchone()
+    world, node_map = row if row else (None, None)
+    try:
+        nodes = {int(k): str(v) for k, v in json.loads(node_map).items()} if node_map else {}
+    except (ValueError, AttributeError):
+        nodes = {}
+    reached = dict(cur.execute("SELECT attempt, max(step) FROM steps WHERE run_id = ? GROUP BY attempt",
+                               [run_id]).fetchall())
+    return {"world_size": world, "node_map": nodes, "reached": reached}

@@ -1,0 +1,277 @@
+"""The healing policy: incidents and verdicts in, decisions out, the clock given."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from analysis.policy import ISOLATE, RESTART, ROLLBACK, STOP, Decision, Policy, RunPolicy
+from analysis.rules import rules_from_dict
+
+
+def policy(mode: str | None = None, **over) -> Policy:
+    """The default rules with `over` applied: `policy=...`, `loss_spike=...` sections."""
+    return Policy(rules_from_dict(over), mode=mode)
+
+
+def run_state(*nodes: str) -> RunPolicy:
+    return RunPolicy(run_id="run-1", nodes=list(nodes))
+
+
+def incident(id: int, kind: str = "nan", *, step: int | None = 40, rank: int | None = 2, node: str | None = "node1",
+             **kw) -> dict:
+    return {"id": id, "kind": kind, "step_from": step, "rank": rank, "node": node, "status": "open", **kw}
+
+
+def kinds(decisions: list[Decision]) -> list[tuple[str, str, str | None]]:
+    return [(d.kind, d.mode, d.refused) for d in decisions]
+
+
+# -- rollbacks ---------------------------------------------------------------------
+
+def test_a_nan_calls_for_a_rollback_to_before_its_first_step():
+    [d] = policy().on_incident(run_state(), incident(1), now=0.0)
+    assert (d.kind, d.run_id, d.incident_id, d.node, d.rank, d.mode, d.refused) == (
+        ROLLBACK, "run-1", 1, "node1", 2, "auto", None)
+    assert d.args == {"step": 40, "incident_id": 1, "kind": "nan", "skip_batches": 0, "rank": 2}
+    assert d.reason == "nan at step 40 on rank 2"
+    assert d.detail() == {"reason": d.reason, "args": d.args}
+
+
+def test_a_rollback_without_a_rank_names_none_and_skips_what_the_rules_say():
+    [d] = policy(policy={"skip_batches": 200}).on_incident(run_state(), incident(1, rank=None), now=0.0)
+    assert d.args == {"step": 40, "incident_id": 1, "kind": "nan", "skip_batches": 200}
+    assert d.reason == "nan at step 40"
+
+
+@pytest.mark.parametrize("kind, key, min_ratio, level, value", [
+    ("loss_spike", "loss_above", 1.5, 2.0, 8.0),   # bar 3, peak 8: sqrt(3 * 8)
+    ("loss_spike", "loss_above", 1.5, 2.0, 2.5),   # a peak under the bar: the bar itself
+    ("grad_spike", "grad_norm_above", 2.0, 1.0, 50.0),  # bar 2, peak 50: 10
+])
+def test_a_spike_reproduces_above_the_midpoint_of_the_bar_and_the_peak(kind, key, min_ratio, level, value):
+    p = policy(**{kind: {"min_ratio": min_ratio}})
+    inc = incident(1, kind, evidence={"peak": {"level": level, "value": value}})
+    [d] = p.on_incident(run_state(), inc, now=0.0)
+    bar = level * min_ratio
+    assert d.args[key] == pytest.approx(math.sqrt(bar * max(value, bar)), abs=1e-6)
+    assert d.args["kind"] == kind
+    assert ("grad_norm_above" if key == "loss_above" else "loss_above") not in d.args
+
+
+def test_the_spike_thresholds_use_the_default_rules():
+    [d] = policy().on_incident(run_state(), incident(1, "grad_spike", evidence={"peak": {"level": 1.0,
+                                                                                          "value": 50.0}}), 0.0)
+    assert d.args["grad_norm_above"] == 10.0  # [grad_spike] min_ratio 2.0
+
+
+@pytest.mark.parametrize("evidence", [
+    None, {}, {"peak": None}, {"peak": {"level": 2.0}}, {"peak": {"level": 0.0, "value": 5.0}},
+    {"peak": {"level": "x", "value": 5.0}}, {"peak": {"level": 2.0, "value": float("nan")}},
+])
+def test_a_spike_without_a_usable_peak_has_no_threshold(evidence):
+    [d] = policy().on_incident(run_state(), incident(1, "loss_spike", evidence=evidence), now=0.0)
+    assert d.kind == ROLLBACK and "loss_above" not in d.args
+
+
+def test_a_nan_ignores_a_peak():
+    [d] = policy().on_incident(run_state(), incident(1, evidence={"peak": {"level": 1.0, "value": 9.0}}), 0.0)
+    assert "loss_above" not in d.args and "grad_norm_above" not in d.args
+
+
+def test_the_same_incident_is_decided_once():
+    p, st = policy(), run_state()
+    assert len(p.on_incident(st, incident(1), now=0.0)) == 1
+    assert p.on_incident(st, incident(1), now=100.0) == []
+
+
+def test_only_open_incidents_and_the_kinds_named_are_acted_on():
+    p, st = policy(policy={"rollback_on": ["nan"]}), run_state()
+    assert p.on_incident(st, {**incident(1), "status": "resolved"}, now=0.0) == []
+    assert p.on_incident(st, incident(2, "loss_spike"), now=0.0) == []
+    assert p.on_incident(st, incident(3, "something_else"), now=0.0) == []
+    assert kinds(p.on_incident(st, incident(4), now=0.0)) == [(ROLLBACK, "auto", None)]
+
+
+def test_an_incident_without_a_step_is_refused():
+    [d] = policy().on_incident(run_state(), incident(1, step=None), now=0.0)
+    assert (d.kind, d.refused) == (ROLLBACK, "the incident names no step")
+
+
+def test_a_second_rollback_within_the_cooldown_is_refused():
+    p, st = policy(), run_state()  # cooldown_s 20
+    assert kinds(p.on_incident(st, incident(1), now=0.0)) == [(ROLLBACK, "auto", None)]
+    [d] = p.on_incident(st, incident(2), now=5.0)
+    assert d.refused.startswith("cooldown: a rollback was issued 5.0 s ago")
+    assert d.detail()["refused"] == d.refused
+    # a refusal does not restart the cooldown
+    assert kinds(p.on_incident(st, incident(3), now=20.0)) == [(ROLLBACK, "auto", None)]
+
+
+def test_past_max_rollbacks_the_run_is_stopped_instead_of_looping():
+    p, st = policy(), run_state()  # max_rollbacks 3 within 600 s
+    for i, t in enumerate((0.0, 100.0, 200.0), 1):
+        assert kinds(p.on_incident(st, incident(i), now=t)) == [(ROLLBACK, "auto", None)]
+    rb, stop = p.on_incident(st, incident(4), now=300.0)
+    assert rb.kind == ROLLBACK and rb.refused.startswith("3 rollbacks within 600 s (max_rollbacks 3)")
+    assert (stop.kind, stop.mode, stop.refused, stop.incident_id) == (STOP, "auto", None, 4)
+    assert stop.args == {"reason": rb.refused}
+    # the window slides: the first rollback is older than 600 s at 701
+    assert kinds(p.on_incident(st, incident(5), now=701.0)) == [(ROLLBACK, "auto", None)]
+
+
+def test_shadowed_rollbacks_never_stop_the_run_for_real():
+    p, st = policy(policy={"rollback_mode": "shadow"}), run_state()
+    for i, t in enumerate((0.0, 100.0, 200.0), 1):
+        assert kinds(p.on_incident(st, incident(i), now=t)) == [(ROLLBACK, "shadow", None)]
+    rb, stop = p.on_incident(st, incident(4), now=300.0)
+    assert rb.refused is not None
+    assert (stop.kind, stop.mode) == (STOP, "shadow")  # what it would have done, not done
+
+
+# -- modes ---------------------------------------------------------------------------
+
+def test_shadow_records_and_off_does_nothing():
+    assert kinds(policy("shadow").on_incident(run_state(), incident(1), now=0.0)) == [(ROLLBACK, "shadow", None)]
+    assert policy("off").on_incident(run_state(), incident(1), now=0.0) == []
+    assert policy("off").on_incident(run_state(), incident(1, "hang"), now=0.0) == []
+
+
+def test_the_flag_overrides_the_rules_mode():
+    p = policy("auto", policy={"mode": "shadow"})
+    assert kinds(p.on_incident(run_state(), incident(1), now=0.0)) == [(ROLLBACK, "auto", None)]
+    assert policy(policy={"mode": "shadow"}).mode == "shadow"
+    with pytest.raises(ValueError, match="policy mode 'loud'"):
+        policy("loud")
+
+
+def test_per_action_modes():
+    p = policy(policy={"rollback_mode": "off", "isolate_mode": "shadow"})
+    st = run_state()
+    assert p.on_incident(st, incident(1), now=0.0) == []
+    [d] = p.on_incident(st, incident(2, "hang"), now=0.0)
+    assert (d.kind, d.mode, d.node) == (ISOLATE, "shadow", "node1")
+    assert st.isolated == set()  # a shadow isolation does not take the node out
+    assert p.mode_of(RESTART) == "auto" and p.mode_of(STOP) == "auto"
+    assert policy("off", policy={"rollback_mode": "auto"}).mode_of(ROLLBACK) == "off"  # off is off
+    assert policy("shadow", policy={"isolate_mode": "auto"}).mode_of(ISOLATE) == "auto"
+
+
+# -- verdicts ------------------------------------------------------------------------
+
+def test_a_device_verdict_isolates_its_node():
+    p, st = policy(), run_state("node0", "node1")
+    [d] = p.on_verdict(st, {"verdict": "device", "incident_id": 5, "rank": 2, "evidence": "it stayed"}, "node1",
+                       now=0.0)
+    assert (d.kind, d.node, d.rank, d.incident_id, d.mode, d.refused) == (ISOLATE, "node1", 2, 5, "auto", None)
+    assert d.reason == "device: it stayed"
+    assert d.args == {"node": "node1", "reason": "device: it stayed", "incident_id": 5}
+    assert st.isolated == {"node1"}
+    assert p.on_verdict(st, {"verdict": "device", "incident_id": 6}, "node1", now=1.0) == []  # already out
+
+
+def test_a_data_verdict_or_one_without_a_node_does_nothing():
+    p, st = policy(), run_state()
+    assert p.on_verdict(st, {"verdict": "data", "incident_id": 5}, "node1", now=0.0) == []
+    assert p.on_verdict(st, {"verdict": "device", "incident_id": 5}, None, now=0.0) == []
+
+
+def test_transients_within_the_window_isolate_the_node():
+    p, st = policy(), run_state()  # transient_limit 2 within 3600 s
+    assert p.on_verdict(st, {"verdict": "transient", "incident_id": 1}, "node1", now=0.0) == []
+    assert p.on_verdict(st, {"verdict": "transient", "incident_id": 2}, "node0", now=10.0) == []  # another node
+    [d] = p.on_verdict(st, {"verdict": "transient", "incident_id": 3}, "node1", now=3000.0)
+    assert (d.kind, d.node) == (ISOLATE, "node1")
+    assert d.reason == "2 transient faults within 3600 s"
+
+
+def test_transients_outside_the_window_do_not():
+    p, st = policy(), run_state()
+    assert p.on_verdict(st, {"verdict": "transient", "incident_id": 1}, "node1", now=0.0) == []
+    assert p.on_verdict(st, {"verdict": "transient", "incident_id": 2}, "node1", now=4000.0) == []
+    assert len(st.transients["node1"]) == 1
+    p = policy(policy={"transient_limit": 3})
+    st = run_state()
+    assert [len(p.on_verdict(st, {"verdict": "transient", "incident_id": i}, "node1", now=float(i)))
+            for i in range(3)] == [0, 0, 1]
+
+
+# -- stragglers, hangs, crashes -----------------------------------------------------------
+
+def straggler(cost: float | None, id: int = 7) -> dict:
+    return incident(id, "straggler", step=None, evidence={"cost_s_per_step": cost})
+
+
+def test_a_cheap_straggler_is_left_alone():
+    p, st = policy(), run_state()  # straggler_cost_s 0.02 for 4 s
+    assert p.on_incident(st, straggler(0.01), now=0.0) == []
+    assert p.on_incident(st, straggler(0.01), now=100.0) == []
+    assert p.on_incident(st, straggler(None), now=200.0) == []
+
+
+def test_a_costly_straggler_is_isolated_once_it_persists():
+    p, st = policy(), run_state()
+    assert p.on_incident(st, straggler(0.05), now=0.0) == []
+    assert p.on_incident(st, straggler(0.05), now=3.9) == []
+    [d] = p.on_incident(st, straggler(0.05), now=4.0)
+    assert (d.kind, d.node, d.incident_id) == (ISOLATE, "node1", 7)
+    assert d.reason.startswith("straggler: rank 2 costs 0.05 s/step for 4.0 s")
+    assert p.on_incident(st, straggler(0.05), now=10.0) == []
+
+
+def test_a_straggler_that_recovers_starts_over():
+    p, st = policy(), run_state()
+    assert p.on_incident(st, straggler(0.05), now=0.0) == []
+    assert p.on_incident(st, straggler(0.01), now=3.0) == []  # cheap again: the clock restarts
+    assert p.on_incident(st, straggler(0.05), now=5.0) == []
+    assert p.on_incident(st, straggler(0.05), now=8.0) == []
+    assert kinds(p.on_incident(st, straggler(0.05), now=9.0)) == [(ISOLATE, "auto", None)]
+
+
+def test_a_hang_isolates_the_culprits_node():
+    p, st = policy(), run_state()
+    [d] = p.on_incident(st, incident(1, "hang", step=None, rank=3, node="node2"), now=0.0)
+    assert (d.kind, d.node, d.rank) == (ISOLATE, "node2", 3)
+    assert d.reason == "hang: rank 3 stopped entering collectives"
+    assert policy(policy={"isolate_on_hang": False}).on_incident(run_state(), incident(1, "hang"), 0.0) == []
+    [d] = policy().on_incident(run_state(), incident(2, "hang", node=None), now=0.0)
+    assert (d.kind, d.refused) == (ISOLATE, "no node to isolate")
+
+
+def test_a_first_crash_restarts_and_a_second_on_the_node_isolates_it():
+    p, st = policy(), run_state("node0", "node1", "node2")
+    [d] = p.on_incident(st, incident(1, "crash", step=None), now=0.0)
+    assert (d.kind, d.node, d.refused, d.mode) == (RESTART, "node1", None, "auto")
+    assert kinds(p.on_incident(st, incident(2, "crash", step=None, node="node2"), now=1.0)) == [
+        (RESTART, "auto", None)]  # another node's first; no cooldown on restarts
+    [d] = p.on_incident(st, incident(3, "crash", step=None), now=2.0)
+    assert (d.kind, d.node) == (ISOLATE, "node1") and d.reason == "crash #2 on node1"
+    assert st.isolated == {"node1"}
+    [d] = p.on_incident(st, incident(4, "crash", step=None, node=None), now=3.0)
+    assert d.kind == RESTART and d.node is None
+
+
+def test_isolation_never_leaves_fewer_than_min_nodes():
+    p, st = policy(policy={"min_nodes": 2}), run_state("node0", "node1", "node2")
+    assert kinds(p.on_incident(st, incident(1, "hang", node="node1"), now=0.0)) == [(ISOLATE, "auto", None)]
+    [d] = p.on_incident(st, incident(2, "hang", node="node2"), now=1.0)
+    assert d.refused == "min_nodes: isolating node2 would leave 1 healthy node(s), fewer than 2"
+    assert st.isolated == {"node1"}
+    # without the run's node list there is nothing to count against
+    assert kinds(p.on_incident(run_state(), incident(3, "hang"), now=0.0)) == [(ISOLATE, "auto", None)]
+
+
+def test_a_finished_run_gets_nothing():
+    p, st = policy(), run_state()
+    p.on_finished(st)
+    assert p.on_incident(st, incident(1), now=0.0) == []
+    assert p.on_incident(st, incident(2, "crash"), now=0.0) == []
+    assert p.on_verdict(st, {"verdict": "device", "incident_id": 1}, "node1", now=0.0) == []
+
+
+def test_an_isolated_nodes_incidents_get_no_rollback():
+    p, st = policy(), run_state()
+    st.isolated.add("node1")
+    assert p.on_incident(st, incident(1), now=0.0) == []
+    assert kinds(p.on_incident(st, incident(2, node="node0"), now=0.0)) == [(ROLLBACK, "auto", None)]
