@@ -68,6 +68,11 @@ class AgentConfig:
     # at once instead, at most one such urgent flush per urgent_min_interval_s.
     flush_interval_s: float = 1.0
     urgent_min_interval_s: float = 0.1
+    # After an urgent flush the collector is likely to answer with a command (a rollback
+    # for that NaN): for this long the flusher ships every urgent_followup_interval_s, so
+    # the command rides back on an ingest answer within a fraction of a second.
+    urgent_followup_s: float = 3.0
+    urgent_followup_interval_s: float = 0.2
     heartbeat_interval_s: float = 1.0
     spool_dir: str | None = None  # default: <tmp>/llmwatch-spool/<run_id>/rank<rank>
     spool_bytes: int = 256 * 1024 * 1024
@@ -89,8 +94,8 @@ class AgentConfig:
     def __post_init__(self) -> None:
         if self.flush_interval_s <= 0 or self.heartbeat_interval_s <= 0 or self.timeout_s <= 0:
             raise ValueError("flush_interval_s, heartbeat_interval_s and timeout_s must be > 0")
-        if self.urgent_min_interval_s < 0:
-            raise ValueError("urgent_min_interval_s must be >= 0")
+        if self.urgent_min_interval_s < 0 or self.urgent_followup_s < 0 or self.urgent_followup_interval_s <= 0:
+            raise ValueError("urgent_min_interval_s, urgent_followup_s must be >= 0, urgent_followup_interval_s > 0")
         if self.capacity < 1 or self.spool_bytes < 1:
             raise ValueError("capacity and spool_bytes must be >= 1")
         if not 0 < self.retry_min_s <= self.retry_max_s:
@@ -410,8 +415,9 @@ class Agent(Recorder):
         return False, math.inf
 
     def _run(self) -> None:
-        interval = self.config.flush_interval_s
+        cfg = self.config
         next_flush = time.monotonic()
+        fast_until = -math.inf  # monotonic: the follow-up window of the last urgent flush
         recheck = math.inf  # on the `monotonic` clock: look for a rate-limited urgent step then
         while True:
             wait_s = min(next_flush, self._next_hb) - time.monotonic()
@@ -430,7 +436,8 @@ class Agent(Recorder):
                 continue
             if urgent:
                 self.num_urgent_flushes += 1
-            next_flush = now + interval
+                fast_until = now + cfg.urgent_followup_s
+            next_flush = now + (cfg.urgent_followup_interval_s if now < fast_until else cfg.flush_interval_s)
             # close: leave 0.1 s of close()'s join for releasing the spool and bridges
             deadline = (self._close_deadline - 0.1) if stopping else (flush_deadline if forced else None)
             ok = self._cycle_guarded(deadline=deadline)

@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--run-dir", help="where the run writes its files (default runs/<run id>)")
     g.add_argument("--metrics-jsonl", help="rank 0 writes one JSON object per step here")
     g.add_argument("--inject", action="append", metavar="KIND@k=v,...",
-                   help="fault injection: nan@step=S,rank=R[,mode=data|transient] | spike@step=S | "
+                   help="fault injection: nan@step=S,rank=R[,mode=data|transient|device] | spike@step=S | "
                         "straggler@rank=R,from=S,factor=F[,to=E] | hang@rank=R,step=S | crash@rank=R,step=S | "
                         "overflow@rank=R,from=S,to=E (fp16: infinite gradients) | "
                         "jitter@pct=P[,seed=S] (background noise on every rank; not a fault)")
@@ -88,6 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--webhook-secret", help="the webhooks' HMAC key; visible in `ps`: prefer the file or the env")
     g.add_argument("--alertmanager", action="append", metavar="URL",
                    help="push alerts to this Alertmanager (repeatable)")
+    g = p.add_argument_group("healing", "what is done about incidents (docs/rules.md [policy])")
+    g.add_argument("--policy", choices=("auto", "shadow", "off"),
+                   help="auto: roll back, skip bad data, isolate nodes, restart (default); shadow: record what "
+                        "it would do and do nothing; off: detect and alert only")
+    g.add_argument("--max-restarts", type=int, help="restarts after a crash or a hang (default 3)")
+    g.add_argument("--min-nodes", type=int, help="never isolate below this many nodes (default 1)")
+    g.add_argument("--on-isolate", metavar="CMD",
+                   help="shell command run on each node isolation, with LLMWATCH_RUN_ID, LLMWATCH_NODE and "
+                        "LLMWATCH_REASON in its environment (drain a Slurm node, cordon a Kubernetes node)")
     return p
 
 
@@ -106,6 +115,8 @@ _MAP = {
     "otlp_endpoint": ("telemetry", "otlp_endpoint"), "ca_file": ("telemetry", "ca_file"),
     "telemetry_flush_s": ("telemetry", "flush_interval_s"),
     "prometheus_port": ("telemetry", "prometheus_port"), "rules": ("telemetry", "rules"),
+    "policy": ("healing", "policy"), "max_restarts": ("healing", "max_restarts"),
+    "min_nodes": ("healing", "min_nodes"), "on_isolate": ("healing", "on_isolate"),
 }
 _TOP = ("steps", "seed", "eval_every", "metrics_jsonl", "run_id", "run_dir")
 

@@ -176,6 +176,27 @@ class AlertReceivers:
                     raise ConfigError(f"{flag} #{n} is not an http:// or https:// URL")
 
 
+POLICY_MODES = ("auto", "shadow", "off")
+
+
+@dataclass(kw_only=True, slots=True)
+class HealingConfig:
+    """What the job does about its incidents (DESIGN.md section 7). The policy itself
+    runs in the collector; the launcher is the supervisor that restarts the job."""
+
+    policy: str = "auto"  # auto | shadow | off: the embedded collector's --policy, and whether the supervisor heals
+    max_restarts: int = 3  # restarts after a crash or a hang (isolations are bounded by the nodes)
+    min_nodes: int = 1  # never isolate below this many nodes
+    on_isolate: str | None = None  # a shell command run on each isolation (LLMWATCH_RUN_ID, _NODE, _REASON)
+    isolate_grace_s: float = 5.0  # ranks of an isolated node's job that do not leave by themselves are stopped
+
+    def validate(self) -> None:
+        if self.policy not in POLICY_MODES:
+            raise ConfigError(f"--policy {self.policy!r}: one of {', '.join(POLICY_MODES)}")
+        if self.max_restarts < 0 or self.min_nodes < 1 or self.isolate_grace_s < 0:
+            raise ConfigError("--max-restarts must be >= 0, --min-nodes >= 1")
+
+
 @dataclass(kw_only=True, slots=True)
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -185,6 +206,7 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    healing: HealingConfig = field(default_factory=HealingConfig)
     steps: int = 50
     seed: int = 1234
     eval_every: int = 0
@@ -201,6 +223,7 @@ class JobConfig:
         self.telemetry.alerts.validate()
         self.parallel.validate(self.model, world_size)
         self.precision.validate()
+        self.healing.validate()
         if self.parallel.sp and self.model.seq_len % self.parallel.tp:
             raise ConfigError(f"--seq-len {self.model.seq_len} is not divisible by --tp {self.parallel.tp} (needed by --sp)")
         if self.ckpt.every and not self.ckpt.dir:
@@ -231,6 +254,7 @@ class JobConfig:
             "data": DataConfig,
             "ckpt": CheckpointConfig,
             "telemetry": TelemetryConfig,
+            "healing": HealingConfig,
         }
         kwargs: dict[str, Any] = {}
         for key, value in d.items():

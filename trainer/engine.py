@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,8 @@ from trainer.parallel_dims import Axis, ParallelDims
 from trainer.pipeline import Pipeline
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# (every rank's [finite_fwd, finite_bwd, local loss, dp rank, stage], loss, grad_norm) -> apply the update?
+Probe = Callable[[list[list[float]], float, float], bool]
 
 
 @dataclass(slots=True)
@@ -164,10 +167,16 @@ class TrainEngine:
 
     # -- training ------------------------------------------------------------
     def train_step(self, step: int, micro_batches: list[MicroBatch], global_num_tokens: int,
-                   faults: StepFaults = NO_FAULTS) -> StepResult:
+                   faults: StepFaults = NO_FAULTS, probe: Probe | None = None) -> StepResult:
         """One optimizer step over this dp rank's micro-batches. `step` counts from 1
         (the loop's numbering; it sets the LR). `global_num_tokens` is the number of
-        loss tokens in the whole global batch, the loss's denominator."""
+        loss tokens in the whole global batch, the loss's denominator.
+
+        `probe` (a rollback's rerun of the suspect step, trainer/diagnosis.py): after
+        the host sync every rank's (finite_fwd, finite_bwd, local loss, dp rank, stage)
+        is gathered over the world, one small all-gather, and `probe(rows, loss,
+        grad_norm)` decides whether the update is applied (False: skipped, the scaler
+        untouched). Every rank calls it with the same rows."""
         if not micro_batches:
             raise ValueError("a step needs at least one micro-batch")
         self.comm.begin_step(step)
@@ -214,15 +223,28 @@ class TrainEngine:
 
         m_opt = self._mark()
         fwd_ok, self._fwd_ok = self._fwd_ok, None
-        loss, grad_norm, skipped, lr, local_sum, finite_fwd, finite_bwd = self._update(step, loss_sum, scale, fwd_ok)
+        to_local = max(1, global_num_tokens) / max(1, local_tokens)  # the replica's loss sum -> its token mean
+        veto = self._gathered(probe, to_local) if probe is not None else None
+        loss, grad_norm, skipped, lr, local_sum, finite_fwd, finite_bwd = self._update(step, loss_sum, scale, fwd_ok,
+                                                                                       veto)
         return StepResult(loss=loss, grad_norm=grad_norm, loss_scale=self.scaler.scale, lr=lr, skipped=skipped,
                           fwd_s=timing["fwd_s"], bwd_s=timing["bwd_s"], opt_s=self._compute_s(m_opt),
                           bwd_end_ts=timing["bwd_end_ts"], num_micro_batches=num_mb,
-                          local_loss=local_sum * max(1, global_num_tokens) / max(1, local_tokens),
-                          finite_fwd=finite_fwd, finite_bwd=finite_bwd)
+                          local_loss=local_sum * to_local, finite_fwd=finite_fwd, finite_bwd=finite_bwd)
 
-    def _update(self, step: int, loss_sum: torch.Tensor, scale: float,
-                fwd_ok: torch.Tensor) -> tuple[float, float, bool, float, float, int, int]:
+    def _gathered(self, probe: Probe, to_local: float) -> Callable[[float, float, float, int, int], bool]:
+        """The probe as `_update` calls it: this rank's view in, every rank's out."""
+        def veto(loss: float, grad_norm: float, local_sum: float, finite_fwd: int, finite_bwd: int) -> bool:
+            d = self.dims
+            mine = torch.tensor([finite_fwd, finite_bwd, local_sum * to_local, d.dp_rank, d.pp_rank * d.tp + d.tp_rank],
+                                dtype=torch.float64, device=self.device)
+            rows = torch.empty(d.world_size * mine.numel(), dtype=torch.float64, device=self.device)
+            self.comm.all_gather(rows, mine, Axis.WORLD)
+            return probe(rows.view(d.world_size, -1).tolist(), loss, grad_norm)
+        return veto
+
+    def _update(self, step: int, loss_sum: torch.Tensor, scale: float, fwd_ok: torch.Tensor,
+                veto: Callable[..., bool] | None = None) -> tuple[float, float, bool, float, float, int, int]:
         """Gradient sync, norm, skip decision, optimizer. Returns (loss, grad_norm, skipped,
         lr, the replica's own loss sum over the global token count, finite_fwd, finite_bwd)."""
         self.grads.finish()
@@ -246,6 +268,8 @@ class TrainEngine:
         grad_norm = math.sqrt(grad_sq) / scale if grad_sq >= 0 else float("nan")
         skipped = inf > 0 or not math.isfinite(grad_norm)
         self.scaler.update(found_inf=skipped)
+        if veto is not None and not veto(loss, grad_norm, local, int(finite_fwd), int(finite_bwd)):
+            skipped = True  # the rerun found the batch bad: no update, and no scaler backoff for it
         lr = lr_at(step, self.cfg.optim, self.cfg.steps)
         if not skipped:
             coef = clip_coef(grad_norm, self.cfg.optim.grad_clip) / scale

@@ -22,25 +22,20 @@ the worker in-process, unchanged.
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
 
 from trainer.config import ConfigError, JobConfig
 from trainer.lifeline import Lifeline, die_with_parent
+from trainer.supervisor import Layout, NodeWatch, Supervisor
 from trainer.private import COLLECTOR_TOKEN_ENVS, TOKEN_ENV
 from trainer.rundir import new_run_id, prepare_run, torchrun_run_id
 
-GRACE_S = 5.0
 EXIT_REPORT_TIMEOUT_S = 2.0  # per rank_exited POST, and for the last ones at the end
 INCIDENT_SETTLE_S = 1.0  # at the end: the collector's detection sees the last batches, then the list is read
-
-ExitHook = Callable[..., None]  # (rank, returncode, *, cause)
-
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -67,7 +62,8 @@ def launch(cfg: JobConfig, *, token: str | None = None, progress: bool = True, k
 
         collector = EmbeddedCollector(db_path=run_dir / "telemetry.duckdb", tokens_dir=run_dir / "tokens",
                                       log_path=run_dir / "collector.log", token=token,
-                                      rules=cfg.telemetry.rules, alerts=cfg.telemetry.alerts)
+                                      rules=cfg.telemetry.rules, alerts=cfg.telemetry.alerts,
+                                      policy=cfg.healing.policy, min_nodes=cfg.healing.min_nodes)
         try:
             collector.start()
         except RuntimeError as e:
@@ -84,10 +80,13 @@ def launch(cfg: JobConfig, *, token: str | None = None, progress: bool = True, k
     config_path.write_text(cfg.to_json())
     reporter = _exit_reporter(cfg, rank_token)
     feed = _incident_feed(cfg, collector, run_dir)
+    watch = _node_watch(cfg, collector, run_dir)
     try:
         return _spawn_ranks(cfg, config_path, token=rank_token if cfg.telemetry.enabled else None,
-                            progress=progress, reporter=reporter)
+                            progress=progress, reporter=reporter, watch=watch)
     finally:
+        if watch is not None:
+            watch.close()
         if reporter is not None:
             reporter.close(timeout_s=EXIT_REPORT_TIMEOUT_S)  # the exits reach the collector before it stops
         if feed is not None:
@@ -125,6 +124,16 @@ def _incident_feed(cfg: JobConfig, collector, run_dir: Path):
     return feed
 
 
+def _node_watch(cfg: JobConfig, collector, run_dir: Path):
+    """The supervisor's view of the collector's isolations (embedded collector: its read token)."""
+    if collector is None or cfg.healing.policy != "auto":
+        return None
+    from trainer.incident_feed import read_token
+
+    token = read_token(run_dir / "tokens")
+    return NodeWatch(collector.url, token, cfg.run_id).start() if token else None
+
+
 def _rank_env(cfg: JobConfig, rank: int, port: int, progress: bool, token: str | None) -> dict[str, str]:
     world = cfg.parallel.world_size
     per_node = world // cfg.parallel.nodes
@@ -142,85 +151,33 @@ def _rank_env(cfg: JobConfig, rank: int, port: int, progress: bool, token: str |
     return env
 
 
-def _spawn_ranks(cfg: JobConfig, config_path: Path, *, token: str | None, progress: bool, reporter=None) -> int:
-    port = free_port()
+def _spawn_ranks(cfg: JobConfig, config_path: Path, *, token: str | None, progress: bool, reporter=None,
+                 watch=None) -> int:
+    """Run the job's rounds under the supervisor (trainer/supervisor.py): the first on
+    every node, each restart on the nodes that are left."""
     lifeline = Lifeline()
-    procs: list[subprocess.Popen] = []
-    try:
-        for rank in range(cfg.parallel.world_size):
-            env = _rank_env(cfg, rank, port, progress, token) | lifeline.env()
-            procs.append(subprocess.Popen([sys.executable, "-m", "trainer.worker", str(config_path)], env=env,
+    run_dir = config_path.parent
+
+    def spawn(round_cfg: JobConfig, layout: Layout, round_: int) -> list[subprocess.Popen]:
+        path = config_path if round_ == 0 else run_dir / f"config.round{round_}.json"
+        if round_:
+            round_cfg.ckpt.resume = True  # a restart resumes from the newest verified checkpoint
+            path.write_text(round_cfg.to_json())
+        port = free_port()
+        procs = []
+        for rank in range(round_cfg.parallel.world_size):
+            env = (_rank_env(round_cfg, rank, port, progress, token) | lifeline.env()
+                   | supervisor.rank_env(layout, rank, round_))
+            procs.append(subprocess.Popen([sys.executable, "-m", "trainer.worker", str(path)], env=env,
                                           pass_fds=lifeline.pass_fds, preexec_fn=die_with_parent()))
-        return _supervise(procs, on_exit=reporter.rank_exited if reporter is not None else None)
+        return procs
+
+    supervisor = Supervisor(cfg, run_dir, spawn=spawn, on_exit=reporter.rank_exited if reporter is not None else None,
+                            watch=watch)
+    try:
+        return supervisor.run()
     finally:
         lifeline.close()
-
-
-def _supervise(procs: list[subprocess.Popen], *, on_exit: ExitHook | None = None) -> int:
-    """Wait for the ranks; when one fails, stop the others. `on_exit(rank, returncode,
-    cause=...)` hears of every rank's exit once, as soon as it is seen: "exited" (on
-    its own, the failed one first, before the others are stopped) or "stopped"."""
-    failed: dict[int, int] = {}
-    reported: set[int] = set()
-    interrupted = False
-
-    def report(rank: int, code: int, cause: str) -> None:
-        if on_exit is not None and rank not in reported:
-            reported.add(rank)
-            try:
-                on_exit(rank, code, cause=cause)
-            except Exception as e:  # noqa: BLE001 - a report must never stop the supervision
-                print(f"trainer: could not report rank {rank}'s exit: {e!r}", file=sys.stderr, flush=True)
-
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            for rank, code in enumerate(codes):
-                if code is not None:
-                    report(rank, code, "exited")
-                if code not in (None, 0) and rank not in failed:
-                    failed[rank] = code
-            if failed or all(c is not None for c in codes):
-                break
-            time.sleep(0.1)
-    except KeyboardInterrupt:
-        interrupted = True
-    if failed or interrupted:
-        if failed:
-            desc = ", ".join(f"rank {r} exited with {_describe(c)}" for r, c in sorted(failed.items()))
-            print(f"trainer: {desc}; stopping the other ranks", file=sys.stderr, flush=True)
-        stopped = _stop(procs)
-        for rank, p in enumerate(procs):
-            if p.returncode is not None:
-                report(rank, p.returncode, "stopped" if rank in stopped else "exited")
-        return 130 if interrupted and not failed else 1
-    return 0
-
-
-def _describe(code: int) -> str:
-    if code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"code {code}"
-
-
-def _stop(procs: list[subprocess.Popen]) -> set[int]:
-    """SIGTERM the ranks still running (SIGKILL after GRACE_S); returns their indices."""
-    stopped = set()
-    for i, p in enumerate(procs):
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            stopped.add(i)
-    deadline = time.monotonic() + GRACE_S
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-    return stopped
 
 
 def _launch_torchrun(cfg: JobConfig, *, token: str | None, progress: bool) -> int:

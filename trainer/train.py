@@ -19,16 +19,14 @@ import numpy as np
 import torch
 
 from trainer.batch import DataPosition
+from trainer.badbatches import BadBatchList
 from trainer.comm import Comm
 from trainer.config import JobConfig
+from trainer.control import CommandChannel, RunContext, default_handlers
+from trainer.diagnosis import ProbeRow, Verdict, judge
 from trainer.faults import FaultInjector
 from trainer.parallel_dims import Axis, ParallelDims
-
-# Control commands the loop understands. Rollback/isolate arrive with the healing issue;
-# until then they are acknowledged as rejected, so the collector knows they were seen.
-CMD_NONE, CMD_CHECKPOINT, CMD_STOP = 0, 1, 2
-_CMD_CODES = {"checkpoint": CMD_CHECKPOINT, "stop": CMD_STOP}
-
+from trainer.supervisor import write_attempt
 
 def rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
@@ -68,12 +66,15 @@ class LoopState:
     position: DataPosition = DataPosition()
     num_skipped: int = 0
     stopped: bool = False  # ended early by a stop command
+    exit_code: int = 0  # non-zero: the run ends for a restart (control.EXIT_RESTART)
 
 
 class Trainer:
     def __init__(self, cfg: JobConfig, *, dims: ParallelDims, comm: Comm, engine, loader_factory: Callable,
                  eval_sets: dict, checkpointer, agent, injector: FaultInjector, device: torch.device,
-                 poison: Callable, progress: bool = False) -> None:
+                 poison: Callable, progress: bool = False, attempt_floor: int = 0) -> None:
+        """`attempt_floor`: a restarted job's first attempt (the supervisor's: above
+        every attempt an earlier round ran, so no (step, attempt) row is written twice)."""
         self.cfg = cfg
         self.dims = dims
         self.comm = comm
@@ -86,9 +87,17 @@ class Trainer:
         self.device = device
         self.poison = poison
         self.is_logger = dims.rank == 0
+        self.attempt_floor = attempt_floor
         self.state = LoopState()
         self.telemetry = cfg.telemetry.enabled  # also enables the control channel
-        self._ctrl = None  # (handle, [kind, command id] tensor) of the broadcast in flight
+        run_dir = Path(cfg.run_dir) if cfg.run_dir else None
+        # samples a rollback skipped: a resume and every later rollback honour them
+        self.bad_batches = BadBatchList.load(run_dir) if run_dir is not None else BadBatchList(None)
+        self.ctx = RunContext(cfg=cfg, dims=dims, comm=comm, engine=engine, ckpt=checkpointer, agent=agent,
+                              state=self.state, bad_batches=self.bad_batches, log=self._log, save=self._save,
+                              restore=self._restore, run_dir=run_dir, note_attempt=self.note_attempt)
+        self.channel = (CommandChannel(comm, agent, rank=dims.rank, device=device, handlers=default_handlers())
+                        if self.telemetry else None)
         self._jsonl = None
         self._bar = None
         self._progress = progress and self.is_logger
@@ -101,17 +110,28 @@ class Trainer:
         if loaded is None:
             self._log("resume: no verified checkpoint found, starting fresh")
             return
+        self._restore(loaded)
+        self.state.attempt = int(loaded.meta.get("attempt", 0))
+        self._log(f"resume: step {self.state.step} from {loaded.path} (data position "
+                  f"epoch {self.state.position.epoch}, sample {self.state.position.index})")
+        self.agent.event("checkpoint_loaded", step=self.state.step, path=str(loaded.path))
+
+    def note_attempt(self) -> None:
+        """Tell the agent the attempt its rows belong to; rank 0 also records it in the
+        run dir, where a supervisor's restart reads the floor of its next attempt."""
+        self.agent.set_attempt(self.state.attempt)
+        if self.is_logger and self.cfg.run_dir:
+            write_attempt(Path(self.cfg.run_dir), self.state.attempt)
+
+    def _restore(self, loaded) -> None:
+        """Model, optimizer, loss scaler, RNG, step and data position from a checkpoint
+        (the attempt is the caller's: a resume keeps it, a rollback raises it)."""
         self.engine.load_state_dict({"model": loaded.model_state, "optim": loaded.optim_state,
                                      **loaded.meta.get("engine", {})})
         if loaded.rank_state is not None and "rng" in loaded.rank_state:
             set_rng_state(loaded.rank_state["rng"])
-        meta = loaded.meta
-        self.state.step = int(meta["step"])
-        self.state.attempt = int(meta.get("attempt", 0))
-        self.state.position = DataPosition.from_dict(meta["data_position"])
-        self._log(f"resume: step {self.state.step} from {loaded.path} (data position "
-                  f"epoch {self.state.position.epoch}, sample {self.state.position.index})")
-        self.agent.event("checkpoint_loaded", step=self.state.step, path=str(loaded.path))
+        self.state.step = int(loaded.meta["step"])
+        self.state.position = DataPosition.from_dict(loaded.meta["data_position"])
 
     def _open_outputs(self) -> None:
         if self.is_logger and self.cfg.metrics_jsonl:
@@ -133,9 +153,13 @@ class Trainer:
     # -- the loop ------------------------------------------------------------
     def fit(self) -> LoopState:
         self._resume()
+        self.state.attempt = max(self.state.attempt, self.attempt_floor)
+        self.note_attempt()
         self._open_outputs()
         cfg = self.cfg
-        loader = self.loader_factory(self.state.position, self.state.step + 1)
+        loader = self.loader_factory(self.state.position, self.state.step + 1,
+                                     bad_windows=self.bad_batches.windows)
+        self.ctx.loader = loader
         try:
             while self.state.step < cfg.steps:
                 step = self.state.step + 1
@@ -145,18 +169,27 @@ class Trainer:
                 batch = loader.next()
                 data_s = loader.wait_s
                 # the samples of this step's global batch (the loader's step_window): data-tied faults follow them
-                faults = self.injector.step_faults(step, self.state.attempt, batch.meta["window"])
+                faults = self.injector.step_faults(step, self.state.attempt, batch.meta["window"],
+                                                   replica_window=batch.meta["replica_window"])
                 if faults.spike:
                     batch = self.poison(batch, cfg.seed)
                 self.agent.set_phase("train", step)
-                result = self.engine.train_step(step, batch.micro_batches, batch.global_num_tokens, faults)
+                probe = self.ctx.probe if self.ctx.probe is not None and self.ctx.probe.step == step else None
+                verdict: list[Verdict] = []
+                result = self.engine.train_step(step, batch.micro_batches, batch.global_num_tokens, faults,
+                                                probe=self._prober(probe, verdict) if probe is not None else None)
                 comm_stats = self.comm.end_step()
+                if probe is not None:
+                    self.ctx.probe = None
+                    if not self._diagnosed(step, batch, probe, verdict[0]):
+                        continue  # the batch was bad: the same step number runs again on the next clean one
                 step_s = time.perf_counter() - t_start
                 self.state.step = step
                 self.state.position = batch.next_position
                 self.state.num_skipped += int(result.skipped)
                 self._report(step, batch.global_num_tokens, sum(mb.num_tokens for mb in batch.micro_batches),
                              result, step_s, data_s, comm_stats.wait_s, batch.meta["replica_window"])
+                self._recovered(step)
                 if cfg.eval_every and step % cfg.eval_every == 0:
                     self._evaluate(step)
                 if self.ckpt is not None and cfg.ckpt.every and step % cfg.ckpt.every == 0:
@@ -164,7 +197,8 @@ class Trainer:
                 if self._control(step):
                     break
                 self.agent.set_phase("idle", step)
-            self._finish_control()
+            if self.channel is not None and not self.state.exit_code:
+                self.channel.finish()
         finally:
             loader.close()
             if self.ckpt is not None:
@@ -236,59 +270,58 @@ class Trainer:
 
     # -- control channel -----------------------------------------------------
     def _control(self, step: int) -> bool:
-        """Agree on at most one command per step; True means stop.
-
-        Every rank's agent receives a run-wide command; rank 0 decides. It puts
-        (kind, id) of the command it picked into an async broadcast at the end of
-        step s; every rank waits for it at the end of step s+1, acts, and acks the
-        command for itself. The broadcast travels while step s+1 computes, so the
-        agreement costs no step time; the price is one step of latency."""
-        if not self.telemetry:
+        """At most one command per step boundary, agreed by every rank (trainer/control.py);
+        True means the loop ends here (a stop, or an exit for a restart)."""
+        if self.channel is None:
             return False
-        stop = False
-        if self._ctrl is not None:
-            handle, code = self._ctrl
-            self._ctrl = None
-            handle.wait()
-            kind, command_id = code.tolist()  # host sync on two ints, telemetry on only
-            stop = self._act(kind, str(command_id), step)
-        if stop:
+        outcome = self.channel.step_boundary(self.ctx, step)
+        if outcome is None:
+            return False
+        if outcome.exit_code:
+            self.state.exit_code = outcome.exit_code
+        return outcome.stop or bool(outcome.exit_code)
+
+    # -- the rerun diagnosis ---------------------------------------------------
+    def _prober(self, plan, out: list[Verdict]):
+        """The engine's probe callback at the suspect step: judge every rank's row (the
+        same rows, so the same verdict, on every rank); True keeps the step's update."""
+        def probe(rows: list[list[float]], loss: float, grad_norm: float) -> bool:
+            verdict = judge(plan, [ProbeRow.from_values(r, v) for r, v in enumerate(rows)], loss=loss,
+                            grad_norm=grad_norm, dp=self.dims.dp)
+            out.append(verdict)
+            return verdict.apply_step
+        return probe
+
+    def _diagnosed(self, step: int, batch, plan, verdict: Verdict) -> bool:
+        """Record the verdict (rank 0 speaks for all: every rank computed the same one);
+        on data, skip the batch, and `plan.skip_batches` more, for good. Returns whether
+        the probe counts as the step (False: the step runs again on the next clean batch)."""
+        epoch, lo, hi = batch.meta["window"]
+        if self.dims.rank == 0:
+            self.agent.event("rerun_verdict", step=step, incident_id=plan.incident_id, incident_kind=plan.kind,
+                             verdict=verdict.verdict, reproduced=verdict.reproduced, rank=verdict.rank,
+                             anomalous_ranks=list(verdict.anomalous), evidence=verdict.evidence,
+                             samples=[epoch, lo, hi], probe=verdict.detail)
+        self._log(f"rerun of step {step}: {verdict.verdict}: {verdict.evidence}")
+        if verdict.verdict != "data":
             return True
-        code = torch.tensor([CMD_NONE, -1], dtype=torch.int64, device=self.device)
-        chosen = False
-        for cmd in self.agent.commands():
-            if cmd.kind not in _CMD_CODES:
-                self.agent.ack(cmd.id, "rejected", f"the trainer does not handle {cmd.kind!r} here")
-            elif self.dims.rank == 0 and not chosen and cmd.id.isdigit():
-                code[0], code[1] = _CMD_CODES[cmd.kind], int(cmd.id)
-                chosen = True
-            elif self.dims.rank == 0:
-                self.agent.ack(cmd.id, "rejected", "another command is being carried out")
-        self._ctrl = (self.comm.broadcast(code, Axis.WORLD, async_op=True), code)
+        window = (epoch, lo, hi + plan.skip_batches * (hi - lo))
+        self.bad_batches.add(window, step=step, incident_id=plan.incident_id, verdict="data",
+                             write=self.dims.rank == 0)
+        if self.dims.rank == 0:
+            self.agent.event("batch_skipped", step=step, epoch=window[0], sample_from=window[1], sample_to=window[2],
+                             incident_id=plan.incident_id, verdict="data")
+        loader = self.ctx.loader
+        loader.add_bad_window(window)
+        loader.seek(batch.position, step)
         return False
 
-    def _finish_control(self) -> None:
-        """Complete the last broadcast (every rank posted it); a command in it is refused."""
-        if self._ctrl is None:
+    def _recovered(self, step: int) -> None:
+        """The first step past where the abandoned lineage stopped: the rollback is over."""
+        rec = self.ctx.recovery
+        if rec is None or step <= rec.past_step:
             return
-        handle, code = self._ctrl
-        self._ctrl = None
-        handle.wait()
-        kind, command_id = code.tolist()
-        if kind != CMD_NONE:
-            self.agent.ack(str(command_id), "rejected", "the run ended before it could act")
-
-    def _act(self, kind: int, command_id: str, step: int) -> bool:
-        if kind == CMD_NONE:
-            return False
-        if kind == CMD_CHECKPOINT and self.ckpt is None:
-            self.agent.ack(command_id, "rejected", "the run has no --ckpt-dir")
-            return False
-        if self.ckpt is not None:
-            self._save(step)
-        self.agent.ack(command_id, "done", f"at step {step}")
-        if kind == CMD_STOP:
-            self._log(f"stop requested by the collector at step {step}")
-            self.state.stopped = True
-            return True
-        return False
+        self.ctx.recovery = None
+        self.agent.event("recovered", step=step, command_id=rec.command_id, incident_id=rec.incident_id,
+                         attempt=rec.attempt, past_step=rec.past_step,
+                         rollback_s=round(time.time() - rec.started_ts, 6))

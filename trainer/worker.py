@@ -27,6 +27,8 @@ from trainer.faults import FaultInjector, parse_injections
 from trainer.lifeline import watch_lifeline
 from trainer.parallel_dims import ParallelDims
 from trainer.private import TOKEN_ENV
+from trainer.supervisor import (ATTEMPT_FLOOR_ENV, HW_RANK_ENV, NODE_NAMES_ENV, ORIG_WORLD_ENV,
+                                RESTART_ROUND_ENV)
 from trainer.rundir import agree_run_id, prepare_run
 
 # The lifeline's hard exit comes this long after its SIGTERM: time for the agent's
@@ -91,6 +93,13 @@ def _job_store(*, rank: int, world: int, timeout: timedelta):
     return store
 
 
+def node_names_from(environ, nodes: int) -> list[str]:
+    """The names of this layout's nodes, by node index: the supervisor's list after an
+    elastic restart (the surviving nodes keep their names), else node0..node<n-1>."""
+    names = [n for n in environ.get(NODE_NAMES_ENV, "").split(",") if n]
+    return names if len(names) == nodes else [f"node{i}" for i in range(nodes)]
+
+
 def _exit_on_sigterm(signum, frame) -> None:
     # Once only: PDEATHSIG and the lifeline both send one when the launcher dies, and a
     # second SystemExit raised inside the finally blocks would cut the agent's flush short.
@@ -116,7 +125,8 @@ def run_worker(cfg: JobConfig, *, token: str | None = None) -> int:
         # torchrun without a job id: agree on one before anything is recorded or written
         cfg.run_id = agree_run_id(store, rank=rank)
         prepare_run(cfg)
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun's restart round; 0 embedded
+    # torchrun's restart round, or the embedded supervisor's (trainer/supervisor.py)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get(RESTART_ROUND_ENV) or "0")
     # One key space per restart round. Under torchrun the store outlives the workers
     # (node 0's agent serves it), so a restarted group would otherwise read the previous
     # round's keys: gloo then dials the dead ranks' addresses and the restart fails.
@@ -126,7 +136,8 @@ def run_worker(cfg: JobConfig, *, token: str | None = None) -> int:
         print(f"trainer: rank {rank} in run {cfg.run_id} ({cfg.run_dir})", flush=True)
     dims = ParallelDims.from_config(cfg.parallel, rank=rank, world_size=world)
     dims.build_mesh(device.type)
-    node = os.environ.get("LLMWATCH_NODE_NAME") or f"node{dims.node}"
+    node_names = node_names_from(os.environ, dims.nodes)
+    node = os.environ.get("LLMWATCH_NODE_NAME") or node_names[dims.node]
 
     from trainer import data as data_mod
     from trainer.engine import TrainEngine
@@ -137,7 +148,7 @@ def run_worker(cfg: JobConfig, *, token: str | None = None) -> int:
         run_info = {
             "run_id": cfg.run_id, "config": cfg.to_dict(), "world_size": world,
             "mesh": {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "sp": dims.sp, "nodes": dims.nodes},
-            "node_map": {str(r): f"node{dims.node_of(r)}" for r in range(world)},
+            "node_map": {str(r): node_names[dims.node_of(r)] for r in range(world)},
             "code_version": _code_version(), "data_version": corpus.data_version,
             "backend": backend, "device": device.type, "torch": torch.__version__, "started_ts": time.time(),
         }
@@ -148,12 +159,12 @@ def run_worker(cfg: JobConfig, *, token: str | None = None) -> int:
         engine = TrainEngine(cfg, dims, comm, device)
         pad_multiple = dims.tp if dims.sp else 1
 
-        def loader_factory(position, start_step):
+        def loader_factory(position, start_step, bad_windows=()):
             return data_mod.DataLoader(
                 corpus, seq_len=cfg.model.seq_len, micro_batch_size=cfg.parallel.micro_batch_size,
                 micro_batches=cfg.parallel.micro_batches, dp_size=dims.dp, dp_rank=dims.dp_rank, seed=cfg.seed,
                 position=position, group_window=cfg.data.group_window, prefetch=cfg.data.prefetch,
-                pad_multiple=pad_multiple, start_step=start_step,
+                pad_multiple=pad_multiple, start_step=start_step, bad_windows=bad_windows,
             )
 
         eval_sets = {}
@@ -166,18 +177,29 @@ def run_worker(cfg: JobConfig, *, token: str | None = None) -> int:
 
             checkpointer = Checkpointer(cfg.ckpt, dims=dims, comm=comm,
                                         log=(lambda m: print(f"[rank {rank}] {m}", flush=True)))
-        injector = FaultInjector(parse_injections(cfg.inject, world_size=world), rank=rank, node=dims.node,
-                                 run_dir=cfg.run_dir)
+        # Injections name ranks of the job's first layout: after an elastic restart with fewer
+        # nodes a fault stays with its hardware (the launcher's LLMWATCH_HW_RANK), not its number.
+        hw_rank = int(os.environ.get(HW_RANK_ENV, rank))
+        orig_world = int(os.environ.get(ORIG_WORLD_ENV, world))
+        injector = FaultInjector(parse_injections(cfg.inject, world_size=orig_world), rank=rank, hw_rank=hw_rank,
+                                 node=hw_rank // dims.ranks_per_node,
+                                 run_dir=cfg.run_dir, tp=dims.tp, pp=dims.pp, dp=dims.dp,
+                                 orig_dp=orig_world // (dims.tp * dims.pp))
         from trainer.train import Trainer
 
         trainer = Trainer(cfg, dims=dims, comm=comm, engine=engine, loader_factory=loader_factory,
                           eval_sets=eval_sets, checkpointer=checkpointer, agent=agent, injector=injector,
                           device=device, poison=data_mod.poison,
-                          progress=os.environ.get("LLMWATCH_PROGRESS") == "1")
+                          progress=os.environ.get("LLMWATCH_PROGRESS") == "1",
+                          attempt_floor=int(os.environ.get(ATTEMPT_FLOOR_ENV) or 0))
         agent.event("run_started", step=0, pid=os.getpid(), node=node, restart=restart)
         state = trainer.fit()
         if checkpointer is not None:
             checkpointer.close()
+        if state.exit_code:  # isolate: every rank leaves for the supervisor's restart
+            agent.event("run_restarting", step=state.step, exit_code=state.exit_code)
+            dist.barrier()
+            return state.exit_code
         if rank == 0:
             agent.event("run_finished", step=state.step, status="stopped" if state.stopped else "completed",
                         skipped_steps=state.num_skipped)

@@ -14,8 +14,10 @@ from agent import wire
 from agent.launcher import LauncherReporter
 from agent.transport import PostResult
 from collector.decode import decode
-from trainer import launch
+from trainer import supervisor
+from trainer.config import HealingConfig, JobConfig, ParallelConfig
 from trainer.incident_feed import IncidentFeed, describe, read_token
+from trainer.supervisor import Supervisor
 
 
 class FakeProc:
@@ -42,31 +44,56 @@ class FakeProc:
         self.returncode = -signal.SIGKILL
 
 
-def test_a_clean_run_reports_every_rank_exited_zero():
+class Clock:
+    """The supervisor's `time`: its watch loop's sleeps advance the clock, no test waits."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.now += s
+
+
+def supervise(procs, *, on_exit, policy="auto", monkeypatch, tmp_path) -> int:
+    """One job under the supervisor (trainer/supervisor.py), its one round these ranks."""
+    monkeypatch.setattr(supervisor, "time", Clock())
+    cfg = JobConfig(parallel=ParallelConfig(dp=len(procs)), healing=HealingConfig(policy=policy))
+    rounds = iter([procs])
+    return Supervisor(cfg, tmp_path, spawn=lambda cfg, layout, round_: next(rounds), on_exit=on_exit,
+                      log=lambda m: None).run()
+
+
+def test_a_clean_run_reports_every_rank_exited_zero(monkeypatch, tmp_path):
     seen = []
     procs = [FakeProc(0, polls=p) for p in (1, 3, 2)]
-    assert launch._supervise(procs, on_exit=lambda r, c, cause: seen.append((r, c, cause))) == 0
+    assert supervise(procs, on_exit=lambda r, c, cause: seen.append((r, c, cause)), monkeypatch=monkeypatch,
+                     tmp_path=tmp_path) == 0
     assert seen == [(0, 0, "exited"), (2, 0, "exited"), (1, 0, "exited")]
 
 
-def test_a_failed_rank_is_reported_before_the_ranks_the_launcher_stops():
+def test_a_failed_rank_is_reported_before_the_ranks_the_launcher_stops(monkeypatch, tmp_path):
     seen = []
 
     def on_exit(rank, code, *, cause):
         seen.append((rank, code, cause, [list(p.signals) for p in procs]))
 
     procs = [FakeProc(None), FakeProc(17, polls=2), FakeProc(None), FakeProc(0, polls=1)]
-    assert launch._supervise(procs, on_exit=on_exit) == 1
+    # without healing a failed rank ends the job, as it would without this tool
+    assert supervise(procs, on_exit=on_exit, policy="off", monkeypatch=monkeypatch, tmp_path=tmp_path) == 1
     # rank 3 finished on its own first; rank 1's failure is reported before anyone is signalled
     assert [s[:3] for s in seen] == [(3, 0, "exited"), (1, 17, "exited"), (0, 143, "stopped"), (2, 143, "stopped")]
     assert seen[1][3] == [[], [], [], []]
 
 
-def test_a_report_that_raises_does_not_stop_the_supervision():
+def test_a_report_that_raises_does_not_stop_the_supervision(monkeypatch, tmp_path):
     def on_exit(rank, code, *, cause):
         raise RuntimeError("collector client bug")
 
-    assert launch._supervise([FakeProc(0)], on_exit=on_exit) == 0
+    assert supervise([FakeProc(0), FakeProc(0, polls=2)], on_exit=on_exit, monkeypatch=monkeypatch,
+                     tmp_path=tmp_path) == 0
 
 
 class StubClient:

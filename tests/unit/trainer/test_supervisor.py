@@ -1,0 +1,360 @@
+"""The supervisor: rounds of the job on the nodes that are left, fake processes and
+a fake clock (the watch loop's sleeps advance it, so no test waits)."""
+
+from __future__ import annotations
+
+import signal
+import stat
+from pathlib import Path
+
+import pytest
+
+from trainer import supervisor as sup
+from trainer.config import AlertReceivers, CheckpointConfig, HealingConfig, JobConfig, ParallelConfig
+from trainer.control import EXIT_RESTART, record_isolation
+from trainer.supervisor import (ATTEMPT_FLOOR_ENV, HW_RANK_ENV, NODE_NAMES_ENV, ORIG_WORLD_ENV, RESTART_ROUND_ENV,
+                                Layout, Supervisor, attempt_high_water, first_layout, layout_config, shrink,
+                                write_attempt)
+
+
+class FakeProc:
+    """A rank: exits with `code` after `polls` polls (never, with None), or when
+    signalled (143, as the worker does)."""
+
+    def __init__(self, code: int | None, polls: int = 1) -> None:
+        self.code, self.polls, self.returncode, self.signals = code, polls, None, []
+
+    def poll(self):
+        if self.returncode is None and self.code is not None:
+            self.polls -= 1
+            if self.polls <= 0:
+                self.returncode = self.code
+        return self.returncode
+
+    def send_signal(self, sig) -> None:
+        self.signals.append(sig)
+        self.returncode = 143
+
+    def wait(self, timeout=None):
+        return self.returncode
+
+    def kill(self) -> None:
+        self.returncode = -signal.SIGKILL
+
+
+class FakeClock:
+    """Stands in for the `time` module in trainer.supervisor: sleep() advances monotonic()."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.slept = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.now += s
+        self.slept += s
+
+
+class FakeWatch:
+    """The collector's isolations as NodeWatch reports them."""
+
+    def __init__(self, isolated: dict[str, str] | None = None, *, on_poll: dict[str, str] | None = None) -> None:
+        self._isolated = dict(isolated or {})
+        self.on_poll = on_poll  # what a poll finds (the crash decision polls)
+        self.num_polls = 0
+
+    def isolated(self) -> dict[str, str]:
+        return dict(self._isolated)
+
+    def poll_once(self) -> None:
+        self.num_polls += 1
+        if self.on_poll:
+            self._isolated.update(self.on_poll)
+
+
+@pytest.fixture(autouse=True)
+def clock(monkeypatch):
+    c = FakeClock()
+    monkeypatch.setattr(sup, "time", c)
+    return c
+
+
+def job(tmp_path: Path, *, nodes: int = 3, dp: int = 3, tp: int = 1, pp: int = 1, micro_batches: int = 2,
+        ckpt: bool = True, **healing) -> JobConfig:
+    return JobConfig(parallel=ParallelConfig(dp=dp, tp=tp, pp=pp, nodes=nodes, micro_batches=micro_batches),
+                     ckpt=CheckpointConfig(dir=str(tmp_path / "ckpt") if ckpt else None), run_id="run-1",
+                     healing=HealingConfig(**{"policy": "auto", **healing}))
+
+
+class Rounds:
+    """A spawn that hands out one list of FakeProcs per round and records what it was given."""
+
+    def __init__(self, *rounds, before=None) -> None:
+        self.rounds = list(rounds)
+        self.before = before or {}  # round -> a callable run at its spawn (what the ranks write)
+        self.seen: list[tuple[JobConfig, Layout, int, list[dict]]] = []
+        self.supervisor: Supervisor | None = None
+
+    def __call__(self, cfg, layout, round_):
+        envs = [self.supervisor.rank_env(layout, r, round_) for r in range(layout.world_size)]
+        self.seen.append((cfg, layout, round_, envs))
+        if round_ in self.before:
+            self.before[round_]()
+        procs = self.rounds[round_]
+        return procs() if callable(procs) else procs
+
+
+def supervise(cfg, tmp_path, rounds: Rounds, **kw) -> tuple[Supervisor, list[str]]:
+    logs: list[str] = []
+    s = Supervisor(cfg, tmp_path, spawn=rounds, log=logs.append, **kw)
+    rounds.supervisor = s
+    return s, logs
+
+
+def procs(n, code, polls=1):
+    return lambda: [FakeProc(code, polls) for _ in range(n)]
+
+
+# -- layouts -------------------------------------------------------------------------
+
+def test_shrinking_keeps_the_global_batch_where_it_divides(tmp_path):
+    cfg = job(tmp_path)
+    first = first_layout(cfg)
+    assert (first.nodes, first.hw_index, first.per_node, first.dp, first.micro_batches) == (
+        ("node0", "node1", "node2"), (0, 1, 2), 1, 3, 2)
+    new = shrink(cfg, first, {"node1"})
+    assert (new.nodes, new.hw_index, new.dp, new.micro_batches, new.note) == (("node0", "node2"), (0, 2), 2, 3, "")
+    assert new.dp * new.micro_batches == first.dp * first.micro_batches  # 24 samples of 4 either way
+    assert [new.hw_rank(r) for r in range(new.world_size)] == [0, 2]
+    assert [new.node_of(r) for r in range(new.world_size)] == ["node0", "node2"]
+
+
+def test_shrinking_keeps_the_micro_batches_and_says_so_when_it_does_not_divide(tmp_path):
+    cfg = job(tmp_path, nodes=4, dp=4, micro_batches=1)  # 16 samples do not split over 3 replicas of 4
+    new = shrink(cfg, first_layout(cfg), {"node3"})
+    assert (new.dp, new.micro_batches) == (3, 1)
+    assert "does not split over dp=3" in new.note and "12 samples per step" in new.note
+
+
+def test_shrinking_keeps_tp_and_maps_each_kept_rank_to_its_hardware(tmp_path):
+    cfg = job(tmp_path, nodes=3, dp=3, tp=2)  # 2 ranks per node: one tp group each
+    first = first_layout(cfg)
+    assert first.per_node == 2 and first.world_size == 6
+    new = shrink(cfg, first, {"node0"})
+    assert (new.nodes, new.hw_index, new.dp, new.world_size) == (("node1", "node2"), (1, 2), 2, 4)
+    assert [new.hw_rank(r) for r in range(4)] == [2, 3, 4, 5]
+    again = shrink(cfg, new, {"node2"})  # the hardware identity survives a second shrink
+    assert (again.nodes, [again.hw_rank(r) for r in range(2)], again.dp, again.micro_batches) == (
+        ("node1",), [2, 3], 1, 6)
+
+
+def test_no_layout_fits_a_model_that_no_longer_divides_the_ranks(tmp_path):
+    cfg = job(tmp_path, nodes=6, dp=3, pp=2)  # a pipeline across nodes: 5 ranks cannot hold whole replicas
+    with pytest.raises(ValueError, match="cannot hold whole tp x pp = 2"):
+        shrink(cfg, first_layout(cfg), {"node5"})
+    with pytest.raises(ValueError, match="no node is left"):
+        shrink(cfg, first_layout(cfg), {f"node{i}" for i in range(6)})
+
+
+def test_a_round_config_is_a_copy_on_the_layout(tmp_path):
+    cfg = job(tmp_path)
+    cfg.telemetry.alerts = AlertReceivers(webhooks=("https://hook",))
+    new_layout = shrink(cfg, first_layout(cfg), {"node1"})
+    new = layout_config(cfg, new_layout)
+    assert (new.parallel.dp, new.parallel.nodes, new.parallel.micro_batches, new.parallel.tp) == (2, 2, 3, 1)
+    assert new.parallel.world_size == new_layout.world_size
+    assert new.telemetry.alerts.webhooks == ("https://hook",)  # kept, though never serialised
+    assert (new.run_id, new.ckpt.dir, new.healing.policy) == (cfg.run_id, cfg.ckpt.dir, "auto")
+    assert (cfg.parallel.dp, cfg.parallel.nodes, cfg.parallel.micro_batches) == (3, 3, 2)  # untouched
+
+
+def test_the_attempt_high_water_only_rises(tmp_path):
+    assert attempt_high_water(tmp_path) == 0
+    write_attempt(tmp_path, 3)
+    write_attempt(tmp_path, 2)
+    assert attempt_high_water(tmp_path) == 3
+    write_attempt(tmp_path, 5)
+    assert attempt_high_water(tmp_path) == 5
+    for text in ("{", "[]", '{"attempt": "x"}', "{}", '{"attempt": null}'):
+        (tmp_path / sup.ATTEMPT_FILE).write_text(text)
+        assert attempt_high_water(tmp_path) == 0
+
+
+# -- one round (the launcher's reports) ------------------------------------------------
+
+def test_every_exit_is_reported_once_in_the_order_seen(tmp_path):
+    seen = []
+    cfg = job(tmp_path, nodes=1, dp=3)
+    s, _ = supervise(cfg, tmp_path, Rounds([FakeProc(0, polls=p) for p in (1, 3, 2)]),
+                     on_exit=lambda r, c, cause: seen.append((r, c, cause)))
+    assert s.run() == 0
+    assert seen == [(0, 0, "exited"), (2, 0, "exited"), (1, 0, "exited")]
+
+
+def test_an_interrupt_stops_the_ranks_and_ends_the_job(tmp_path):
+    class Interrupting(FakeProc):
+        interrupted = False
+
+        def poll(self):
+            if not self.interrupted:  # Ctrl-C lands once, while the supervisor polls
+                self.interrupted = True
+                raise KeyboardInterrupt
+            return super().poll()
+
+    ranks = [FakeProc(None), Interrupting(None)]
+    s, _ = supervise(job(tmp_path, nodes=1, dp=2), tmp_path, Rounds(ranks))
+    assert s.run() == 130
+    assert all(p.signals == [signal.SIGTERM] for p in ranks)
+
+
+# -- restarts ---------------------------------------------------------------------
+
+def test_ranks_that_leave_for_an_isolation_restart_without_the_node(tmp_path):
+    def ranks_isolate_node1():  # what rank 0 writes before every rank exits 75
+        write_attempt(tmp_path, 4)
+        record_isolation(tmp_path, node="node1", reason="device: the fault stayed", incident_id=9, step=30,
+                         command_id="c1")
+
+    rounds = Rounds(procs(3, EXIT_RESTART), procs(2, 0), before={0: ranks_isolate_node1})
+    s, logs = supervise(job(tmp_path), tmp_path, rounds)
+    assert s.run() == 0
+    assert [r for _, _, r, _ in rounds.seen] == [0, 1]
+    cfg1, layout1, _, envs1 = rounds.seen[1]
+    assert (layout1.nodes, layout1.dp, layout1.micro_batches) == (("node0", "node2"), 2, 3)
+    assert (cfg1.parallel.nodes, cfg1.parallel.dp, cfg1.parallel.micro_batches) == (2, 2, 3)
+    assert [e[HW_RANK_ENV] for e in envs1] == ["0", "2"]
+    assert {e[NODE_NAMES_ENV] for e in envs1} == {"node0,node2"}
+    assert {e[ATTEMPT_FLOOR_ENV] for e in envs1} == {"5"}  # above every attempt run so far
+    assert {(e[ORIG_WORLD_ENV], e[RESTART_ROUND_ENV]) for e in envs1} == {("3", "1")}
+    envs0 = rounds.seen[0][3]
+    assert [e[HW_RANK_ENV] for e in envs0] == ["0", "1", "2"] and {e[ATTEMPT_FLOOR_ENV] for e in envs0} == {"0"}
+    assert s.restarts == 0  # the ranks left by themselves: not a restart
+    assert any("restarting without node1" in m and "dp 3 -> 2" in m for m in logs)
+
+
+def test_a_crash_restarts_on_the_same_nodes_up_to_max_restarts(tmp_path):
+    crash = lambda: [FakeProc(None), FakeProc(1), FakeProc(None)]  # noqa: E731
+    rounds = Rounds(crash, crash, crash)
+    s, logs = supervise(job(tmp_path, max_restarts=2), tmp_path, rounds)
+    assert s.run() == 1
+    assert len(rounds.seen) == 3 and s.restarts == 2
+    assert {layout.nodes for _, layout, _, _ in rounds.seen} == {("node0", "node1", "node2")}
+    assert "giving up" in logs[-1]
+
+
+def test_a_crash_then_a_clean_round_is_a_success(tmp_path):
+    write_attempt(tmp_path, 2)
+    rounds = Rounds(lambda: [FakeProc(None), FakeProc(-signal.SIGSEGV, polls=3), FakeProc(None)], procs(3, 0))
+    s, logs = supervise(job(tmp_path), tmp_path, rounds)
+    assert s.run() == 0
+    assert s.restarts == 1
+    assert {e[ATTEMPT_FLOOR_ENV] for e in rounds.seen[1][3]} == {"3"}
+    assert any("rank 1 exited with signal SIGSEGV" in m for m in logs)
+    assert any("restarting on the same 3 node(s)" in m for m in logs)
+
+
+def test_a_crashed_node_the_policy_isolates_is_left_out(tmp_path):
+    watch = FakeWatch(on_poll={"node1": "crash #2 on node1"})
+    rounds = Rounds(lambda: [FakeProc(None), FakeProc(1), FakeProc(None)], procs(2, 0))
+    s, _ = supervise(job(tmp_path), tmp_path, rounds, watch=watch)
+    assert s.run() == 0
+    assert rounds.seen[1][1].nodes == ("node0", "node2")
+    assert watch.num_polls == 1
+
+
+def test_no_isolation_decision_within_the_wait_restarts_on_the_same_nodes(tmp_path, clock):
+    watch = FakeWatch(on_poll={"node0": "an isolation of another node"})  # node0 did not crash
+    rounds = Rounds(lambda: [FakeProc(None), FakeProc(1), FakeProc(None)], procs(3, 0))
+    s, _ = supervise(job(tmp_path), tmp_path, rounds, watch=watch)
+    assert s.run() == 0
+    assert rounds.seen[1][1].nodes == ("node0", "node1", "node2")
+    assert clock.slept == pytest.approx(sup.CRASH_DECISION_S, abs=0.25) and watch.num_polls > 1
+
+
+@pytest.mark.parametrize("policy", ["shadow", "off"])
+def test_without_healing_a_failed_rank_ends_the_job(tmp_path, policy):
+    rounds = Rounds(lambda: [FakeProc(None), FakeProc(1)])
+    s, _ = supervise(job(tmp_path, nodes=2, dp=2, policy=policy), tmp_path, rounds,
+                     watch=FakeWatch({"node1": "ignored without healing"}))
+    assert s.run() == 1
+    assert len(rounds.seen) == 1
+
+
+def test_without_healing_the_collector_isolations_are_not_watched(tmp_path):
+    rounds = Rounds(procs(2, 0, polls=3))
+    s, _ = supervise(job(tmp_path, nodes=2, dp=2, policy="shadow", isolate_grace_s=0.0), tmp_path, rounds,
+                     watch=FakeWatch({"node1": "hang"}))
+    assert s.run() == 0
+
+
+def test_a_restart_without_a_ckpt_dir_is_refused(tmp_path):
+    rounds = Rounds(lambda: [FakeProc(None), FakeProc(1)])
+    s, logs = supervise(job(tmp_path, nodes=2, dp=2, ckpt=False), tmp_path, rounds)
+    assert s.run() == 1
+    assert len(rounds.seen) == 1 and "without --ckpt-dir" in logs[-1]
+
+
+def test_an_isolation_below_min_nodes_stops_the_job(tmp_path):
+    marker = tmp_path / "isolated.txt"
+    rounds = Rounds(procs(2, EXIT_RESTART), before={0: lambda: record_isolation(
+        tmp_path, node="node1", reason="device", incident_id=1, step=5, command_id="c")})
+    s, logs = supervise(job(tmp_path, nodes=2, dp=2, min_nodes=2, on_isolate=f"touch {marker}"), tmp_path, rounds)
+    assert s.run() == 1
+    assert len(rounds.seen) == 1 and "fewer than --min-nodes 2" in logs[-1]
+    assert not marker.exists()  # nothing isolated, nothing announced
+
+
+def test_a_layout_that_no_longer_fits_stops_the_job(tmp_path):
+    rounds = Rounds(procs(6, EXIT_RESTART), before={0: lambda: record_isolation(
+        tmp_path, node="node5", reason="device", incident_id=1, step=5, command_id="c")})
+    s, logs = supervise(job(tmp_path, nodes=6, dp=3, pp=2), tmp_path, rounds)
+    assert s.run() == 1
+    assert "cannot restart without node5" in logs[-1]
+
+
+# -- the collector's isolations ---------------------------------------------------
+
+def test_a_node_the_collector_isolates_is_stopped_after_the_grace_and_left_out(tmp_path):
+    stuck = [FakeProc(None) for _ in range(3)]  # hung: they never leave by themselves
+    seen = []
+    watch = FakeWatch({"node1": "hang: rank 1 stopped entering collectives", "node7": "another layout's"})
+    rounds = Rounds(stuck, procs(2, 0))
+    s, logs = supervise(job(tmp_path, isolate_grace_s=0.0), tmp_path, rounds, watch=watch,
+                        on_exit=lambda r, c, cause: seen.append((r, c, cause)))
+    assert s.run() == 0
+    assert all(p.signals == [signal.SIGTERM] for p in stuck)
+    assert seen[:3] == [(0, 143, "stopped"), (1, 143, "stopped"), (2, 143, "stopped")]
+    assert rounds.seen[1][1].nodes == ("node0", "node2")
+    assert any("the collector isolated node1" in m for m in logs)
+
+
+def test_ranks_that_fail_during_the_grace_are_not_a_crash(tmp_path, clock):
+    # node1 is isolated; rank 1 dies on its own within the grace, rank 0 waits for it forever
+    rounds = Rounds(lambda: [FakeProc(None), FakeProc(1, polls=3)], procs(1, 0))
+    s, _ = supervise(job(tmp_path, nodes=2, dp=2, isolate_grace_s=1.0), tmp_path, rounds,
+                     watch=FakeWatch({"node1": "straggler"}))
+    assert s.run() == 0
+    assert rounds.seen[1][1].nodes == ("node0",)
+    assert clock.slept == pytest.approx(1.0, abs=0.15)  # the fake clock: the grace ran out, then the stop
+
+
+def test_on_isolate_runs_the_command_with_the_node_and_the_reason(tmp_path):
+    out = tmp_path / "isolations.txt"
+    script = tmp_path / "on_isolate.sh"
+    script.write_text(f'#!/bin/sh\necho "$LLMWATCH_NODE|$LLMWATCH_REASON|$LLMWATCH_RUN_ID" >> "{out}"\n')
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    rounds = Rounds(procs(3, EXIT_RESTART), procs(2, 0), before={0: lambda: record_isolation(
+        tmp_path, node="node2", reason="device: rank 2", incident_id=1, step=5, command_id="c")})
+    s, _ = supervise(job(tmp_path, on_isolate=f"sh {script}"), tmp_path, rounds)
+    assert s.run() == 0
+    assert out.read_text().splitlines() == ["node2|device: rank 2|run-1"]
+
+
+def test_a_failing_on_isolate_is_logged_and_the_job_goes_on(tmp_path):
+    rounds = Rounds(procs(3, EXIT_RESTART), procs(2, 0), before={0: lambda: record_isolation(
+        tmp_path, node="node2", reason="device", incident_id=1, step=5, command_id="c")})
+    s, logs = supervise(job(tmp_path, on_isolate="echo nope >&2; exit 3"), tmp_path, rounds)
+    assert s.run() == 0
+    assert any("--on-isolate exited with 3 for node2" in m and "nope" in m for m in logs)

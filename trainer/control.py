@@ -1,0 +1,377 @@
+"""The trainer's control layer: commands from the collector, agreed by every rank,
+carried out by handlers registered by name.
+
+Agreement (`CommandChannel`). Every rank's agent receives a run-wide command;
+rank 0 decides. At the end of step s it encodes the command it picked, id, kind
+and arguments as JSON, into a fixed-size byte tensor and starts an async
+broadcast over the world; every rank waits for it at the end of step s+1 and
+acts on the same command with the same arguments at the same step boundary. The
+broadcast travels while step s+1 computes, so the agreement costs no step time;
+the price is one step of latency. Arguments are bounded (`MAX_COMMAND_BYTES`):
+a command whose arguments do not fit is refused by rank 0, never cut.
+
+Handlers (`Handler`). `run()` is the public entry and owns what every command
+shares: the guards (`check`, which refuses with a reason), the acknowledgement
+(each rank acks for itself, so the collector sees the command settle only when
+every rank did it) and the events. Subclasses do the work in `act()` through a
+`RunContext`: the loader, the engine, the checkpointer, the loop state (step,
+attempt, data position) and the agent. Whatever a handler decides must be the
+same on every rank: it reads only the agreed arguments and state every rank
+shares, and the collectives it runs (a checkpoint load) are run by all.
+
+Built in: `checkpoint`, `stop`, `rollback` (restore the newest verified
+checkpoint before the incident, continue as attempt + 1, and plan the rerun that
+diagnoses it: trainer/diagnosis.py) and `isolate` (checkpoint, record the node in
+the run's membership file, exit with `EXIT_RESTART` so that the supervisor
+restarts the job without that node).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from trainer.diagnosis import ProbePlan
+from trainer.parallel_dims import Axis
+
+MAX_COMMAND_BYTES = 4096
+_HEADER = struct.Struct("<I")  # payload length, then the JSON bytes
+EXIT_RESTART = 75  # EX_TEMPFAIL: every rank exits with it after `isolate`; the supervisor restarts the job
+MEMBERSHIP_FILE = "membership.json"  # in the run dir: the nodes isolated so far, read by the supervisor
+
+
+@dataclass(frozen=True, slots=True)
+class AgreedCommand:
+    id: str
+    kind: str
+    args: dict[str, Any]
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What the loop does after a command: go on, stop, or exit for a restart."""
+
+    detail: str = ""
+    stop: bool = False
+    exit_code: int = 0
+
+
+class Refused(Exception):
+    """A guard said no (acked `rejected`, with this reason)."""
+
+
+class Failed(Exception):
+    """The handler tried and could not (acked `failed`, with this reason)."""
+
+
+@dataclass(slots=True)
+class Recovery:
+    """A rollback in progress: done when a step past `past_step` completes."""
+
+    incident_id: int | None
+    command_id: str
+    attempt: int
+    past_step: int  # the last step the abandoned lineage completed
+    started_ts: float
+
+
+@dataclass(slots=True)
+class RunContext:
+    """What handlers act on. The loop owns these; a handler changes them in place."""
+
+    cfg: Any  # JobConfig
+    dims: Any  # ParallelDims
+    comm: Any  # Comm
+    engine: Any  # TrainEngine
+    ckpt: Any  # Checkpointer | None
+    agent: Any
+    state: Any  # train.LoopState: step, attempt, position
+    bad_batches: Any  # trainer.badbatches.BadBatchList
+    log: Callable[[str], None]
+    save: Callable[[int], None]  # checkpoint this step (the loop's own save: meta, events)
+    restore: Callable[[Any], None]  # load a LoadedCheckpoint into engine, RNG and state
+    note_attempt: Callable[[], None]  # after state.attempt changed: the agent's rows and the run dir follow
+    loader: Any = None  # the DataLoader in use (set by the loop)
+    probe: ProbePlan | None = None  # the rerun diagnosis planned by a rollback
+    recovery: Recovery | None = None
+    run_dir: Path | None = None
+
+
+class Handler:
+    """One command kind. Subclasses set `kind` and implement `act`; they may add guards
+    in `check` (raise Refused)."""
+
+    kind: ClassVar[str] = ""
+
+    def check(self, ctx: RunContext, cmd: AgreedCommand) -> None:
+        """Raise Refused(reason) when this command cannot be carried out here."""
+
+    def act(self, ctx: RunContext, cmd: AgreedCommand, step: int) -> Outcome:
+        raise NotImplementedError
+
+    def run(self, ctx: RunContext, cmd: AgreedCommand, step: int) -> Outcome:
+        """Guards, the work, the ack and the events: the same on every rank."""
+        try:
+            self.check(ctx, cmd)
+        except Refused as e:
+            ctx.agent.ack(cmd.id, "rejected", str(e))
+            return Outcome()
+        ctx.agent.event("command_started", step=step, command_id=cmd.id, command_kind=cmd.kind)  # `kind` is the event's
+        try:
+            outcome = self.act(ctx, cmd, step)
+        except Failed as e:
+            ctx.agent.ack(cmd.id, "failed", str(e))
+            ctx.log(f"{cmd.kind} command {cmd.id} failed at step {step}: {e}")
+            return Outcome()
+        ctx.agent.ack(cmd.id, "done", outcome.detail or f"at step {step}")
+        return outcome
+
+
+def _int_arg(args: dict, key: str, *, default: int | None = None, minimum: int | None = None) -> int | None:
+    value = args.get(key, default)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or (minimum is not None and value < minimum):
+        raise Refused(f"argument {key!r} must be an integer{f' >= {minimum}' if minimum is not None else ''}")
+    return value
+
+
+def _float_arg(args: dict, key: str) -> float | None:
+    value = args.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise Refused(f"argument {key!r} must be a finite number")
+    return float(value)
+
+
+class CheckpointHandler(Handler):
+    kind = "checkpoint"
+
+    def check(self, ctx: RunContext, cmd: AgreedCommand) -> None:
+        if ctx.ckpt is None:
+            raise Refused("the run has no --ckpt-dir")
+
+    def act(self, ctx: RunContext, cmd: AgreedCommand, step: int) -> Outcome:
+        ctx.save(step)
+        return Outcome(f"checkpoint of step {step} queued")
+
+
+class StopHandler(Handler):
+    kind = "stop"
+
+    def act(self, ctx: RunContext, cmd: AgreedCommand, step: int) -> Outcome:
+        if ctx.ckpt is not None:
+            ctx.save(step)
+        ctx.log(f"stop requested by the collector at step {step}")
+        ctx.state.stopped = True
+        return Outcome(f"stopped at step {step}", stop=True)
+
+
+class RollbackHandler(Handler):
+    """Restore the newest verified checkpoint before the suspect step and go on as
+    attempt + 1; the suspect step's rerun (replicas swapped) is the diagnosis.
+
+    Arguments: `step` (the incident's first step, required), `incident_id`, `kind`
+    (nan, loss_spike, grad_spike), `rank` (the rank the incident named),
+    `loss_above` / `grad_norm_above` (what counts as a reproduced spike),
+    `skip_batches` (global batches to skip after the suspect one on a data verdict;
+    default 0), `diagnose` (default true)."""
+
+    kind = "rollback"
+
+    def check(self, ctx: RunContext, cmd: AgreedCommand) -> None:
+        if ctx.ckpt is None:
+            raise Refused("the run has no --ckpt-dir: there is nothing to roll back to")
+        step = _int_arg(cmd.args, "step", minimum=1)
+        if step is None:
+            raise Refused("rollback needs the suspect 'step'")
+        if step > ctx.state.step:
+            raise Refused(f"step {step} has not run yet (the run is at step {ctx.state.step})")
+        for key in ("incident_id", "rank"):
+            _int_arg(cmd.args, key, minimum=0)
+        _int_arg(cmd.args, "skip_batches", default=0, minimum=0)
+        _float_arg(cmd.args, "loss_above")
+        _float_arg(cmd.args, "grad_norm_above")
+        if not isinstance(cmd.args.get("diagnose", True), bool):
+            raise Refused("argument 'diagnose' must be true or false")
+
+    def act(self, ctx: RunContext, cmd: AgreedCommand, step: int) -> Outcome:
+        args = cmd.args
+        suspect = int(args["step"])
+        loaded = ctx.ckpt.load_latest(before_step=suspect)  # collective: every rank, same answer
+        if loaded is None:
+            raise Failed(f"no verified checkpoint before step {suspect}")
+        past = ctx.state.step
+        old_attempt = ctx.state.attempt
+        ctx.restore(loaded)
+        ctx.state.attempt = max(old_attempt, int(loaded.meta.get("attempt", 0))) + 1
+        ctx.note_attempt()
+        shift = 1 if ctx.dims.dp > 1 else 0
+        kind = str(args.get("kind") or "nan")
+        ctx.probe = None
+        if args.get("diagnose", True):
+            ctx.probe = ProbePlan(incident_id=args.get("incident_id"), kind=kind, step=suspect,
+                                  rank=args.get("rank"), shift=shift, loss_above=_float_arg(args, "loss_above"),
+                                  grad_norm_above=_float_arg(args, "grad_norm_above"),
+                                  skip_batches=int(args.get("skip_batches") or 0))  # null: the default
+        ctx.loader.seek(ctx.state.position, ctx.state.step + 1)
+        if ctx.probe is not None and shift:
+            ctx.loader.swap_at(suspect, shift)
+        ctx.recovery = Recovery(incident_id=args.get("incident_id"), command_id=cmd.id, attempt=ctx.state.attempt,
+                                past_step=past, started_ts=time.time())
+        ctx.agent.event("rollback_started", step=ctx.state.step, command_id=cmd.id,
+                        incident_id=args.get("incident_id"), from_step=past, to_step=loaded.step,
+                        suspect_step=suspect, attempt=ctx.state.attempt, checkpoint=str(loaded.path),
+                        diagnose=ctx.probe is not None, swap_shift=shift)
+        ctx.log(f"rollback: step {past} -> checkpoint of step {loaded.step}, attempt {ctx.state.attempt}"
+                f"{f'; rerun of step {suspect} with the replicas swapped' if ctx.probe is not None else ''}")
+        return Outcome(f"restored step {loaded.step} as attempt {ctx.state.attempt}")
+
+
+class IsolateHandler(Handler):
+    """Checkpoint, record the node as isolated in the run's membership file, and exit
+    every rank with EXIT_RESTART: the supervisor restarts the job on the other nodes
+    (fewer dp replicas, the same global batch) from that checkpoint.
+
+    Arguments: `node` (required), `reason`, `incident_id`."""
+
+    kind = "isolate"
+
+    def check(self, ctx: RunContext, cmd: AgreedCommand) -> None:
+        node = cmd.args.get("node")
+        if not isinstance(node, str) or not node:
+            raise Refused("isolate needs the 'node' to leave out")
+        if ctx.run_dir is None:
+            raise Refused("the run has no run dir for its membership file")
+
+    def act(self, ctx: RunContext, cmd: AgreedCommand, step: int) -> Outcome:
+        node = cmd.args["node"]
+        if ctx.ckpt is not None:
+            ctx.save(step)
+            ctx.ckpt.wait()  # the restart resumes from it: it must be finalized before we exit
+        if ctx.dims.rank == 0:
+            record_isolation(ctx.run_dir, node=node, reason=str(cmd.args.get("reason") or ""),
+                             incident_id=cmd.args.get("incident_id"), step=step, command_id=cmd.id)
+        ctx.comm.barrier(Axis.WORLD)  # the file is written before any rank exits
+        ctx.log(f"isolate {node}: checkpointed step {step}; the job restarts without it")
+        return Outcome(f"{node} isolated at step {step}; restarting without it", stop=True, exit_code=EXIT_RESTART)
+
+
+def record_isolation(run_dir: Path, *, node: str, reason: str, incident_id: Any, step: int, command_id: str) -> None:
+    """Append `node` to the run's membership file (atomically replaced)."""
+    path = Path(run_dir) / MEMBERSHIP_FILE
+    current = read_membership(run_dir)
+    if node not in {x["node"] for x in current["isolated"]}:
+        current["isolated"].append({"node": node, "reason": reason, "incident_id": incident_id, "step": step,
+                                    "command_id": command_id, "ts": time.time()})
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(current, indent=2))
+    tmp.replace(path)
+
+
+def read_membership(run_dir: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((Path(run_dir) / MEMBERSHIP_FILE).read_text())
+        if isinstance(data, dict) and isinstance(data.get("isolated"), list):
+            return data
+    except (OSError, ValueError):
+        pass
+    return {"isolated": []}
+
+
+def default_handlers() -> dict[str, Handler]:
+    return {h.kind: h for h in (CheckpointHandler(), StopHandler(), RollbackHandler(), IsolateHandler())}
+
+
+def encode_command(cmd: AgreedCommand | None) -> bytes:
+    """The broadcast payload of `cmd` (None: no command), `MAX_COMMAND_BYTES` long."""
+    body = b"" if cmd is None else json.dumps({"id": cmd.id, "kind": cmd.kind, "args": cmd.args},
+                                              separators=(",", ":"), allow_nan=False).encode()
+    if len(body) > MAX_COMMAND_BYTES - _HEADER.size:
+        raise ValueError(f"command {cmd.id if cmd else ''} is {len(body)} bytes encoded, over {MAX_COMMAND_BYTES}")
+    return (_HEADER.pack(len(body)) + body).ljust(MAX_COMMAND_BYTES, b"\0")
+
+
+def decode_command(payload: bytes) -> AgreedCommand | None:
+    (n,) = _HEADER.unpack_from(payload)
+    if n == 0:
+        return None
+    d = json.loads(payload[_HEADER.size:_HEADER.size + n])
+    return AgreedCommand(id=str(d["id"]), kind=str(d["kind"]), args=dict(d["args"]))
+
+
+class CommandChannel:
+    """The one-step, overlapped agreement on at most one command per step."""
+
+    def __init__(self, comm, agent, *, rank: int, device: torch.device, handlers: dict[str, Handler]) -> None:
+        self.comm = comm
+        self.agent = agent
+        self.rank = rank
+        self.device = device
+        self.handlers = handlers
+        self._in_flight: tuple[Any, torch.Tensor] | None = None
+
+    def take(self) -> AgreedCommand | None:
+        """The command agreed at the previous step boundary (waits for its broadcast)."""
+        if self._in_flight is None:
+            return None
+        handle, buf = self._in_flight
+        self._in_flight = None
+        handle.wait()
+        return decode_command(buf.cpu().numpy().tobytes())  # host sync on one small buffer, telemetry on only
+
+    def post(self) -> None:
+        """Pick this boundary's command (rank 0) and start its broadcast (every rank)."""
+        chosen = self._choose(self.agent.commands())
+        payload = encode_command(chosen) if self.rank == 0 else bytes(MAX_COMMAND_BYTES)
+        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
+        self._in_flight = (self.comm.broadcast(buf, Axis.WORLD, async_op=True), buf)
+
+    def finish(self) -> None:
+        """Complete the last broadcast (every rank posted it); the command in it, and any
+        received since, are refused: the collector must not wait for them."""
+        cmd = self.take()
+        if cmd is not None:
+            self.agent.ack(cmd.id, "rejected", "the run ended before it could act")
+        for late in self.agent.commands():
+            self.agent.ack(late.id, "rejected", "the run ended before it could act")
+
+    def _choose(self, received: Iterable[Any]) -> AgreedCommand | None:
+        chosen = None
+        for cmd in received:
+            if cmd.kind not in self.handlers:
+                self.agent.ack(cmd.id, "rejected", f"the trainer has no {cmd.kind!r} handler "
+                                                   f"(it handles {', '.join(sorted(self.handlers))})")
+                continue
+            if self.rank != 0:
+                continue  # rank 0 decides; this rank acts on what the broadcast brings
+            if chosen is not None:
+                self.agent.ack(cmd.id, "rejected", "another command is being carried out at this step")
+                continue
+            candidate = AgreedCommand(id=str(cmd.id), kind=cmd.kind, args=dict(cmd.args or {}))
+            try:
+                encode_command(candidate)
+            except (ValueError, TypeError) as e:
+                self.agent.ack(cmd.id, "rejected", f"arguments not carried: {e}")
+                continue
+            chosen = candidate
+        return chosen
+
+
+    def step_boundary(self, ctx: RunContext, step: int) -> Outcome | None:
+        """The loop's one call per step boundary: take the agreed command, run its
+        handler, post the next (unless the run ends here). None: no command."""
+        cmd = self.take()
+        outcome = self.handlers[cmd.kind].run(ctx, cmd, step) if cmd is not None else None
+        if outcome is None or not (outcome.stop or outcome.exit_code):
+            self.post()
+        return outcome

@@ -1,0 +1,365 @@
+"""The embedded launcher as a supervisor: the job restarted on the nodes that are left.
+
+`Supervisor.run()` starts one process per rank for the current `Layout`, watches
+them, and decides what an ending means:
+
+- every rank exited 0: the job is done;
+- every rank exited `EXIT_RESTART` (they carried out an `isolate` command:
+  checkpointed, wrote the node into the run's membership file): restart without
+  the isolated node;
+- the collector marked a node of this layout `isolated` (its policy, for a hang
+  whose ranks cannot act on a command, or any isolation): the ranks get
+  `isolate_grace_s` to leave by themselves, then are stopped, and the job
+  restarts without the node;
+- a rank failed (a crash): the others are stopped; the job restarts on the same
+  nodes from its last checkpoint, up to `--max-restarts`, unless the collector's
+  policy isolates the crashed node (its second crash): then without it. The
+  supervisor waits a few seconds for that decision (`CRASH_DECISION_S`).
+
+A restart keeps tp and pp, shrinks dp to the ranks left, and keeps the global
+batch by raising micro-batches per replica where it divides (`shrink`); the
+checkpoint is resharded on load (trainer/checkpoint.py maps every rank to its
+(pp, tp) shard). The run id continues; the new processes start at an attempt
+above every earlier one (`ATTEMPT_FLOOR_ENV`). Faults follow their hardware:
+each process is told the rank its node and local slot had in the first layout
+(`HW_RANK_ENV`), which is what an injection names.
+
+With `--policy shadow` or `off` nothing is healed: a failed rank ends the job,
+as it would without this tool.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+from trainer.config import JobConfig
+from trainer.control import EXIT_RESTART, read_membership
+
+HW_RANK_ENV = "LLMWATCH_HW_RANK"
+ORIG_WORLD_ENV = "LLMWATCH_ORIG_WORLD"
+NODE_NAMES_ENV = "LLMWATCH_NODE_NAMES"
+ATTEMPT_FLOOR_ENV = "LLMWATCH_ATTEMPT_FLOOR"
+RESTART_ROUND_ENV = "LLMWATCH_RESTART_ROUND"
+ATTEMPT_FILE = "attempt.json"  # in the run dir: the highest attempt rank 0 has run
+CRASH_DECISION_S = 5.0
+NODE_POLL_S = 0.5
+GRACE_S = 5.0
+
+ExitHook = Callable[..., None]  # (rank, returncode, *, cause)
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """The nodes a round of the job runs on, and the batch shape that fits them."""
+
+    nodes: tuple[str, ...]  # names, in rank order
+    hw_index: tuple[int, ...]  # each node's index in the first layout: its hardware identity
+    per_node: int
+    dp: int
+    micro_batches: int
+    note: str = ""
+
+    @property
+    def world_size(self) -> int:
+        return len(self.nodes) * self.per_node
+
+    def hw_rank(self, rank: int) -> int:
+        return self.hw_index[rank // self.per_node] * self.per_node + rank % self.per_node
+
+    def node_of(self, rank: int) -> str:
+        return self.nodes[rank // self.per_node]
+
+
+def first_layout(cfg: JobConfig) -> Layout:
+    p = cfg.parallel
+    n = p.nodes
+    return Layout(nodes=tuple(f"node{i}" for i in range(n)), hw_index=tuple(range(n)), per_node=p.world_size // n,
+                  dp=p.dp, micro_batches=p.micro_batches)
+
+
+def shrink(cfg: JobConfig, layout: Layout, drop: set[str]) -> Layout:
+    """`layout` without the nodes in `drop`: tp and pp kept, dp what the ranks left hold,
+    the global batch kept where it divides. ValueError when no layout fits."""
+    keep = [(name, hw) for name, hw in zip(layout.nodes, layout.hw_index) if name not in drop]
+    if not keep:
+        raise ValueError("no node is left")
+    world = len(keep) * layout.per_node
+    model = cfg.parallel.tp * cfg.parallel.pp
+    if world % model:
+        raise ValueError(f"{world} ranks on {len(keep)} nodes cannot hold whole tp x pp = {model} model replicas")
+    dp = world // model
+    mbs = cfg.parallel.micro_batch_size
+    global_samples = layout.dp * layout.micro_batches * mbs
+    if global_samples % (dp * mbs) == 0:
+        micro, note = global_samples // (dp * mbs), ""
+    else:
+        micro = layout.micro_batches
+        note = (f"the global batch of {global_samples} samples does not split over dp={dp} replicas of "
+                f"{mbs}-sample micro-batches: kept {micro} micro-batches per replica "
+                f"({dp * micro * mbs} samples per step)")
+    return Layout(nodes=tuple(n for n, _ in keep), hw_index=tuple(h for _, h in keep), per_node=layout.per_node,
+                  dp=dp, micro_batches=micro, note=note)
+
+
+def layout_config(cfg: JobConfig, layout: Layout) -> JobConfig:
+    """The job's config for a round on `layout` (a copy)."""
+    new = JobConfig.from_dict(cfg.to_dict())
+    new.telemetry.alerts = cfg.telemetry.alerts
+    new.parallel = replace(cfg.parallel, dp=layout.dp, nodes=len(layout.nodes), micro_batches=layout.micro_batches)
+    return new
+
+
+def attempt_high_water(run_dir: Path) -> int:
+    try:
+        return int(json.loads((run_dir / ATTEMPT_FILE).read_text())["attempt"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
+def write_attempt(run_dir: Path, attempt: int) -> None:
+    """Rank 0 records the attempt it runs, so that a restart starts above it."""
+    if attempt <= attempt_high_water(run_dir):
+        return
+    tmp = run_dir / (ATTEMPT_FILE + ".tmp")
+    tmp.write_text(json.dumps({"attempt": attempt}))
+    tmp.replace(run_dir / ATTEMPT_FILE)
+
+
+class NodeWatch:
+    """The run's isolated nodes, as the collector's policy marked them: polled from
+    `GET /v1/runs/<run>/nodes` (the read token) on a thread of its own."""
+
+    def __init__(self, url: str, token: str, run_id: str, *, interval_s: float = NODE_POLL_S) -> None:
+        self._req = urllib.request.Request(f"{url.rstrip('/')}/v1/runs/{run_id}/nodes",
+                                           headers={"Authorization": f"Bearer {token}"})
+        self.interval_s = interval_s
+        self._isolated: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="llmwatch-nodewatch", daemon=True)
+
+    def start(self) -> "NodeWatch":
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+
+    def isolated(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._isolated)
+
+    def poll_once(self) -> None:
+        try:
+            with urllib.request.urlopen(self._req, timeout=2.0) as r:
+                rows = json.loads(r.read())
+        except (urllib.error.URLError, OSError, ValueError):
+            return  # the collector is busy or gone: the ranks' own exits still tell us
+        found = {str(row["node"]): str(row.get("reason") or "") for row in rows
+                 if isinstance(row, dict) and row.get("status") == "isolated" and row.get("node")}
+        with self._lock:
+            self._isolated.update(found)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.poll_once()
+
+
+@dataclass(slots=True)
+class Ended:
+    """How a round ended."""
+
+    codes: list[int]
+    failed: dict[int, int]  # rank -> exit code of the ranks that failed on their own
+    interrupted: bool = False
+    isolated: dict[str, str] | None = None  # nodes the collector isolated during the round (name -> reason)
+
+
+class Supervisor:
+    def __init__(self, cfg: JobConfig, run_dir: Path, *, spawn: Callable[[JobConfig, Layout, int], list],
+                 on_exit: ExitHook | None = None, watch: NodeWatch | None = None,
+                 log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)) -> None:
+        """`spawn(cfg, layout, round)` starts the round's rank processes (Popen-like)."""
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.spawn = spawn
+        self.on_exit = on_exit
+        self.watch = watch
+        self.log = log
+        self.heal = cfg.healing.policy == "auto"
+        self.layout = first_layout(cfg)
+        self.restarts = 0
+        self.rounds = 0
+
+    def run(self) -> int:
+        cfg = self.cfg
+        while True:
+            procs = self.spawn(layout_config(cfg, self.layout), self.layout, self.rounds)
+            ended = self._watch_round(procs)
+            self.rounds += 1
+            if ended.interrupted:
+                return 130
+            drop = self._to_drop(ended)
+            if not drop and not ended.failed and all(c == 0 for c in ended.codes):
+                return 0
+            if not self.heal:
+                return 1
+            clean = bool(drop) and all(c == EXIT_RESTART for c in ended.codes)  # the ranks left by themselves
+            if not clean:
+                if self.restarts >= cfg.healing.max_restarts:
+                    self.log(f"trainer: {self.restarts} restart(s) done (--max-restarts {cfg.healing.max_restarts}): "
+                             "giving up")
+                    return 1
+                self.restarts += 1
+                if not drop:
+                    drop = self._crash_decision(ended)
+            if not cfg.ckpt.dir:
+                self.log("trainer: cannot restart without --ckpt-dir: there is nothing to resume from")
+                return 1
+            if not drop:
+                self.log(f"trainer: restarting on the same {len(self.layout.nodes)} node(s) from the last checkpoint")
+                continue
+            try:
+                new = shrink(cfg, self.layout, set(drop))
+            except ValueError as e:
+                self.log(f"trainer: cannot restart without {', '.join(sorted(drop))}: {e}")
+                return 1
+            if len(new.nodes) < cfg.healing.min_nodes:
+                self.log(f"trainer: isolating {', '.join(sorted(drop))} would leave {len(new.nodes)} node(s), "
+                         f"fewer than --min-nodes {cfg.healing.min_nodes}: stopping")
+                return 1
+            for node in sorted(drop):
+                self._on_isolate(node, drop[node])
+            self.log(f"trainer: restarting without {', '.join(sorted(drop))}: {len(new.nodes)} node(s), "
+                     f"dp {self.layout.dp} -> {new.dp}, {new.micro_batches} micro-batches per replica"
+                     + (f" ({new.note})" if new.note else ""))
+            self.layout = new
+
+    def rank_env(self, layout: Layout, rank: int, round_: int) -> dict[str, str]:
+        """What a rank of this round is told beyond torchrun's variables."""
+        return {HW_RANK_ENV: str(layout.hw_rank(rank)), ORIG_WORLD_ENV: str(self.cfg.parallel.world_size),
+                NODE_NAMES_ENV: ",".join(layout.nodes), RESTART_ROUND_ENV: str(round_),
+                ATTEMPT_FLOOR_ENV: str(attempt_high_water(self.run_dir) + 1 if round_ else 0)}
+
+    # -- one round ---------------------------------------------------------------
+    def _watch_round(self, procs: list) -> Ended:
+        failed: dict[int, int] = {}
+        reported: set[int] = set()
+        isolated_seen: dict[str, str] = {}
+        grace_until: float | None = None
+        interrupted = False
+        try:
+            while True:
+                codes = [p.poll() for p in procs]
+                for rank, code in enumerate(codes):
+                    if code is not None:
+                        self._report(reported, rank, code, "exited")
+                    if code not in (None, 0, EXIT_RESTART) and rank not in failed and grace_until is None:
+                        failed[rank] = code
+                if failed or all(c is not None for c in codes):
+                    break
+                if self.heal and self.watch is not None:
+                    mine = {n: r for n, r in self.watch.isolated().items() if n in self.layout.nodes}
+                    if mine and grace_until is None:
+                        isolated_seen = mine
+                        grace_until = time.monotonic() + self.cfg.healing.isolate_grace_s
+                        self.log(f"trainer: the collector isolated {', '.join(sorted(mine))}; the ranks have "
+                                 f"{self.cfg.healing.isolate_grace_s:g} s to leave")
+                    if grace_until is not None and time.monotonic() >= grace_until:
+                        break
+                time.sleep(0.1)
+        except KeyboardInterrupt:
+            interrupted = True
+        if failed or interrupted or grace_until is not None:
+            if failed:
+                desc = ", ".join(f"rank {r} exited with {describe_exit(c)}" for r, c in sorted(failed.items()))
+                self.log(f"trainer: {desc}; stopping the other ranks")
+            stopped = stop_all(procs)
+            for rank, p in enumerate(procs):
+                if p.returncode is not None:
+                    self._report(reported, rank, p.returncode, "stopped" if rank in stopped else "exited")
+        return Ended(codes=[p.returncode for p in procs], failed=failed, interrupted=interrupted,
+                     isolated=isolated_seen or None)
+
+    def _report(self, reported: set[int], rank: int, code: int, cause: str) -> None:
+        if self.on_exit is None or rank in reported:
+            return
+        reported.add(rank)
+        try:
+            self.on_exit(rank, code, cause=cause)
+        except Exception as e:  # noqa: BLE001 - a report must never stop the supervision
+            self.log(f"trainer: could not report rank {rank}'s exit: {e!r}")
+
+    def _to_drop(self, ended: Ended) -> dict[str, str]:
+        """Nodes to leave out of the next round: the membership file's (the ranks' own
+        isolate) and the collector's, among this layout's nodes."""
+        drop = {x["node"]: x.get("reason", "") for x in read_membership(self.run_dir)["isolated"]
+                if x.get("node") in self.layout.nodes}
+        for node, reason in (ended.isolated or {}).items():
+            drop.setdefault(node, reason)
+        return drop
+
+    def _crash_decision(self, ended: Ended) -> dict[str, str]:
+        """After a crash: the collector's policy may isolate the crashed node (its second
+        crash). Wait a bounded time for it; no answer means a restart on the same nodes."""
+        if self.watch is None:
+            return {}
+        nodes = {self.layout.node_of(r) for r in ended.failed if 0 <= r < self.layout.world_size}
+        deadline = time.monotonic() + CRASH_DECISION_S
+        while time.monotonic() < deadline:
+            self.watch.poll_once()
+            found = {n: r for n, r in self.watch.isolated().items() if n in nodes}
+            if found:
+                return found
+            time.sleep(0.2)
+        return {}
+
+    def _on_isolate(self, node: str, reason: str) -> None:
+        cmd = self.cfg.healing.on_isolate
+        if not cmd:
+            return
+        env = dict(os.environ, LLMWATCH_RUN_ID=str(self.cfg.run_id), LLMWATCH_NODE=node, LLMWATCH_REASON=reason)
+        try:
+            done = subprocess.run(cmd, shell=True, env=env, timeout=60, capture_output=True, text=True)
+            if done.returncode:
+                self.log(f"trainer: --on-isolate exited with {done.returncode} for {node}: {done.stderr[-500:]}")
+        except (OSError, subprocess.SubprocessError) as e:
+            self.log(f"trainer: --on-isolate failed for {node}: {e}")
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"
+
+
+def stop_all(procs: list, grace_s: float = GRACE_S) -> set[int]:
+    """SIGTERM the processes still running (SIGKILL after `grace_s`); returns their indices."""
+    stopped = set()
+    for i, p in enumerate(procs):
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            stopped.add(i)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    return stopped
