@@ -34,6 +34,11 @@ from analysis.topology import Topology, _grow
 _EXCLUDED_MEMORY = 1024
 
 
+# A rank that exits with this left for the supervisor's restart (an isolation; the
+# trainer's control.EXIT_RESTART, EX_TEMPFAIL): not a crash.
+RESTART_EXIT_CODE = 75
+
+
 @dataclass(frozen=True, slots=True)
 class RankExit:
     ts: float
@@ -44,7 +49,8 @@ class RankExit:
 
     @property
     def failed(self) -> bool:
-        return self.cause != "stopped" and (self.signal is not None or self.exit_code not in (0, None))
+        return self.cause != "stopped" and (self.signal is not None
+                                            or self.exit_code not in (0, None, RESTART_EXIT_CODE))
 
 
 def _data(raw) -> dict:

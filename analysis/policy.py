@@ -101,10 +101,14 @@ class Policy:
 
     # -- inputs --------------------------------------------------------------
     def on_incident(self, st: RunPolicy, inc: dict[str, Any], now: float) -> list[Decision]:
-        """An incident opened or changed (the row as it is now)."""
-        if st.finished or inc.get("status", "open") != "open" or inc.get("id") in st.acted:
+        """An incident opened or changed (the row as it is now). A spike or a NaN is acted
+        on even when its incident closed in the pass that opened it (the damage is done
+        all the same); a straggler or a hang only while it is open."""
+        if st.finished or inc.get("id") in st.acted:
             return []
         kind = inc.get("kind")
+        if inc.get("status", "open") != "open" and kind not in self.cfg.rollback_on and kind != "crash":
+            return []
         if kind in self.cfg.rollback_on:
             return self._rollback(st, inc, now)
         if kind == "straggler":
@@ -185,7 +189,8 @@ class Policy:
         the detector's own bar (level x min_ratio) and the spike's peak."""
         spec = self.spikes.get(inc.get("kind"))
         peak = (inc.get("evidence") or {}).get("peak") or {}
-        level, value = _number(peak.get("level")), _number(peak.get("value"))
+        level = _number(peak.get("baseline", peak.get("level")))  # the spike detector's level at the peak
+        value = _number(peak.get("value"))
         if spec is None or level is None or value is None or level <= 0:
             return {}
         bar = level * spec.min_ratio

@@ -111,6 +111,9 @@ class UpdateIncident:
 
     incident_id: int
     values: dict[str, Any]
+    # a rerun's verdict: this root cause (and confidence) stands; detectors' later
+    # updates of the incident keep their evidence but no longer replace it
+    settled: bool = False
 
 
 @dataclass(slots=True)
@@ -129,6 +132,7 @@ class IncidentPlan:
     updates: list[tuple[int, dict[str, Any]]] = field(default_factory=list)  # (id, columns to set)
     opened: dict[Cause, OpenRow] = field(default_factory=dict)  # open after the commit
     closed: set[int] = field(default_factory=set)  # ids closed by the commit
+    settled: set[int] = field(default_factory=set)  # ids whose root cause a verdict settled in the commit
     next_id: int = 0
     results: list[Any] = field(default_factory=list)
     hooks: list[Any] = field(default_factory=list)  # each IncidentHook's plan, in order
@@ -159,6 +163,7 @@ class IncidentBook:
     def __init__(self) -> None:
         self._open: dict[Cause, OpenRow] = {}
         self._cause_of: dict[int, Cause] = {}
+        self._settled: set[int] = set()  # root cause settled by a verdict: findings keep off it
 
     @classmethod
     def load(cls, con: duckdb.DuckDBPyConnection) -> "IncidentBook":
@@ -185,6 +190,11 @@ class IncidentBook:
         def current(cause: Cause) -> OpenRow | None:
             return opened[cause] if cause in opened else self._open.get(cause)
 
+        def unsettled(iid: int, values: dict[str, Any]) -> dict[str, Any]:
+            if iid in self._settled or iid in plan.settled:
+                return {k: v for k, v in values.items() if k not in ("root_cause", "confidence")}
+            return values
+
         def insert(run_id: str, values: dict[str, Any], cause_key: str) -> int:
             iid = plan.next_id
             plan.next_id += 1
@@ -201,7 +211,7 @@ class IncidentBook:
                     at = now if f.ts is None else f.ts
                     if f.resolved:
                         if row is not None:
-                            plan.updates.append((row.id, _closing(f, at, now)))
+                            plan.updates.append((row.id, unsettled(row.id, _closing(f, at, now))))
                             plan.closed.add(row.id)
                             opened[cause] = None
                         ids.append(row.id if row is not None else None)
@@ -213,7 +223,7 @@ class IncidentBook:
                     else:
                         lo, hi = _widen(row.step_from, row.step_to, f)
                         opened[cause] = OpenRow(row.id, cause, lo, hi)
-                        plan.updates.append((row.id, _updating(f, lo, hi, now)))
+                        plan.updates.append((row.id, unsettled(row.id, _updating(f, lo, hi, now))))
                         ids.append(row.id)
                 plan.results.append(ids)
             elif isinstance(intent, OpenIncident):
@@ -233,6 +243,8 @@ class IncidentBook:
                     cause = self._cause_of.get(intent.incident_id)
                     if cause is not None and (row := current(cause)) is not None and row.id == intent.incident_id:
                         opened[cause] = None
+                if intent.settled:
+                    plan.settled.add(intent.incident_id)
                 plan.updates.append((intent.incident_id, values))
                 plan.results.append(None)
             else:
@@ -241,6 +253,7 @@ class IncidentBook:
         return plan
 
     def apply(self, plan: IncidentPlan) -> None:
+        self._settled |= plan.settled
         for iid in plan.closed:
             cause = self._cause_of.pop(iid, None)
             if cause is not None and cause in self._open and self._open[cause].id == iid:

@@ -117,6 +117,9 @@ class Pending:
     command_id: int | None = None
     acks: set[int] = field(default_factory=set)
     acked: bool = False
+    # isolate and restart end with a new round of processes: only steps after its
+    # `run_started` count (the old round may run a few more steps of a later attempt)
+    needs_restart: bool = False
 
 
 class PolicyRunner:
@@ -188,10 +191,17 @@ class PolicyRunner:
             st.finished = nodes["finished"]
         return st
 
-    def _refresh_run(self, run_id: str) -> None:
+    def _refresh_layout(self, run_id: str) -> dict[str, Any]:
         info = self.storage.read(_run_layout, run_id)
         self._world[run_id] = info["world_size"] or 0
         self._node_map[run_id] = info["node_map"]
+        return info
+
+    def _refresh_run(self, run_id: str) -> None:
+        """A run the runner meets for the first time: its layout and how far it got. The
+        database may be ahead of the feed here; later, only the feed moves `_reached`
+        (a pending action must be judged against rows in the order they were committed)."""
+        info = self._refresh_layout(run_id)
         reached = self._reached.setdefault(run_id, {})
         for attempt, step in info["reached"].items():
             reached[attempt] = max(reached.get(attempt, 0), step)
@@ -221,8 +231,15 @@ class PolicyRunner:
             self._verdict(run_id, data)
         elif kind == "run_finished":
             self.policy.on_finished(self._state(run_id))
-        elif kind == "run_started" and int(ev.get("rank", -1)) == 0:
-            self._refresh_run(run_id)  # a restart on fewer nodes: another world size and node map
+            self._settle_at_end(run_id)
+        elif kind == "run_started" and int(ev.get("rank", -1)) == 0 and int(data.get("restart") or 0) > 0:
+            self._refresh_layout(run_id)  # a restart on fewer nodes: another world size and node map
+            # the new round starts above every attempt of the old one (trainer/supervisor.py)
+            floor = int(data.get("attempt_floor") or 0)
+            with self._lock:
+                for p in self._pending.values():
+                    if p.run_id == run_id and p.needs_restart:
+                        p.needs_restart, p.attempt = False, max(p.attempt, floor - 1)
 
     def _ack(self, run_id: str, rank: int, data: dict[str, Any], ts: float | None) -> None:
         try:
@@ -248,13 +265,28 @@ class PolicyRunner:
             p.acked = True
             self.storage.update_action(p.action_id, status="acked", started_ts=ts)
 
+    def _settle_at_end(self, run_id: str) -> None:
+        """The run finished: an action it never carried out failed; one it carried out
+        without a new step after it is done, with no recovery time to show."""
+        with self._lock:
+            ending = [p for p in self._pending.values() if p.run_id == run_id]
+            for p in ending:
+                self._pending.pop(p.action_id, None)
+        for p in ending:
+            if p.acked or (p.kind in (ISOLATE, RESTART) and not p.needs_restart):
+                self.storage.update_action(p.action_id, status="done",
+                                           detail={"outcome": "the run finished before a new step"})
+            else:
+                self.storage.update_action(p.action_id, status="failed",
+                                           detail={"outcome": "the run finished before it acted"})
+
     def _verdict(self, run_id: str, data: dict[str, Any]) -> None:
         iid = data.get("incident_id")
         verdict = data.get("verdict")
         if iid is not None and verdict in ("data", "device", "transient"):
             confidence = 0.9 if verdict != "transient" else 0.7
             self.storage.update_incident(int(iid), root_cause=f"{verdict}: {data.get('evidence', '')}",
-                                         confidence=confidence)
+                                         confidence=confidence, settled=True)
         rank = data.get("rank")
         node = self._node_map.get(run_id, {}).get(int(rank)) if rank is not None else None
         incident = next((r for r in self._watch.open_rows() if r["id"] == iid), {"id": iid, "run_id": run_id})
@@ -271,7 +303,7 @@ class PolicyRunner:
             reached = self._reached.setdefault(run_id, {})
             for g in rows.group_by("attempt").aggregate([("step", "max")]).to_pylist():
                 reached[g["attempt"]] = max(reached.get(g["attempt"], 0), g["step_max"])
-            for p in (p for p in waiting if p.run_id == run_id):
+            for p in (p for p in waiting if p.run_id == run_id and not p.needs_restart):
                 past = max((s for a, s in reached.items() if a <= p.attempt), default=0)
                 new = rows.filter(pc.and_(pc.greater(rows["attempt"], p.attempt), pc.greater(rows["step"], past)))
                 if new.num_rows:
@@ -302,7 +334,9 @@ class PolicyRunner:
         opened = incident.get("opened_ts")
         if d.kind == ISOLATE:
             self.storage.set_node_status(d.run_id, d.node, "isolated", d.reason, incident_id=d.incident_id)
-        if d.kind == RESTART:  # the supervisor restarts a crashed job by itself: recorded, followed
+        # The supervisor restarts a crashed job by itself, and leaves a crashed node out when
+        # it sees the node isolated: no command (the job's ranks are down); recorded, followed.
+        if d.kind == RESTART or (d.kind == ISOLATE and incident.get("kind") == "crash"):
             self.storage.record_action(d.run_id, d.kind, "issued", **common,
                                        done=self._follow(d, None, opened, attempt))
             return
@@ -327,7 +361,8 @@ class PolicyRunner:
             with self._lock:
                 self._pending[int(action_id)] = Pending(action_id=int(action_id), run_id=d.run_id, kind=d.kind,
                                                         incident_opened_ts=opened, attempt=attempt,
-                                                        command_id=command_id)
+                                                        command_id=command_id,
+                                                        needs_restart=d.kind in (ISOLATE, RESTART))
         return recorded
 
 

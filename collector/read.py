@@ -207,12 +207,13 @@ def run_tables(cur: Cursor, run_id: str) -> dict[str, pa.Table]:
 
 
 def run_span(cur: Cursor, run_id: str) -> dict[str, Any]:
-    """The run's wall-clock span: `start_ts` (the run's own start, else its first row)
+    """The run's wall-clock span: `start_ts` (the run's own start or its first row, whichever
+    came first: a restart's run info moves runs.started_ts to the restart)
     and `end_ts` (its last step or event), unix s; None when the run has no rows."""
     rows = records(cur, """
-        SELECT coalesce((SELECT started_ts FROM runs WHERE run_id = $r),
-                        least((SELECT min(ts - coalesce(step_s, 0)) FROM steps WHERE run_id = $r),
-                              (SELECT min(ts) FROM heartbeats WHERE run_id = $r))) AS start_ts,
+        SELECT least((SELECT started_ts FROM runs WHERE run_id = $r),
+                     (SELECT min(ts - coalesce(step_s, 0)) FROM steps WHERE run_id = $r),
+                     (SELECT min(ts) FROM heartbeats WHERE run_id = $r)) AS start_ts,
                greatest((SELECT max(ts) FROM steps WHERE run_id = $r),
                         (SELECT max(ts) FROM events WHERE run_id = $r)) AS end_ts""", {"r": run_id})
     return rows[0]

@@ -288,12 +288,16 @@ class Storage:
         return self._writer.submit_intent("incidents", OpenIncident(run_id, {"kind": kind, "severity": severity,
                                                                              **fields}), done=done)
 
-    def update_incident(self, incident_id: int, *, done: Done | None = None, **fields: Any) -> Future | None:
-        """Change fields of an incident; a status other than "open" also sets closed_ts."""
+    def update_incident(self, incident_id: int, *, done: Done | None = None, settled: bool = False,
+                        **fields: Any) -> Future | None:
+        """Change fields of an incident; a status other than "open" also sets closed_ts.
+        `settled`: this root cause is a verdict (a rerun's): detectors' later updates
+        of the incident no longer replace its root cause or confidence."""
         if not fields:
             raise ValueError("give some incident fields to change")
         check_fields(fields)
-        return self._writer.submit_intent("incidents", UpdateIncident(incident_id, fields), done=done)
+        return self._writer.submit_intent("incidents", UpdateIncident(incident_id, fields, settled=settled),
+                                          done=done)
 
     def record_action(self, run_id: str, kind: str, status: str, *, mode: str = "auto",
                       incident_id: int | None = None, command_id: int | None = None, node: str | None = None,
@@ -438,6 +442,15 @@ class Storage:
 
     def incidents(self, run_id: str, *, status: str | None = None) -> list[dict[str, Any]]:
         return self.read(read.incidents, run_id, status=status)
+
+    def goodput(self, run_id: str) -> dict[str, Any]:
+        """The run's goodput and what it is made of (collector/postmortem.py `Goodput`)."""
+        from collector.postmortem import goodput
+
+        def job(cur) -> dict[str, Any]:
+            g = goodput(read.step_time_parts(cur, run_id), read.run_span(cur, run_id))
+            return {**{f: getattr(g, f) for f in g.__dataclass_fields__}, "goodput": g.goodput}
+        return self.read(job)
 
     def actions(self, run_id: str) -> list[dict[str, Any]]:
         return self.read(read.actions, run_id)

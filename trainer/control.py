@@ -99,6 +99,7 @@ class RunContext:
     save: Callable[[int], None]  # checkpoint this step (the loop's own save: meta, events)
     restore: Callable[[Any], None]  # load a LoadedCheckpoint into engine, RNG and state
     note_attempt: Callable[[], None]  # after state.attempt changed: the agent's rows and the run dir follow
+    node_names: tuple[str, ...] = ()  # this layout's nodes (after a restart, the ones left)
     loader: Any = None  # the DataLoader in use (set by the loop)
     probe: ProbePlan | None = None  # the rerun diagnosis planned by a rollback
     recovery: Recovery | None = None
@@ -252,6 +253,8 @@ class IsolateHandler(Handler):
             raise Refused("isolate needs the 'node' to leave out")
         if ctx.run_dir is None:
             raise Refused("the run has no run dir for its membership file")
+        if ctx.node_names and node not in ctx.node_names:
+            raise Refused(f"{node} is not a node of this job (it runs on {', '.join(ctx.node_names)})")
 
     def act(self, ctx: RunContext, cmd: AgreedCommand, step: int) -> Outcome:
         node = cmd.args["node"]

@@ -7,8 +7,11 @@ it has not printed yet:
 
     incident: nan step 40 rank 2 node node0  non-finite first in rank 2's forward at step 40 ...
 
+and one line per action the collector's policy took, as it is taken and when it
+ends (`action: rollback done  1.7 s after the incident  nan at step 30 on rank 1`).
+
 At the end of the run `finish()` polls once more and prints the run's list
-(or "incidents: none"). Only HTTP: the trainer does not import the collector
+(or "incidents: none"), its actions with their recovery seconds, and its goodput. Only HTTP: the trainer does not import the collector
 (DESIGN.md section 2). A collector that does not answer costs a timeout per poll
 and one line on stderr, never the launcher.
 """
@@ -48,10 +51,40 @@ def describe(inc: dict) -> str:
             f"node {text(inc.get('node'))}  {cause}").rstrip()
 
 
+def describe_action(a: dict) -> str:
+    """`action: <kind> [node] <status>  [recovery]  <reason or outcome>`."""
+    detail = a.get("detail")
+    if isinstance(detail, str):
+        try:
+            detail = json.loads(detail)
+        except ValueError:
+            detail = {}
+    detail = detail if isinstance(detail, dict) else {}
+    why = detail.get("refused") or detail.get("reason") or ""
+    where = f" {a['node']}" if a.get("kind") == "isolate" and a.get("node") else ""
+    rec = f"  {a['recovery_s']:.1f} s after the incident" if a.get("recovery_s") is not None else ""
+    return f"action: {a.get('kind')}{where} {a.get('status')}{rec}  {why}".rstrip()
+
+
+def describe_goodput(g: dict) -> str:
+    if not g or g.get("goodput") is None:
+        return "goodput: unknown"
+    parts = [f"{g['productive_s']:.1f} s of {g['wall_s']:.1f} s wall in steps that counted"]
+    if g.get("num_superseded"):
+        parts.append(f"{g['num_superseded']} steps redone by later attempts")
+    if g.get("num_skipped"):
+        parts.append(f"{g['num_skipped']} skipped")
+    return f"goodput: {100 * g['goodput']:.1f}% ({'; '.join(parts)})"
+
+
 class IncidentFeed:
     def __init__(self, url: str, token: str, run_id: str, *, interval_s: float = 1.0, timeout_s: float = 2.0,
-                 out: TextIO | None = None, fetch: Callable[[], list[dict]] | None = None) -> None:
-        """`fetch`: returns the run's incidents (tests); default the collector's query API."""
+                 out: TextIO | None = None, fetch: Callable[[], list[dict]] | None = None,
+                 fetch_actions: Callable[[], list[dict]] | None = None,
+                 fetch_goodput: Callable[[], dict] | None = None) -> None:
+        """`fetch`, `fetch_actions`, `fetch_goodput`: the run's incidents, actions and
+        goodput (tests); by default the collector's query API (with `fetch` given and
+        the others not, there are no actions and no goodput)."""
         self.url = url.rstrip("/")
         self.run_id = run_id
         self.interval_s = interval_s
@@ -59,6 +92,10 @@ class IncidentFeed:
         self.out = out or sys.stdout
         self._token = token
         self._fetch = fetch or self._get
+        default = fetch is None
+        self._fetch_actions = fetch_actions or ((lambda: self._json("actions", [])) if default else (lambda: []))
+        self._fetch_goodput = fetch_goodput or ((lambda: self._json("goodput", {})) if default else (lambda: {}))
+        self._actions: dict = {}  # id -> (status, row) as last printed
         self._printed: set = set()
         self._incidents: dict = {}  # id -> latest row, in first-seen order
         self._stop = threading.Event()
@@ -80,6 +117,10 @@ class IncidentFeed:
                 print(f"trainer: cannot read incidents from the collector ({type(e).__name__}: {e})",
                       file=sys.stderr, flush=True)
             return
+        try:
+            actions = self._fetch_actions()
+        except Exception:  # noqa: BLE001 - as above; the incidents still print
+            actions = []
         with self._lock:
             for inc in rows:
                 key = inc.get("id", (inc.get("kind"), inc.get("rank"), inc.get("step_from")))
@@ -87,6 +128,11 @@ class IncidentFeed:
                 if key not in self._printed:
                     self._printed.add(key)
                     print(describe(inc), file=self.out, flush=True)
+            for a in actions:
+                seen = self._actions.get(a.get("id"))
+                if seen is None or seen[0] != a.get("status"):
+                    self._actions[a.get("id")] = (a.get("status"), a)
+                    print(describe_action(a), file=self.out, flush=True)
 
     def finish(self, settle_s: float = 0.0) -> None:
         """Stop polling; after `settle_s` (the collector's detection catching up with the
@@ -99,20 +145,35 @@ class IncidentFeed:
         self.poll()
         with self._lock:
             rows = list(self._incidents.values())
+            actions = [a for _, a in self._actions.values()]
         if not rows:
             print("incidents: none", file=self.out, flush=True)
-            return
-        print(f"incidents: {len(rows)}", file=self.out, flush=True)
-        for inc in rows:
-            print(f"  {describe(inc)[len('incident: '):]}  [{inc.get('status', '?')}]", file=self.out, flush=True)
+        else:
+            print(f"incidents: {len(rows)}", file=self.out, flush=True)
+            for inc in rows:
+                print(f"  {describe(inc)[len('incident: '):]}  [{inc.get('status', '?')}]", file=self.out,
+                      flush=True)
+        if actions:
+            print(f"actions: {len(actions)}", file=self.out, flush=True)
+            for a in actions:
+                print(f"  {describe_action(a)[len('action: '):]}", file=self.out, flush=True)
+        try:
+            good = self._fetch_goodput()
+        except Exception:  # noqa: BLE001
+            good = {}
+        if good:
+            print(describe_goodput(good), file=self.out, flush=True)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             self.poll()
 
     def _get(self) -> list[dict]:
-        req = urllib.request.Request(f"{self.url}/v1/runs/{urllib.parse.quote(self.run_id, safe='')}/incidents",
+        return self._json("incidents", [])
+
+    def _json(self, what: str, empty):
+        req = urllib.request.Request(f"{self.url}/v1/runs/{urllib.parse.quote(self.run_id, safe='')}/{what}",
                                      headers={"Authorization": f"Bearer {self._token}"})
         with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-            rows = json.loads(resp.read())
-        return rows if isinstance(rows, list) else []
+            out = json.loads(resp.read())
+        return out if isinstance(out, type(empty)) else empty

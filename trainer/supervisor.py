@@ -141,8 +141,9 @@ class NodeWatch:
     `GET /v1/runs/<run>/nodes` (the read token) on a thread of its own."""
 
     def __init__(self, url: str, token: str, run_id: str, *, interval_s: float = NODE_POLL_S) -> None:
-        self._req = urllib.request.Request(f"{url.rstrip('/')}/v1/runs/{run_id}/nodes",
-                                           headers={"Authorization": f"Bearer {token}"})
+        base, auth = f"{url.rstrip('/')}/v1/runs/{run_id}", {"Authorization": f"Bearer {token}"}
+        self._req = urllib.request.Request(f"{base}/nodes", headers=auth)
+        self._actions_req = urllib.request.Request(f"{base}/actions", headers=auth)
         self.interval_s = interval_s
         self._isolated: dict[str, str] = {}
         self._lock = threading.Lock()
@@ -171,6 +172,17 @@ class NodeWatch:
                  if isinstance(row, dict) and row.get("status") == "isolated" and row.get("node")}
         with self._lock:
             self._isolated.update(found)
+
+    def decided_since(self, ts: float) -> bool:
+        """Whether the policy has recorded a restart or an isolation since `ts` (unix s):
+        its answer to a crash."""
+        try:
+            with urllib.request.urlopen(self._actions_req, timeout=2.0) as r:
+                rows = json.loads(r.read())
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+        return any(isinstance(a, dict) and a.get("kind") in ("restart", "isolate")
+                   and (a.get("requested_ts") or 0) >= ts for a in rows)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -312,17 +324,22 @@ class Supervisor:
         return drop
 
     def _crash_decision(self, ended: Ended) -> dict[str, str]:
-        """After a crash: the collector's policy may isolate the crashed node (its second
-        crash). Wait a bounded time for it; no answer means a restart on the same nodes."""
+        """After a crash: the collector's policy answers with a restart, or (a node's second
+        crash) an isolation. Wait a bounded time for that answer; none means a restart on
+        the same nodes."""
         if self.watch is None:
             return {}
         nodes = {self.layout.node_of(r) for r in ended.failed if 0 <= r < self.layout.world_size}
+        since = time.time() - CRASH_DECISION_S - 10.0  # the crash itself came a little before this
         deadline = time.monotonic() + CRASH_DECISION_S
         while time.monotonic() < deadline:
             self.watch.poll_once()
             found = {n: r for n, r in self.watch.isolated().items() if n in nodes}
             if found:
                 return found
+            if self.watch.decided_since(since):
+                self.watch.poll_once()  # an isolation recorded with it is in nodes by now
+                return {n: r for n, r in self.watch.isolated().items() if n in nodes}
             time.sleep(0.2)
         return {}
 

@@ -72,7 +72,8 @@ class LoopState:
 class Trainer:
     def __init__(self, cfg: JobConfig, *, dims: ParallelDims, comm: Comm, engine, loader_factory: Callable,
                  eval_sets: dict, checkpointer, agent, injector: FaultInjector, device: torch.device,
-                 poison: Callable, progress: bool = False, attempt_floor: int = 0) -> None:
+                 poison: Callable, progress: bool = False, attempt_floor: int = 0,
+                 node_names: tuple[str, ...] = ()) -> None:
         """`attempt_floor`: a restarted job's first attempt (the supervisor's: above
         every attempt an earlier round ran, so no (step, attempt) row is written twice)."""
         self.cfg = cfg
@@ -95,7 +96,8 @@ class Trainer:
         self.bad_batches = BadBatchList.load(run_dir) if run_dir is not None else BadBatchList(None)
         self.ctx = RunContext(cfg=cfg, dims=dims, comm=comm, engine=engine, ckpt=checkpointer, agent=agent,
                               state=self.state, bad_batches=self.bad_batches, log=self._log, save=self._save,
-                              restore=self._restore, run_dir=run_dir, note_attempt=self.note_attempt)
+                              restore=self._restore, run_dir=run_dir, note_attempt=self.note_attempt,
+                              node_names=tuple(node_names))
         self.channel = (CommandChannel(comm, agent, rank=dims.rank, device=device, handlers=default_handlers())
                         if self.telemetry else None)
         self._jsonl = None

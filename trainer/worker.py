@@ -191,8 +191,11 @@ def run_worker(cfg: JobConfig, *, token: str | None = None) -> int:
                           eval_sets=eval_sets, checkpointer=checkpointer, agent=agent, injector=injector,
                           device=device, poison=data_mod.poison,
                           progress=os.environ.get("LLMWATCH_PROGRESS") == "1",
-                          attempt_floor=int(os.environ.get(ATTEMPT_FLOOR_ENV) or 0))
-        agent.event("run_started", step=0, pid=os.getpid(), node=node, restart=restart)
+                          attempt_floor=int(os.environ.get(ATTEMPT_FLOOR_ENV) or 0), node_names=tuple(node_names))
+        # a supervisor's restart says the attempt it starts at: the collector tells its
+        # first new step from the old round's last ones by it
+        agent.event("run_started", step=0, pid=os.getpid(), node=node, restart=restart,
+                    attempt_floor=int(os.environ.get(ATTEMPT_FLOOR_ENV) or 0))
         state = trainer.fit()
         if checkpointer is not None:
             checkpointer.close()

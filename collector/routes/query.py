@@ -81,6 +81,12 @@ def get_actions(run_id: str, storage: StorageDep) -> Response:
     return json_response(storage.actions(run_id))
 
 
+@router.get("/{run_id}/goodput")
+def get_goodput(run_id: str, storage: StorageDep) -> Response:
+    """The share of the run's wall time in steps that counted (collector/postmortem.py)."""
+    return json_response(storage.goodput(run_id))
+
+
 @router.get("/{run_id}/bad_batches")
 def get_bad_batches(run_id: str, storage: StorageDep) -> Response:
     """The sample windows the run's rollbacks skipped (from batch_skipped events)."""

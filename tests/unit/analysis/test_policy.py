@@ -52,7 +52,7 @@ def test_a_rollback_without_a_rank_names_none_and_skips_what_the_rules_say():
 ])
 def test_a_spike_reproduces_above_the_midpoint_of_the_bar_and_the_peak(kind, key, min_ratio, level, value):
     p = policy(**{kind: {"min_ratio": min_ratio}})
-    inc = incident(1, kind, evidence={"peak": {"level": level, "value": value}})
+    inc = incident(1, kind, evidence={"peak": {"baseline": level, "value": value}})
     [d] = p.on_incident(run_state(), inc, now=0.0)
     bar = level * min_ratio
     assert d.args[key] == pytest.approx(math.sqrt(bar * max(value, bar)), abs=1e-6)
@@ -61,14 +61,14 @@ def test_a_spike_reproduces_above_the_midpoint_of_the_bar_and_the_peak(kind, key
 
 
 def test_the_spike_thresholds_use_the_default_rules():
-    [d] = policy().on_incident(run_state(), incident(1, "grad_spike", evidence={"peak": {"level": 1.0,
+    [d] = policy().on_incident(run_state(), incident(1, "grad_spike", evidence={"peak": {"baseline": 1.0,
                                                                                           "value": 50.0}}), 0.0)
     assert d.args["grad_norm_above"] == 10.0  # [grad_spike] min_ratio 2.0
 
 
 @pytest.mark.parametrize("evidence", [
-    None, {}, {"peak": None}, {"peak": {"level": 2.0}}, {"peak": {"level": 0.0, "value": 5.0}},
-    {"peak": {"level": "x", "value": 5.0}}, {"peak": {"level": 2.0, "value": float("nan")}},
+    None, {}, {"peak": None}, {"peak": {"baseline": 2.0}}, {"peak": {"baseline": 0.0, "value": 5.0}},
+    {"peak": {"baseline": "x", "value": 5.0}}, {"peak": {"baseline": 2.0, "value": float("nan")}},
 ])
 def test_a_spike_without_a_usable_peak_has_no_threshold(evidence):
     [d] = policy().on_incident(run_state(), incident(1, "loss_spike", evidence=evidence), now=0.0)
@@ -76,7 +76,7 @@ def test_a_spike_without_a_usable_peak_has_no_threshold(evidence):
 
 
 def test_a_nan_ignores_a_peak():
-    [d] = policy().on_incident(run_state(), incident(1, evidence={"peak": {"level": 1.0, "value": 9.0}}), 0.0)
+    [d] = policy().on_incident(run_state(), incident(1, evidence={"peak": {"baseline": 1.0, "value": 9.0}}), 0.0)
     assert "loss_above" not in d.args and "grad_norm_above" not in d.args
 
 
@@ -86,12 +86,17 @@ def test_the_same_incident_is_decided_once():
     assert p.on_incident(st, incident(1), now=100.0) == []
 
 
-def test_only_open_incidents_and_the_kinds_named_are_acted_on():
+def test_the_kinds_named_are_acted_on_and_a_closed_straggler_is_not():
     p, st = policy(policy={"rollback_on": ["nan"]}), run_state()
-    assert p.on_incident(st, {**incident(1), "status": "resolved"}, now=0.0) == []
+    assert p.on_incident(st, {**straggler(0.5, id=1), "status": "closed"}, now=0.0) == []
     assert p.on_incident(st, incident(2, "loss_spike"), now=0.0) == []
     assert p.on_incident(st, incident(3, "something_else"), now=0.0) == []
     assert kinds(p.on_incident(st, incident(4), now=0.0)) == [(ROLLBACK, "auto", None)]
+
+
+def test_a_nan_whose_incident_closed_in_the_pass_that_opened_it_is_still_rolled_back():
+    p, st = policy(), run_state()
+    assert kinds(p.on_incident(st, {**incident(1), "status": "closed"}, now=0.0)) == [(ROLLBACK, "auto", None)]
 
 
 def test_an_incident_without_a_step_is_refused():
@@ -204,7 +209,7 @@ def straggler(cost: float | None, id: int = 7) -> dict:
 
 
 def test_a_cheap_straggler_is_left_alone():
-    p, st = policy(), run_state()  # straggler_cost_s 0.02 for 4 s
+    p, st = policy(policy={"straggler_cost_s": 0.02}), run_state()  # 0.02 s/step for 4 s
     assert p.on_incident(st, straggler(0.01), now=0.0) == []
     assert p.on_incident(st, straggler(0.01), now=100.0) == []
     assert p.on_incident(st, straggler(None), now=200.0) == []
@@ -221,7 +226,7 @@ def test_a_costly_straggler_is_isolated_once_it_persists():
 
 
 def test_a_straggler_that_recovers_starts_over():
-    p, st = policy(), run_state()
+    p, st = policy(policy={"straggler_cost_s": 0.02}), run_state()
     assert p.on_incident(st, straggler(0.05), now=0.0) == []
     assert p.on_incident(st, straggler(0.01), now=3.0) == []  # cheap again: the clock restarts
     assert p.on_incident(st, straggler(0.05), now=5.0) == []
