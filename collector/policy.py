@@ -289,7 +289,8 @@ class PolicyRunner:
                                          confidence=confidence, settled=True)
         rank = data.get("rank")
         node = self._node_map.get(run_id, {}).get(int(rank)) if rank is not None else None
-        incident = next((r for r in self._watch.open_rows() if r["id"] == iid), {"id": iid, "run_id": run_id})
+        incident = (self.storage.read(_incident_row, int(iid)) if iid is not None else None) or {
+            "id": iid, "run_id": run_id}
         for d in self.policy.on_verdict(self._state(run_id), data, node, self.clock()):
             self._carry_out(d, incident)
 
@@ -364,6 +365,12 @@ class PolicyRunner:
                                                         command_id=command_id,
                                                         needs_restart=d.kind in (ISOLATE, RESTART))
         return recorded
+
+
+def _incident_row(cur: duckdb.DuckDBPyConnection, incident_id: int) -> dict[str, Any] | None:
+    cur = cur.execute("SELECT * FROM incidents WHERE id = ?", [incident_id])
+    row = cur.fetchone()
+    return _incident(dict(zip([d[0] for d in cur.description], row))) if row else None
 
 
 def _nodes_of(cur: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, Any]:

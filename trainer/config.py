@@ -216,7 +216,9 @@ class JobConfig:
     run_dir: str | None = None
     inject: tuple[str, ...] = ()
 
-    def validate(self, world_size: int | None = None) -> None:
+    def validate(self, world_size: int | None = None, *, injection_world: int | None = None) -> None:
+        """`injection_world`: the world size the --inject ranks are of (the job's first
+        layout, after an elastic restart on fewer ranks); default this layout's."""
         if self.steps < 1:
             raise ConfigError("--steps must be >= 1")
         self.model.validate()
@@ -233,7 +235,7 @@ class JobConfig:
         # Imported here so that parsing specs never needs torch.
         from trainer.faults import parse_injections
 
-        parse_injections(self.inject, world_size=self.parallel.world_size)
+        parse_injections(self.inject, world_size=injection_world or self.parallel.world_size)
 
     # -- (de)serialisation: the launcher hands the config to its ranks as JSON --
     def to_dict(self) -> dict[str, Any]:

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import struct
 import time
 from collections.abc import Callable, Iterable
@@ -100,6 +102,7 @@ class RunContext:
     restore: Callable[[Any], None]  # load a LoadedCheckpoint into engine, RNG and state
     note_attempt: Callable[[], None]  # after state.attempt changed: the agent's rows and the run dir follow
     node_names: tuple[str, ...] = ()  # this layout's nodes (after a restart, the ones left)
+    node: str | None = None  # this rank's own node
     loader: Any = None  # the DataLoader in use (set by the loop)
     probe: ProbePlan | None = None  # the rerun diagnosis planned by a rollback
     recovery: Recovery | None = None
@@ -266,6 +269,11 @@ class IsolateHandler(Handler):
                              incident_id=cmd.args.get("incident_id"), step=step, command_id=cmd.id)
         ctx.comm.barrier(Axis.WORLD)  # the file is written before any rank exits
         ctx.log(f"isolate {node}: checkpointed step {step}; the job restarts without it")
+        if ctx.node == node and os.environ.get("TORCHELASTIC_RESTART_COUNT") is not None:
+            # Under torchrun the isolated node's elastic agent must leave, not restart its
+            # workers: told to stop, it does not rejoin (and does not close the rendezvous),
+            # so the other agents re-rendezvous without it (--nnodes MIN:MAX).
+            os.kill(os.getppid(), signal.SIGTERM)
         return Outcome(f"{node} isolated at step {step}; restarting without it", stop=True, exit_code=EXIT_RESTART)
 
 

@@ -98,18 +98,38 @@ def shrink(cfg: JobConfig, layout: Layout, drop: set[str]) -> Layout:
     model = cfg.parallel.tp * cfg.parallel.pp
     if world % model:
         raise ValueError(f"{world} ranks on {len(keep)} nodes cannot hold whole tp x pp = {model} model replicas")
-    dp = world // model
-    mbs = cfg.parallel.micro_batch_size
-    global_samples = layout.dp * layout.micro_batches * mbs
-    if global_samples % (dp * mbs) == 0:
-        micro, note = global_samples // (dp * mbs), ""
-    else:
-        micro = layout.micro_batches
-        note = (f"the global batch of {global_samples} samples does not split over dp={dp} replicas of "
-                f"{mbs}-sample micro-batches: kept {micro} micro-batches per replica "
-                f"({dp * micro * mbs} samples per step)")
+    dp, micro, note = batch_for(dp=world // model, mbs=cfg.parallel.micro_batch_size,
+                                global_samples=layout.dp * layout.micro_batches * cfg.parallel.micro_batch_size,
+                                micro_batches=layout.micro_batches)
     return Layout(nodes=tuple(n for n, _ in keep), hw_index=tuple(h for _, h in keep), per_node=layout.per_node,
                   dp=dp, micro_batches=micro, note=note)
+
+
+def batch_for(*, dp: int, mbs: int, global_samples: int, micro_batches: int) -> tuple[int, int, str]:
+    """(dp, micro-batches per replica, note) that keep `global_samples` per step on `dp`
+    replicas where it divides; otherwise the per-replica size is kept and the note says so."""
+    if global_samples % (dp * mbs) == 0:
+        return dp, global_samples // (dp * mbs), ""
+    return dp, micro_batches, (f"the global batch of {global_samples} samples does not split over dp={dp} "
+                               f"replicas of {mbs}-sample micro-batches: kept {micro_batches} micro-batches per "
+                               f"replica ({dp * micro_batches * mbs} samples per step)")
+
+
+def fit_world(cfg: JobConfig, world: int) -> str:
+    """An elastic restart under torchrun on another number of ranks: dp from the ranks
+    there are, the configured global batch kept (cfg changed in place). Returns a note
+    ("" when nothing changed or it divides); ValueError when tp x pp does not fit."""
+    p = cfg.parallel
+    if world == p.world_size:
+        return ""
+    model = p.tp * p.pp
+    if world % model:
+        raise ValueError(f"{world} ranks cannot hold whole tp x pp = {model} model replicas")
+    dp, micro, note = batch_for(dp=world // model, mbs=p.micro_batch_size,
+                                global_samples=p.dp * p.micro_batches * p.micro_batch_size,
+                                micro_batches=p.micro_batches)
+    p.dp, p.micro_batches = dp, micro
+    return note or f"dp {dp}, {micro} micro-batches per replica (the same global batch)"
 
 
 def layout_config(cfg: JobConfig, layout: Layout) -> JobConfig:

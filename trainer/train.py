@@ -73,7 +73,7 @@ class Trainer:
     def __init__(self, cfg: JobConfig, *, dims: ParallelDims, comm: Comm, engine, loader_factory: Callable,
                  eval_sets: dict, checkpointer, agent, injector: FaultInjector, device: torch.device,
                  poison: Callable, progress: bool = False, attempt_floor: int = 0,
-                 node_names: tuple[str, ...] = ()) -> None:
+                 node_names: tuple[str, ...] = (), node: str | None = None) -> None:
         """`attempt_floor`: a restarted job's first attempt (the supervisor's: above
         every attempt an earlier round ran, so no (step, attempt) row is written twice)."""
         self.cfg = cfg
@@ -97,7 +97,7 @@ class Trainer:
         self.ctx = RunContext(cfg=cfg, dims=dims, comm=comm, engine=engine, ckpt=checkpointer, agent=agent,
                               state=self.state, bad_batches=self.bad_batches, log=self._log, save=self._save,
                               restore=self._restore, run_dir=run_dir, note_attempt=self.note_attempt,
-                              node_names=tuple(node_names))
+                              node_names=tuple(node_names), node=node)
         self.channel = (CommandChannel(comm, agent, rank=dims.rank, device=device, handlers=default_handlers())
                         if self.telemetry else None)
         self._jsonl = None

@@ -28,7 +28,11 @@ from trainer.lifeline import watch_lifeline
 from trainer.parallel_dims import ParallelDims
 from trainer.private import TOKEN_ENV
 from trainer.supervisor import (ATTEMPT_FLOOR_ENV, HW_RANK_ENV, NODE_NAMES_ENV, ORIG_WORLD_ENV,
-                                RESTART_ROUND_ENV)
+                                RESTART_ROUND_ENV, attempt_high_water)
+
+NODE_NAME_ENV = "LLMWATCH_NODE_NAME"  # this node's name (under torchrun: set per agent)
+NODE_INDEX_ENV = "LLMWATCH_NODE_INDEX"  # this node's index in the first layout (under torchrun: per agent)
+ORIG_WORLD_TORCHRUN_ENV = "LLMWATCH_ORIG_WORLD_SIZE"  # set by _launch_torchrun: the configured world
 from trainer.rundir import agree_run_id, prepare_run
 
 # The lifeline's hard exit comes this long after its SIGTERM: time for the agent's
@@ -100,6 +104,31 @@ def node_names_from(environ, nodes: int) -> list[str]:
     return names if len(names) == nodes else [f"node{i}" for i in range(nodes)]
 
 
+def restart_env_is_torchrun() -> bool:
+    return "TORCHELASTIC_RESTART_COUNT" in os.environ
+
+
+def gather_node_names(store, *, rank: int, world: int, per_node: int, round_: int) -> list[str]:
+    """Under torchrun each agent names its own node (LLMWATCH_NODE_NAME) and the ranks
+    are numbered by rendezvous order: every rank publishes its node's name in the job's
+    store, and all read the list by node index (torchrun numbers an agent's ranks
+    consecutively: node index = rank // ranks per node)."""
+    store.set(f"llmwatch/nodes/{round_}/{rank}", os.environ[NODE_NAME_ENV])
+    return [store.get(f"llmwatch/nodes/{round_}/{n * per_node}").decode() for n in range(world // per_node)]
+
+
+def hardware_rank(environ, rank: int, per_node: int) -> int:
+    """The rank this process's node and local slot had in the job's first layout: what
+    an injection names. The embedded supervisor says it (LLMWATCH_HW_RANK); under
+    torchrun the node's own index (LLMWATCH_NODE_INDEX, set per agent) and the local
+    rank give it; else the rank itself."""
+    if environ.get(HW_RANK_ENV):
+        return int(environ[HW_RANK_ENV])
+    if environ.get(NODE_INDEX_ENV):
+        return int(environ[NODE_INDEX_ENV]) * per_node + int(environ.get("LOCAL_RANK", 0))
+    return rank
+
+
 def _exit_on_sigterm(signum, frame) -> None:
     # Once only: PDEATHSIG and the lifeline both send one when the launcher dies, and a
     # second SystemExit raised inside the finally blocks would cut the agent's flush short.
@@ -127,6 +156,8 @@ def run_worker(cfg: JobConfig, *, token: str | None = None) -> int:
         prepare_run(cfg)
     # torchrun's restart round, or the embedded supervisor's (trainer/supervisor.py)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get(RESTART_ROUND_ENV) or "0")
+    if restart > 0 and cfg.ckpt.dir:
+        cfg.ckpt.resume = True  # a restarted round goes on from the newest verified checkpoint
     # One key space per restart round. Under torchrun the store outlives the workers
     # (node 0's agent serves it), so a restarted group would otherwise read the previous
     # round's keys: gloo then dials the dead ranks' addresses and the restart fails.
@@ -137,7 +168,9 @@ def run_worker(cfg: JobConfig, *, token: str | None = None) -> int:
     dims = ParallelDims.from_config(cfg.parallel, rank=rank, world_size=world)
     dims.build_mesh(device.type)
     node_names = node_names_from(os.environ, dims.nodes)
-    node = os.environ.get("LLMWATCH_NODE_NAME") or node_names[dims.node]
+    if restart_env_is_torchrun() and os.environ.get(NODE_NAME_ENV):
+        node_names = gather_node_names(store, rank=rank, world=world, per_node=dims.ranks_per_node, round_=restart)
+    node = os.environ.get(NODE_NAME_ENV) or node_names[dims.node]
 
     from trainer import data as data_mod
     from trainer.engine import TrainEngine
@@ -179,29 +212,35 @@ def run_worker(cfg: JobConfig, *, token: str | None = None) -> int:
                                         log=(lambda m: print(f"[rank {rank}] {m}", flush=True)))
         # Injections name ranks of the job's first layout: after an elastic restart with fewer
         # nodes a fault stays with its hardware (the launcher's LLMWATCH_HW_RANK), not its number.
-        hw_rank = int(os.environ.get(HW_RANK_ENV, rank))
-        orig_world = int(os.environ.get(ORIG_WORLD_ENV, world))
+        hw_rank = hardware_rank(os.environ, rank, dims.ranks_per_node)
+        orig_world = int(os.environ.get(ORIG_WORLD_ENV) or os.environ.get(ORIG_WORLD_TORCHRUN_ENV) or world)
         injector = FaultInjector(parse_injections(cfg.inject, world_size=orig_world), rank=rank, hw_rank=hw_rank,
                                  node=hw_rank // dims.ranks_per_node,
                                  run_dir=cfg.run_dir, tp=dims.tp, pp=dims.pp, dp=dims.dp,
                                  orig_dp=orig_world // (dims.tp * dims.pp))
         from trainer.train import Trainer
 
+        floor = int(os.environ.get(ATTEMPT_FLOOR_ENV) or 0)
+        if not floor and restart > 0 and cfg.run_dir:
+            # torchrun's restart: above every attempt of the round before. Every rank reads it
+            # before rank 0 can write this round's (the barrier), so all agree.
+            floor = attempt_high_water(Path(cfg.run_dir)) + 1
+            dist.barrier()
         trainer = Trainer(cfg, dims=dims, comm=comm, engine=engine, loader_factory=loader_factory,
                           eval_sets=eval_sets, checkpointer=checkpointer, agent=agent, injector=injector,
                           device=device, poison=data_mod.poison,
                           progress=os.environ.get("LLMWATCH_PROGRESS") == "1",
-                          attempt_floor=int(os.environ.get(ATTEMPT_FLOOR_ENV) or 0), node_names=tuple(node_names))
+                          attempt_floor=floor, node_names=tuple(node_names), node=node)
         # a supervisor's restart says the attempt it starts at: the collector tells its
         # first new step from the old round's last ones by it
-        agent.event("run_started", step=0, pid=os.getpid(), node=node, restart=restart,
-                    attempt_floor=int(os.environ.get(ATTEMPT_FLOOR_ENV) or 0))
+        agent.event("run_started", step=0, pid=os.getpid(), node=node, restart=restart, attempt_floor=floor)
         state = trainer.fit()
         if checkpointer is not None:
             checkpointer.close()
         if state.exit_code:  # isolate: every rank leaves for the supervisor's restart
+            # no collective here: the isolated node's ranks may be gone already (under torchrun
+            # its agent is stopping them); the handler's barrier was the last one
             agent.event("run_restarting", step=state.step, exit_code=state.exit_code)
-            dist.barrier()
             return state.exit_code
         if rank == 0:
             agent.event("run_finished", step=state.step, status="stopped" if state.stopped else "completed",

@@ -6,9 +6,11 @@ import re
 import subprocess
 import sys
 
+import duckdb
 import pytest
 
 from tests.integration.trainer_run import ROOT, TINY, assert_close, run_trainer
+from tests.unit.collector.collector_server import CollectorProcess
 from trainer.launch import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -73,3 +75,67 @@ def test_torchrun_keeps_a_given_run_id(tmp_path):
     rc, out, starts = torchrun_job(tmp_path, "--steps", "1", "--run-id", "mine")
     assert rc == 0, out[-4000:]
     assert sorted(starts) == [(0, "mine", "runs/mine"), (1, "mine", "runs/mine")]
+
+
+def test_an_isolated_node_leaves_and_the_job_finishes_on_the_other_two(tmp_path):
+    """Three torchrun agents on loopback, one per simulated node, and a collector: node2's
+    rank straggles; the policy isolates node2, whose agent leaves (it is told to stop and
+    does not rejoin), and the other two re-rendezvous (--nnodes 2:3), reshard the
+    checkpoint to dp 2 with the same global batch, and finish."""
+    col = CollectorProcess(tmp_path / "tel.duckdb").start()
+    run_dir = tmp_path / "run"
+    port = free_port()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2:3", "--nproc-per-node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic",
+                "--max-restarts", "3",
+                # a departed agent is known dead after ~2 s of missed keep-alives; the round
+                # closes 1 s after the minimum joined
+                "--rdzv-conf", "last_call_timeout=1,join_timeout=120,keep_alive_interval=1,keep_alive_max_attempt=2"]
+    trainer_args = ["-m", "trainer", "--run-id", "elastic", "--run-dir", str(run_dir), "--dp", "3",
+                    "--micro-batches", "2", *TINY, "--d-model", "128", "--seq-len", "64", "--steps", "200",
+                    "--ckpt-dir", str(run_dir / "ckpt"), "--ckpt-every", "10", "--telemetry", "--collector", col.url,
+                    "--metrics-jsonl", str(run_dir / "metrics.jsonl"),
+                    "--inject", "straggler@rank=2,from=30,factor=2"]  # rank 2 of the first layout: node2's
+    agents, logs = [], []
+    try:
+        for k in range(3):
+            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), LLMWATCH_TOKEN=col.token,
+                       LLMWATCH_NODE_NAME=f"node{k}", LLMWATCH_NODE_INDEX=str(k))
+            log = open(tmp_path / f"agent{k}.log", "w")
+            logs.append(log)
+            agents.append(subprocess.Popen([*torchrun, *trainer_args], cwd=ROOT, env=env, stdout=log,
+                                           stderr=subprocess.STDOUT))
+        codes = [a.wait(timeout=300) for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+        for log in logs:
+            log.close()
+        col.stop()
+    out = "\n".join(f"== agent{k}\n" + (tmp_path / f"agent{k}.log").read_text()[-3000:] for k in range(3))
+    assert codes[:2] == [0, 0] and codes[2] != 0, out  # node2's agent was told to leave
+    con = duckdb.connect(str(tmp_path / "tel.duckdb"), read_only=True)
+    try:
+        nodes = dict(con.execute("SELECT node, status FROM nodes WHERE run_id = 'elastic'").fetchall())
+        actions = con.execute("SELECT kind, status, node, recovery_s FROM actions WHERE run_id = 'elastic'").fetchall()
+        world, mesh = con.execute("SELECT world_size, mesh::VARCHAR FROM runs WHERE run_id = 'elastic'").fetchone()
+        last = con.execute("""SELECT max(attempt) FROM steps WHERE run_id = 'elastic'""").fetchone()[0]
+        tail = con.execute("""SELECT DISTINCT rank, node FROM steps WHERE run_id = 'elastic' AND attempt = ?
+                              ORDER BY rank""", [last]).fetchall()
+        # samples per step, over the replicas (each rank reports its replica's window)
+        samples = dict(con.execute("""SELECT attempt, list(DISTINCT n) FROM (
+                                          SELECT attempt, step, sum(sample_to - sample_from) AS n
+                                          FROM steps WHERE run_id = 'elastic' GROUP BY attempt, step)
+                                      GROUP BY attempt""").fetchall())
+        final_step = con.execute("SELECT max(step) FROM steps WHERE run_id = 'elastic'").fetchone()[0]
+    finally:
+        con.close()
+    assert nodes["node2"] == "isolated", (nodes, actions, out)
+    assert ("isolate", "done", "node2") in [a[:3] for a in actions], actions
+    assert world == 2 and json.loads(mesh)["dp"] == 2, (world, mesh)
+    assert tail == [(0, "node0"), (1, "node1")] or sorted(n for _, n in tail) == ["node0", "node1"], tail
+    assert final_step == 200
+    assert last >= 1 and samples[last] == samples[0] == [12], samples  # the same global batch on two replicas
+    recovery = next(a[3] for a in actions if a[0] == "isolate")
+    print(f"isolation to the first new step on two nodes: {recovery:.1f} s")

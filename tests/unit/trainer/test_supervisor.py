@@ -52,6 +52,9 @@ class FakeClock:
     def monotonic(self) -> float:
         return self.now
 
+    def time(self) -> float:
+        return 1.7e9 + self.now
+
     def sleep(self, s: float) -> None:
         self.now += s
         self.slept += s
@@ -60,10 +63,15 @@ class FakeClock:
 class FakeWatch:
     """The collector's isolations as NodeWatch reports them."""
 
-    def __init__(self, isolated: dict[str, str] | None = None, *, on_poll: dict[str, str] | None = None) -> None:
+    def __init__(self, isolated: dict[str, str] | None = None, *, on_poll: dict[str, str] | None = None,
+                 decided: bool = False) -> None:
         self._isolated = dict(isolated or {})
         self.on_poll = on_poll  # what a poll finds (the crash decision polls)
+        self.decided = decided  # whether the policy has recorded its answer to the crash
         self.num_polls = 0
+
+    def decided_since(self, ts: float) -> bool:
+        return self.decided
 
     def isolated(self) -> dict[str, str]:
         return dict(self._isolated)
@@ -358,3 +366,24 @@ def test_a_failing_on_isolate_is_logged_and_the_job_goes_on(tmp_path):
     s, logs = supervise(job(tmp_path, on_isolate="echo nope >&2; exit 3"), tmp_path, rounds)
     assert s.run() == 0
     assert any("--on-isolate exited with 3 for node2" in m and "nope" in m for m in logs)
+
+
+def test_an_elastic_restart_under_torchrun_fits_dp_to_the_ranks_and_keeps_the_global_batch():
+    from trainer.supervisor import fit_world
+
+    cfg = JobConfig()
+    cfg.parallel.dp, cfg.parallel.micro_batches, cfg.parallel.micro_batch_size = 3, 2, 2
+    assert fit_world(cfg, 3) == "" and (cfg.parallel.dp, cfg.parallel.micro_batches) == (3, 2)
+    assert "the same global batch" in fit_world(cfg, 2)
+    assert (cfg.parallel.dp, cfg.parallel.micro_batches) == (2, 3)
+    cfg.parallel.tp = 2
+    with pytest.raises(ValueError, match="tp x pp"):
+        fit_world(cfg, 3)
+
+
+def test_the_hardware_rank_comes_from_the_supervisor_or_the_node_index():
+    from trainer.worker import hardware_rank
+
+    assert hardware_rank({"LLMWATCH_HW_RANK": "5"}, 1, 2) == 5
+    assert hardware_rank({"LLMWATCH_NODE_INDEX": "2", "LOCAL_RANK": "1"}, 0, 2) == 5
+    assert hardware_rank({}, 3, 2) == 3
