@@ -57,6 +57,7 @@ class Truth:
     attempt: int = 0
     ts: float | None = None
     run_id: str | None = None  # None: matches an incident of any run
+    mode: str | None = None  # a nan's data | transient | device
 
 
 @dataclass(slots=True)
@@ -135,16 +136,20 @@ def truths_from_rows(rows: Iterable[Mapping], run_id: str | None = None) -> list
     seen: dict[tuple, Truth] = {}
     for r in rows:
         kind = str(r.get("kind", ""))
-        if kind in BACKGROUND_KINDS:
-            continue
+        if kind in BACKGROUND_KINDS or r.get("probe"):
+            continue  # a fault firing again in a rollback's rerun of its step: the diagnosis, not a fault
         rank = int(r.get("rank", -1) if r.get("rank") is not None else -1)
         key = (kind, int(r.get("step", -1)), int(r.get("attempt", 0) or 0), rank, run_id)
+        if kind == "nan" and r.get("mode") == "device":
+            key = (kind, "device", rank, run_id)  # one fault of one device, whatever the attempts it spans
         if key in seen:
             continue
         ts = r.get("ts")
         node = r.get("node")
         seen[key] = Truth(kind=kind, rank=rank, node=None if node is None or rank < 0 else str(node),
-                          step=key[1], attempt=key[2], ts=float(ts) if ts is not None else None, run_id=run_id)
+                          step=int(r.get("step", -1)), attempt=int(r.get("attempt", 0) or 0),
+                          ts=float(ts) if ts is not None else None, run_id=run_id,
+                          mode=str(r["mode"]) if r.get("mode") is not None else None)
     return list(seen.values())
 
 

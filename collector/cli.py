@@ -356,6 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--rules", help="detection rules (TOML) overriding analysis/rules.toml; see docs/rules.md")
     r.add_argument("--truth", help="the run's injections.jsonl (trainer --inject): score the incidents against it")
     r.add_argument("--run", help="replay this run only (default: every run in the file)")
+    r.add_argument("--policy", choices=("auto", "shadow", "off"),
+                   help="the policy mode whose decisions are judged with --truth (default: the rules' mode)")
     r.add_argument("--window-s", type=float, default=1.0,
                    help="rows are fed in commits of this many seconds of the ranks' clocks (default 1)")
     r.add_argument("--json", action="store_true", help="one JSON object: incidents per run and the score")

@@ -13,7 +13,11 @@ run: the way to tune thresholds on runs that already happened.
 
 With `--truth` (the `injections.jsonl` trainer/faults.py writes; only this command
 and the tests read it) the incidents are scored (analysis/scoring.py): precision,
-recall, latency in seconds and steps, and culprit accuracy, by kind.
+recall, latency in seconds and steps, and culprit accuracy, by kind. And the actions
+are judged (analysis/judging.py): for each injected fault, what the policy would do
+on the replayed incident (analysis/policy.py, in the `--policy` mode) and what it did
+in the live run (the file's `actions` and the rerun verdict), each against what was
+right for that fault.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from analysis import Analyzer, Frames, Rules, Score, load_rules, replay_commits, score, truths_from_rows
+from analysis.judging import Judgement, judge, summary
+from analysis.policy import Policy, RunPolicy
 from analysis.scoring import Incident as ScoredIncident
 from collector import read
 from collector.incidents import IncidentBook, RecordFindings, as_finding
@@ -110,6 +116,61 @@ def scored_incidents(replays: Iterable[RunReplay]) -> list[ScoredIncident]:
             for r in replays for row in r.incidents]
 
 
+def stored_incidents(cur: read.Cursor, run_ids: Iterable[str]) -> tuple[list[ScoredIncident], dict[str, dict]]:
+    """The incidents the live collector wrote, as scoring's incidents, and each by key."""
+    scored, rows = [], {}
+    for run_id in run_ids:
+        for row in read.incidents(cur, run_id):
+            key = f"{run_id}/live/{row['id']}"
+            rows[key] = row
+            scored.append(ScoredIncident(kind=row["kind"], key=key, run_id=run_id, rank=row["rank"], node=row["node"],
+                                         step_from=row["step_from"], step_to=row["step_to"],
+                                         opened_ts=row["opened_ts"], opened_step=None,
+                                         closed_ts=row.get("closed_ts")))
+    return scored, rows
+
+
+def policy_decisions(replays: Iterable[RunReplay], rules: Rules, mode: str | None) -> dict[str, list[str]]:
+    """What the policy decides on each replayed incident (by scoring key), fed in the
+    order they opened: a straggler is looked at again when it closed (or at its last
+    update), as the live runner looks at open stragglers while they last."""
+    policy = Policy(rules, mode=mode if mode and mode != "off" else "shadow")
+    out: dict[str, list[str]] = {}
+    for r in replays:
+        st = RunPolicy(run_id=r.run_id, nodes=sorted({row["node"] for row in r.incidents if row.get("node")}))
+        for row in sorted(r.incidents, key=lambda x: (x["opened_ts"], x["id"])):
+            key = f"{r.run_id}/{row['cause_key']}"
+            ev = row.get("evidence")
+            inc = {**row, "evidence": json.loads(ev) if isinstance(ev, str) else ev, "status": "open"}
+            decided = policy.on_incident(st, inc, row["opened_ts"])
+            end = row.get("closed_ts") or row.get("updated_ts")
+            if not decided and row["kind"] == "straggler" and end is not None:
+                decided = policy.on_incident(st, inc, end)
+            out[key] = [d.kind for d in decided if d.refused is None]
+    return out
+
+
+def action_lines(judgements: list[Judgement]) -> list[str]:
+    def mark(ok: bool | None) -> str:
+        return "-" if ok is None else ("right" if ok else "WRONG")
+
+    lines = []
+    for j in judgements:
+        t = j.truth
+        what = f"{t.kind}({t.mode})" if t.mode else t.kind
+        exp = ", then ".join(j.expected.actions) or "no action"
+        if j.expected.verdict:
+            exp += f", verdict {j.expected.verdict}"
+        did = "; ".join(f"{a['kind']} {a['status']}" + (f" {a['recovery_s']:.1f} s" if a.get("recovery_s") else "")
+                        for a in j.did) or "nothing"
+        if j.verdict:
+            did += f", verdict {j.verdict}"
+        lines.append(f"fault {what} step {t.step} rank {t.rank} node {_dash(t.node)}: expected {exp} | "
+                     f"would: {', '.join(j.would) or 'nothing'} [{mark(j.would_right)}] | "
+                     f"did: {did} [{mark(j.did_right)}]")
+    return lines
+
+
 def load_truths(path: str | Path, *, run_id: str | None):
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     return truths_from_rows(rows, run_id=run_id)
@@ -173,10 +234,17 @@ def main(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
         replays = [replay_run(con, r, rules=rules, window_s=args.window_s) for r in run_ids]
+        live_scored, live_rows = stored_incidents(con, run_ids)
+        live_actions: dict[int, list[dict]] = {}
+        for r in run_ids:
+            for a in read.actions(con, r):
+                if a.get("incident_id") is not None:
+                    live_actions.setdefault(int(a["incident_id"]), []).append(a)
     finally:
         con.close()
     elapsed_s = time.perf_counter() - t0
     s = None
+    judgements: list[Judgement] = []
     if args.truth:
         try:  # one run: the truths are its own; several: a truth matches an incident of any run
             truths = load_truths(args.truth, run_id=run_ids[0] if len(run_ids) == 1 else None)
@@ -184,11 +252,19 @@ def main(args: argparse.Namespace) -> int:
             print(f"collector replay: --truth {args.truth}: {e}", file=sys.stderr)
             return 2
         s = score(scored_incidents(replays), truths)
+        live = score(live_scored, truths)
+        judgements = judge(truths, {t: t.mode for t in truths},
+                           replay_match={t: i.key for t, i in s.matches},
+                           replay_decisions=policy_decisions(replays, rules, getattr(args, "policy", None)),
+                           live_match={t: live_rows[i.key] for t, i in live.matches}, live_actions=live_actions,
+                           crashes_to_isolate=rules.policy.crashes_to_isolate)
     if args.json:
         print(json.dumps({"runs": {r.run_id: {"incidents": r.incidents, "num_passes": r.num_passes,
                                               "num_findings": r.num_findings, "num_stored": r.num_stored}
                                    for r in replays},
-                          "score": score_json(s) if s is not None else None, "elapsed_s": elapsed_s}, default=str))
+                          "score": score_json(s) if s is not None else None,
+                          "actions": {"summary": summary(judgements), "faults": action_lines(judgements)}
+                          if judgements else None, "elapsed_s": elapsed_s}, default=str))
         return 0
     for r in replays:
         print(f"run {r.run_id}: {len(r.incidents)} incidents from {r.num_findings} findings in {r.num_passes} "
@@ -206,5 +282,12 @@ def main(args: argparse.Namespace) -> int:
         for i in s.false_positives:
             print(f"false positive: {i.kind} steps {i.step_from}-{i.step_to}, rank {_dash(i.rank)} "
                   f"node {_dash(i.node)}")
+        if judgements:
+            m = summary(judgements)
+            print()
+            print(f"actions: the policy would have been right on {m['would_right']} of {m['would_judged']} faults; "
+                  f"in the live run it was right on {m['did_right']} of {m['did_judged']} it acted on")
+            for line in action_lines(judgements):
+                print("  " + line)
     print(f"(replayed in {elapsed_s:.2f} s)")
     return 0

@@ -210,11 +210,18 @@ class FaultInjector:
         self._save_state()
         return True
 
+    # Set by the loop around a rollback's rerun of the suspect step (trainer/diagnosis.py):
+    # what fires then is the diagnosis reproducing the fault, and its ground truth row
+    # says so ("probe": true), so scoring does not count it as a fault of its own.
+    probing: bool = False
+
     def _truth(self, inj: Injection, step: int, attempt: int, **extra) -> None:
         if self.run_dir is None:
             return
         row = {"kind": inj.kind, "rank": self.hw_rank if inj.rank >= 0 else -1, "node": self.node, "step": step,
                "attempt": attempt, "ts": self.clock(), "spec": inj.name, **extra}
+        if self.probing:
+            row["probe"] = True
         if self.rank != self.hw_rank:
             row["current_rank"] = self.rank
         if inj.kind == "nan":

@@ -170,13 +170,14 @@ class Trainer:
                 self.agent.set_phase("data", step)
                 batch = loader.next()
                 data_s = loader.wait_s
+                probe = self.ctx.probe if self.ctx.probe is not None and self.ctx.probe.step == step else None
                 # the samples of this step's global batch (the loader's step_window): data-tied faults follow them
+                self.injector.probing = probe is not None
                 faults = self.injector.step_faults(step, self.state.attempt, batch.meta["window"],
                                                    replica_window=batch.meta["replica_window"])
                 if faults.spike:
                     batch = self.poison(batch, cfg.seed)
                 self.agent.set_phase("train", step)
-                probe = self.ctx.probe if self.ctx.probe is not None and self.ctx.probe.step == step else None
                 verdict: list[Verdict] = []
                 result = self.engine.train_step(step, batch.micro_batches, batch.global_num_tokens, faults,
                                                 probe=self._prober(probe, verdict) if probe is not None else None)
