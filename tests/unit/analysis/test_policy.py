@@ -105,7 +105,7 @@ def test_an_incident_without_a_step_is_refused():
 
 
 def test_a_second_rollback_within_the_cooldown_is_refused():
-    p, st = policy(), run_state()  # cooldown_s 20
+    p, st = policy(policy={"cooldown_s": 20.0}), run_state()
     assert kinds(p.on_incident(st, incident(1), now=0.0)) == [(ROLLBACK, "auto", None)]
     [d] = p.on_incident(st, incident(2), now=5.0)
     assert d.refused.startswith("cooldown: a rollback was issued 5.0 s ago")
