@@ -29,7 +29,7 @@ demo: venv
 	$(VENV)/bin/trainer --telemetry --keep-collector --run-id demo --run-dir $(RUN_DIR) \
 	  --dp 2 --tp 2 --nodes 2 --layers 4 --d-model 128 --heads 4 --seq-len 128 \
 	  --micro-batch-size 4 --micro-batches 2 --steps 120 --precision bf16 --eval-every 20 \
-	  --ckpt-dir $(RUN_DIR)/ckpt --ckpt-every 25 --metrics-jsonl $(RUN_DIR)/metrics.jsonl \
+	  --ckpt-dir $(RUN_DIR)/ckpt --ckpt-every 10 --metrics-jsonl $(RUN_DIR)/metrics.jsonl \
 	  --inject spike@step=70 --inject straggler@rank=3,from=40,factor=1.5
 
 test: venv

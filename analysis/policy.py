@@ -15,8 +15,8 @@ What calls for what (DESIGN.md section 7, the keys are `[policy]` in rules.toml)
   - `device`: **isolate** the node;
   - `transient`: counted against the node; `transient_limit` of them within
     `transient_window_s` isolate it.
-- `straggler` whose cost stays at or above `straggler_cost_s` seconds per step for
-  `straggler_persist_s`: **isolate** its node.
+- `straggler` whose cost stays at or above `straggler_cost_s` seconds per step and
+  `straggler_min_share` of its step for `straggler_persist_s`: **isolate** its node.
 - `hang`: **isolate** the culprit's node (`isolate_on_hang`).
 - `crash`: **restart** (the supervisor's own; recorded), and the
   `crashes_to_isolate`-th crash on one node **isolates** it.
@@ -198,9 +198,11 @@ class Policy:
         return {"loss_above" if inc["kind"] == "loss_spike" else "grad_norm_above": round(above, 6)}
 
     def _straggler(self, st: RunPolicy, inc: dict[str, Any], now: float) -> list[Decision]:
-        cost = _number((inc.get("evidence") or {}).get("cost_s_per_step"))
+        evidence = inc.get("evidence") or {}
+        cost, share = _number(evidence.get("cost_s_per_step")), _number(evidence.get("share_of_step"))
         iid = inc["id"]
-        if cost is None or cost < self.cfg.straggler_cost_s:
+        if cost is None or cost < self.cfg.straggler_cost_s or (share is not None
+                                                                and share < self.cfg.straggler_min_share):
             st.slow_since.pop(iid, None)
             return []
         since = st.slow_since.setdefault(iid, now)
@@ -208,8 +210,9 @@ class Policy:
             return []
         st.slow_since.pop(iid, None)
         return self._isolate(st, inc, inc.get("node"), now,
-                             f"straggler: rank {inc.get('rank')} costs {cost:.3g} s/step for "
-                             f"{now - since:.1f} s (straggler_cost_s {self.cfg.straggler_cost_s:g})")
+                             f"straggler: rank {inc.get('rank')} costs {cost:.3g} s/step"
+                             + (f" ({100 * share:.0f}% of its step)" if share is not None else "")
+                             + f" for {now - since:.1f} s")
 
     def _crash(self, st: RunPolicy, inc: dict[str, Any], now: float) -> list[Decision]:
         node = inc.get("node")

@@ -21,8 +21,10 @@ What it does with a decision, through the writer (never blocking):
 
 Then the row follows the action: `acked` when every rank acked the command
 (`failed` when one refused it, with its reason), `done` with `recovery_s` when
-the first new step completes (a step of a later attempt past the last step the
-abandoned lineage reached; `recovery_s` counts from the incident's `opened_ts`).
+the first step of the new attempt completes (`recovery_s`, from the incident's
+`opened_ts`: training goes on), and its detail gets `caught_up_s` when the new
+lineage passes the last step the abandoned one reached (the replay is the work
+the fault cost).
 Every recorded action is also an alert (the outbox's action hook).
 
 A rerun verdict is also written to its incident's `root_cause`, with the
@@ -120,6 +122,7 @@ class Pending:
     # isolate and restart end with a new round of processes: only steps after its
     # `run_started` count (the old round may run a few more steps of a later attempt)
     needs_restart: bool = False
+    recovered_ts: float | None = None  # done: training went on; pending until it caught up
 
 
 class PolicyRunner:
@@ -263,7 +266,9 @@ class PolicyRunner:
         world = self._world.get(run_id) or 0
         if world and len(p.acks) >= world:
             p.acked = True
-            self.storage.update_action(p.action_id, status="acked", started_ts=ts)
+            # the first new step may have been seen first (the same commit): done stays done
+            self.storage.update_action(p.action_id, started_ts=ts,
+                                       **({"status": "acked"} if p.recovered_ts is None else {}))
 
     def _settle_at_end(self, run_id: str) -> None:
         """The run finished: an action it never carried out failed; one it carried out
@@ -273,6 +278,8 @@ class PolicyRunner:
             for p in ending:
                 self._pending.pop(p.action_id, None)
         for p in ending:
+            if p.recovered_ts is not None:
+                continue  # done; the run ended before it caught up
             if p.acked or (p.kind in (ISOLATE, RESTART) and not p.needs_restart):
                 self.storage.update_action(p.action_id, status="done",
                                            detail={"outcome": "the run finished before a new step"})
@@ -295,8 +302,10 @@ class PolicyRunner:
             self._carry_out(d, incident)
 
     def _steps(self, steps: pa.Table) -> None:
-        """Follow the run's lineage: the highest step per attempt, and for each pending
-        action the first step of a later attempt past every step the earlier ones reached."""
+        """Follow the run's lineage. A pending action is done at the first step of a later
+        attempt (training goes on: `recovery_s`); it has caught up when the new lineage
+        passes every step the earlier attempts reached (`caught_up_s`, in its detail:
+        the replayed steps are the work the fault cost)."""
         with self._lock:
             waiting = list(self._pending.values())
         for run_id in pc.unique(steps["run_id"]).to_pylist():
@@ -306,22 +315,35 @@ class PolicyRunner:
                 reached[g["attempt"]] = max(reached.get(g["attempt"], 0), g["step_max"])
             for p in (p for p in waiting if p.run_id == run_id and not p.needs_restart):
                 past = max((s for a, s in reached.items() if a <= p.attempt), default=0)
-                new = rows.filter(pc.and_(pc.greater(rows["attempt"], p.attempt), pc.greater(rows["step"], past)))
-                if new.num_rows:
-                    first = new.take([pc.index(new["step"], pc.min(new["step"])).as_py()]).to_pylist()[0]
-                    self._done(p, first["attempt"], first["step"], first["ts"], past)
+                later = rows.filter(pc.greater(rows["attempt"], p.attempt))
+                if not later.num_rows:
+                    continue
+                if p.recovered_ts is None:
+                    self._done(p, _first(later), past)
+                ahead = later.filter(pc.greater(later["step"], past))
+                if ahead.num_rows:
+                    self._caught_up(p, _first(ahead), past)
 
-    def _done(self, p: Pending, attempt: int, step: int, ts: float | None, past: int) -> None:
+    def _done(self, p: Pending, first: dict[str, Any], past: int) -> None:
+        at = first["ts"] if first["ts"] is not None else self.clock()
+        p.recovered_ts = at
+        recovery = at - p.incident_opened_ts if p.incident_opened_ts is not None else None
+        self.storage.update_action(p.action_id, status="done", attempt=first["attempt"], finished_ts=at,
+                                   recovery_s=round(recovery, 3) if recovery is not None else None,
+                                   detail={"first_step": first["step"], "attempt": first["attempt"],
+                                           "past_step": past})
+        log.info("action %s (%s) done: step %s of attempt %s, %.2f s after the incident", p.action_id, p.kind,
+                 first["step"], first["attempt"], recovery if recovery is not None else float("nan"))
+
+    def _caught_up(self, p: Pending, first: dict[str, Any], past: int) -> None:
         with self._lock:
             if self._pending.pop(p.action_id, None) is None:
                 return
-        at = ts if ts is not None else self.clock()
-        recovery = at - p.incident_opened_ts if p.incident_opened_ts is not None else None
-        self.storage.update_action(p.action_id, status="done", attempt=attempt, finished_ts=at,
-                                   recovery_s=round(recovery, 3) if recovery is not None else None,
-                                   detail={"first_new_step": step, "attempt": attempt, "past_step": past})
-        log.info("action %s (%s) done: step %s of attempt %s, %.2f s after the incident", p.action_id, p.kind, step,
-                 attempt, recovery if recovery is not None else float("nan"))
+        at = first["ts"] if first["ts"] is not None else self.clock()
+        caught = at - p.incident_opened_ts if p.incident_opened_ts is not None else None
+        self.storage.update_action(p.action_id, detail={"caught_up_step": first["step"], "past_step": past,
+                                                        "caught_up_s": round(caught, 3) if caught is not None
+                                                        else None})
 
     # -- carrying out ------------------------------------------------------------
     def _carry_out(self, d: Decision, incident: dict[str, Any]) -> None:
@@ -365,6 +387,11 @@ class PolicyRunner:
                                                         command_id=command_id,
                                                         needs_restart=d.kind in (ISOLATE, RESTART))
         return recorded
+
+
+def _first(rows: pa.Table) -> dict[str, Any]:
+    """The row of the smallest step."""
+    return rows.take([pc.index(rows["step"], pc.min(rows["step"])).as_py()]).to_pylist()[0]
 
 
 def _incident_row(cur: duckdb.DuckDBPyConnection, incident_id: int) -> dict[str, Any] | None:

@@ -280,3 +280,13 @@ def test_an_isolated_nodes_incidents_get_no_rollback():
     st.isolated.add("node1")
     assert p.on_incident(st, incident(1), now=0.0) == []
     assert kinds(p.on_incident(st, incident(2, node="node0"), now=0.0)) == [(ROLLBACK, "auto", None)]
+
+
+def test_a_straggler_costing_a_small_share_of_its_step_is_host_noise_not_a_node_to_lose():
+    p, st = policy(), run_state()
+    noisy = incident(9, "straggler", step=None, evidence={"cost_s_per_step": 0.05, "share_of_step": 0.03})
+    assert p.on_incident(st, noisy, now=0.0) == [] and p.on_incident(st, noisy, now=100.0) == []
+    real = {**noisy, "evidence": {"cost_s_per_step": 0.05, "share_of_step": 0.2}}
+    assert p.on_incident(st, real, now=100.0) == []
+    [d] = p.on_incident(st, real, now=105.0)
+    assert d.kind == "isolate" and "20% of its step" in d.reason
