@@ -24,8 +24,9 @@ above every earlier one (`ATTEMPT_FLOOR_ENV`). Faults follow their hardware:
 each process is told the rank its node and local slot had in the first layout
 (`HW_RANK_ENV`), which is what an injection names.
 
-With `--policy shadow` or `off` nothing is healed: a failed rank ends the job,
-as it would without this tool.
+With `--policy shadow` or `off`, or without `--telemetry` (no collector, no
+policy), nothing is healed: a failed rank ends the job, as it would without this
+tool.
 """
 
 from __future__ import annotations
@@ -230,7 +231,9 @@ class Supervisor:
         self.on_exit = on_exit
         self.watch = watch
         self.log = log
-        self.heal = cfg.healing.policy == "auto"
+        # healing is the collector's policy: without telemetry there is none, and a failed
+        # rank ends the job as it always did
+        self.heal = cfg.healing.policy == "auto" and cfg.telemetry.enabled
         self.layout = first_layout(cfg)
         self.restarts = 0
         self.rounds = 0

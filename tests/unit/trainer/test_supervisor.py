@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from trainer import supervisor as sup
-from trainer.config import AlertReceivers, CheckpointConfig, HealingConfig, JobConfig, ParallelConfig
+from trainer.config import (AlertReceivers, CheckpointConfig, HealingConfig, JobConfig, ParallelConfig,
+                            TelemetryConfig)
 from trainer.control import EXIT_RESTART, record_isolation
 from trainer.supervisor import (ATTEMPT_FLOOR_ENV, HW_RANK_ENV, NODE_NAMES_ENV, ORIG_WORLD_ENV, RESTART_ROUND_ENV,
                                 Layout, Supervisor, attempt_high_water, first_layout, layout_config, shrink,
@@ -90,9 +91,10 @@ def clock(monkeypatch):
 
 
 def job(tmp_path: Path, *, nodes: int = 3, dp: int = 3, tp: int = 1, pp: int = 1, micro_batches: int = 2,
-        ckpt: bool = True, **healing) -> JobConfig:
+        ckpt: bool = True, telemetry: bool = True, **healing) -> JobConfig:
     return JobConfig(parallel=ParallelConfig(dp=dp, tp=tp, pp=pp, nodes=nodes, micro_batches=micro_batches),
                      ckpt=CheckpointConfig(dir=str(tmp_path / "ckpt") if ckpt else None), run_id="run-1",
+                     telemetry=TelemetryConfig(enabled=telemetry),
                      healing=HealingConfig(**{"policy": "auto", **healing}))
 
 
@@ -286,6 +288,13 @@ def test_without_healing_a_failed_rank_ends_the_job(tmp_path, policy):
     rounds = Rounds(lambda: [FakeProc(None), FakeProc(1)])
     s, _ = supervise(job(tmp_path, nodes=2, dp=2, policy=policy), tmp_path, rounds,
                      watch=FakeWatch({"node1": "ignored without healing"}))
+    assert s.run() == 1
+    assert len(rounds.seen) == 1
+
+
+def test_without_telemetry_there_is_no_policy_and_a_failed_rank_ends_the_job(tmp_path):
+    rounds = Rounds(lambda: [FakeProc(None), FakeProc(1)])
+    s, _ = supervise(job(tmp_path, nodes=2, dp=2, telemetry=False), tmp_path, rounds)
     assert s.run() == 1
     assert len(rounds.seen) == 1
 
