@@ -158,9 +158,19 @@ class Policy:
         return [Decision(kind=kind, run_id=st.run_id, reason=reason, incident_id=inc.get("id"), args=args or {},
                          node=node, rank=inc.get("rank"), mode=mode, refused=refused)]
 
+    def settling(self, inc: dict[str, Any], now: float) -> bool:
+        """A NaN whose first rows came from ranks that only saw it arrive (the culprit's
+        rows not in yet) names no rank: wait up to `nan_settle_s` for the culprit, whom
+        the rerun compares against; then decide without one."""
+        opened = _number(inc.get("opened_ts"))
+        return (inc.get("kind") == "nan" and inc.get("rank") is None and opened is not None
+                and now - opened < self.cfg.nan_settle_s)
+
     def _rollback(self, st: RunPolicy, inc: dict[str, Any], now: float) -> list[Decision]:
         if inc.get("node") in st.isolated:
             return []  # its node is on its way out: the isolation is the action
+        if self.settling(inc, now):
+            return []  # asked again on the incident's next update, or by the runner's tick
         step = inc.get("step_from")
         reason = f"{inc['kind']} at step {step}" + (f" on rank {inc['rank']}" if inc.get("rank") is not None else "")
         if step is None:

@@ -142,6 +142,7 @@ class PolicyRunner:
         self._reached: dict[str, dict[int, int]] = {}  # run -> attempt -> highest step seen
         self._world: dict[str, int] = {}
         self._node_map: dict[str, dict[int, str]] = {}
+        self._deferred: dict[int, dict[str, Any]] = {}  # incidents the policy will decide on later (settling)
         self._thread = threading.Thread(target=self._run, name="llmwatch-policy", daemon=True)
         watch.on_change = self._offer
 
@@ -179,6 +180,8 @@ class PolicyRunner:
                     for row in self._watch.open_rows():
                         if row.get("kind") == "straggler":
                             self._incident(row)
+                    for row in list(self._deferred.values()):
+                        self._incident(row)
             except Exception:  # noqa: BLE001 - the policy must outlive one bad input
                 log.exception("policy pass failed")
 
@@ -211,18 +214,32 @@ class PolicyRunner:
 
     def _incident(self, row: dict[str, Any]) -> None:
         st = self._state(row["run_id"])
-        for d in self.policy.on_incident(st, row, self.clock()):
+        now = self.clock()
+        decisions = self.policy.on_incident(st, row, now)
+        if row["id"] in st.acted or not self.policy.settling(row, now):
+            self._deferred.pop(row["id"], None)
+        else:
+            self._deferred[row["id"]] = row  # the newest row: an update may have named the culprit
+        for d in decisions:
             self._carry_out(d, row)
 
     def _commit(self, tables: Mapping[str, pa.Table]) -> None:
+        """Events first (a restart's run_started before the new round's steps), then the
+        steps, then the run's end (its last steps may share the commit)."""
         events = tables.get("events")
+        ends = []
         if events is not None and events.num_rows:
             mask = pc.is_in(events["kind"], value_set=pa.array(_EVENT_KINDS))
             for ev in events.filter(mask).to_pylist():
-                self._event(ev)
+                if ev["kind"] == "run_finished":
+                    ends.append(ev)
+                else:
+                    self._event(ev)
         steps = tables.get("steps")
         if steps is not None and steps.num_rows:
             self._steps(steps)
+        for ev in ends:
+            self._event(ev)
 
     def _event(self, ev: dict[str, Any]) -> None:
         data = ev.get("data")
@@ -258,7 +275,7 @@ class PolicyRunner:
             with self._lock:
                 self._pending.pop(p.action_id, None)
             self.storage.update_action(p.action_id, status="failed",
-                                       detail={"failed_rank": rank, "ack": status, "reason": data.get("detail")})
+                                       detail={"failed_rank": rank, "ack": status, "failure": data.get("detail")})
             return
         if status != "done" or p.acked:
             return
@@ -280,7 +297,8 @@ class PolicyRunner:
         for p in ending:
             if p.recovered_ts is not None:
                 continue  # done; the run ended before it caught up
-            if p.acked or (p.kind in (ISOLATE, RESTART) and not p.needs_restart):
+            # acked by some rank (the others' acks may be a commit behind the end): carried out
+            if p.acked or p.acks or (p.kind in (ISOLATE, RESTART) and not p.needs_restart):
                 self.storage.update_action(p.action_id, status="done",
                                            detail={"outcome": "the run finished before a new step"})
             else:
@@ -295,9 +313,10 @@ class PolicyRunner:
             self.storage.update_incident(int(iid), root_cause=f"{verdict}: {data.get('evidence', '')}",
                                          confidence=confidence, settled=True)
         rank = data.get("rank")
-        node = self._node_map.get(run_id, {}).get(int(rank)) if rank is not None else None
         incident = (self.storage.read(_incident_row, int(iid)) if iid is not None else None) or {
             "id": iid, "run_id": run_id}
+        # the verdict's rank, else the incident's culprit as it stands now
+        node = self._node_map.get(run_id, {}).get(int(rank)) if rank is not None else incident.get("node")
         for d in self.policy.on_verdict(self._state(run_id), data, node, self.clock()):
             self._carry_out(d, incident)
 

@@ -2,7 +2,9 @@
 carried out by handlers registered by name.
 
 Agreement (`CommandChannel`). Every rank's agent receives a run-wide command;
-rank 0 decides. At the end of step s it encodes the command it picked, id, kind
+rank 0 decides, one per step boundary, oldest first (the others wait their turn:
+a rollback and an isolation decided together both happen). At the end of step s
+it encodes the command it picked, id, kind
 and arguments as JSON, into a fixed-size byte tensor and starts an async
 broadcast over the world; every rank waits for it at the end of step s+1 and
 acts on the same command with the same arguments at the same step boundary. The
@@ -31,6 +33,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections import deque
 import signal
 import struct
 import time
@@ -330,6 +333,7 @@ class CommandChannel:
         self.device = device
         self.handlers = handlers
         self._in_flight: tuple[Any, torch.Tensor] | None = None
+        self._waiting: deque[AgreedCommand] = deque()  # rank 0: received, not yet broadcast
 
     def take(self) -> AgreedCommand | None:
         """The command agreed at the previous step boundary (waits for its broadcast)."""
@@ -353,11 +357,13 @@ class CommandChannel:
         cmd = self.take()
         if cmd is not None:
             self.agent.ack(cmd.id, "rejected", "the run ended before it could act")
-        for late in self.agent.commands():
+        for late in [*self._waiting, *self.agent.commands()]:
             self.agent.ack(late.id, "rejected", "the run ended before it could act")
+        self._waiting.clear()
 
     def _choose(self, received: Iterable[Any]) -> AgreedCommand | None:
-        chosen = None
+        """Rank 0: the oldest command waiting (one per boundary; the others wait their
+        turn, in order). Other ranks only refuse kinds nobody here can carry out."""
         for cmd in received:
             if cmd.kind not in self.handlers:
                 self.agent.ack(cmd.id, "rejected", f"the trainer has no {cmd.kind!r} handler "
@@ -365,18 +371,14 @@ class CommandChannel:
                 continue
             if self.rank != 0:
                 continue  # rank 0 decides; this rank acts on what the broadcast brings
-            if chosen is not None:
-                self.agent.ack(cmd.id, "rejected", "another command is being carried out at this step")
-                continue
             candidate = AgreedCommand(id=str(cmd.id), kind=cmd.kind, args=dict(cmd.args or {}))
             try:
                 encode_command(candidate)
             except (ValueError, TypeError) as e:
                 self.agent.ack(cmd.id, "rejected", f"arguments not carried: {e}")
                 continue
-            chosen = candidate
-        return chosen
-
+            self._waiting.append(candidate)
+        return self._waiting.popleft() if self._waiting else None
 
     def step_boundary(self, ctx: RunContext, step: int) -> Outcome | None:
         """The loop's one call per step boundary: take the agreed command, run its

@@ -61,6 +61,8 @@ def describe_action(a: dict) -> str:
             detail = {}
     detail = detail if isinstance(detail, dict) else {}
     why = detail.get("refused") or detail.get("reason") or ""
+    if a.get("status") == "failed" and (detail.get("failure") or detail.get("outcome")):
+        why = f"{why} ({detail.get('failure') or detail.get('outcome')})"
     where = f" {a['node']}" if a.get("kind") == "isolate" and a.get("node") else ""
     rec = f"  {a['recovery_s']:.1f} s after the incident" if a.get("recovery_s") is not None else ""
     return f"action: {a.get('kind')}{where} {a.get('status')}{rec}  {why}".rstrip()

@@ -218,6 +218,7 @@ class Ended:
     failed: dict[int, int]  # rank -> exit code of the ranks that failed on their own
     interrupted: bool = False
     isolated: dict[str, str] | None = None  # nodes the collector isolated during the round (name -> reason)
+    failed_ts: float | None = None  # when the first failure was seen (unix s)
 
 
 class Supervisor:
@@ -246,9 +247,9 @@ class Supervisor:
             self.rounds += 1
             if ended.interrupted:
                 return 130
+            if not ended.failed and all(c == 0 for c in ended.codes):
+                return 0  # finished (an isolation decided in its last seconds has nothing left to do)
             drop = self._to_drop(ended)
-            if not drop and not ended.failed and all(c == 0 for c in ended.codes):
-                return 0
             if not self.heal:
                 return 1
             clean = bool(drop) and all(c == EXIT_RESTART for c in ended.codes)  # the ranks left by themselves
@@ -294,6 +295,7 @@ class Supervisor:
         reported: set[int] = set()
         isolated_seen: dict[str, str] = {}
         grace_until: float | None = None
+        failed_ts: float | None = None
         interrupted = False
         try:
             while True:
@@ -303,6 +305,7 @@ class Supervisor:
                         self._report(reported, rank, code, "exited")
                     if code not in (None, 0, EXIT_RESTART) and rank not in failed and grace_until is None:
                         failed[rank] = code
+                        failed_ts = failed_ts or time.time()
                 if failed or all(c is not None for c in codes):
                     break
                 if self.heal and self.watch is not None:
@@ -326,7 +329,7 @@ class Supervisor:
                 if p.returncode is not None:
                     self._report(reported, rank, p.returncode, "stopped" if rank in stopped else "exited")
         return Ended(codes=[p.returncode for p in procs], failed=failed, interrupted=interrupted,
-                     isolated=isolated_seen or None)
+                     isolated=isolated_seen or None, failed_ts=failed_ts)
 
     def _report(self, reported: set[int], rank: int, code: int, cause: str) -> None:
         if self.on_exit is None or rank in reported:
@@ -353,7 +356,9 @@ class Supervisor:
         if self.watch is None:
             return {}
         nodes = {self.layout.node_of(r) for r in ended.failed if 0 <= r < self.layout.world_size}
-        since = time.time() - CRASH_DECISION_S - 10.0  # the crash itself came a little before this
+        # the policy's answer to this crash, not to an earlier one: decided after the
+        # failure was seen (less a second: the collector may hear of it first)
+        since = (ended.failed_ts or time.time()) - 1.0
         deadline = time.monotonic() + CRASH_DECISION_S
         while time.monotonic() < deadline:
             self.watch.poll_once()

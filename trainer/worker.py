@@ -28,7 +28,7 @@ from trainer.lifeline import watch_lifeline
 from trainer.parallel_dims import ParallelDims
 from trainer.private import TOKEN_ENV
 from trainer.supervisor import (ATTEMPT_FLOOR_ENV, HW_RANK_ENV, NODE_NAMES_ENV, ORIG_WORLD_ENV,
-                                RESTART_ROUND_ENV, attempt_high_water)
+                                RESTART_ROUND_ENV, ATTEMPT_FILE, attempt_high_water)
 
 NODE_NAME_ENV = "LLMWATCH_NODE_NAME"  # this node's name (under torchrun: set per agent)
 NODE_INDEX_ENV = "LLMWATCH_NODE_INDEX"  # this node's index in the first layout (under torchrun: per agent)
@@ -221,9 +221,11 @@ def run_worker(cfg: JobConfig, *, token: str | None = None) -> int:
         from trainer.train import Trainer
 
         floor = int(os.environ.get(ATTEMPT_FLOOR_ENV) or 0)
-        if not floor and restart > 0 and cfg.run_dir:
-            # torchrun's restart: above every attempt of the round before. Every rank reads it
-            # before rank 0 can write this round's (the barrier), so all agree.
+        attempts_file = Path(cfg.run_dir) / ATTEMPT_FILE if cfg.run_dir else None
+        if not floor and (restart > 0 or cfg.ckpt.resume) and attempts_file is not None and attempts_file.exists():
+            # torchrun's restart, or a --resume of a run that ran before: above every attempt
+            # already written, so no (step, attempt) row is written twice. Every rank reads
+            # it before rank 0 can write this one's (the barrier), so all agree.
             floor = attempt_high_water(Path(cfg.run_dir)) + 1
             dist.barrier()
         trainer = Trainer(cfg, dims=dims, comm=comm, engine=engine, loader_factory=loader_factory,

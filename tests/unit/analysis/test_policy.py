@@ -290,3 +290,15 @@ def test_a_straggler_costing_a_small_share_of_its_step_is_host_noise_not_a_node_
     assert p.on_incident(st, real, now=100.0) == []
     [d] = p.on_incident(st, real, now=105.0)
     assert d.kind == "isolate" and "20% of its step" in d.reason
+
+
+def test_a_nan_naming_no_rank_waits_for_its_culprit_then_goes_without():
+    p, st = policy(), run_state()  # nan_settle_s 1
+    early = incident(5, rank=None, node=None, opened_ts=100.0)
+    assert p.on_incident(st, early, now=100.2) == [] and p.settling(early, 100.2)
+    named = {**early, "rank": 1, "node": "node1"}  # the culprit's rows came in: the incident names it
+    [d] = p.on_incident(st, named, now=100.4)
+    assert d.args["rank"] == 1 and not p.settling(named, 100.4)
+    late = incident(6, rank=None, node=None, opened_ts=200.0)
+    [d] = p.on_incident(run_state(), late, now=201.5)  # it never came: decided without one
+    assert d.kind == ROLLBACK and "rank" not in d.args

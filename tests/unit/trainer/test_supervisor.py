@@ -396,3 +396,27 @@ def test_the_hardware_rank_comes_from_the_supervisor_or_the_node_index():
     assert hardware_rank({"LLMWATCH_HW_RANK": "5"}, 1, 2) == 5
     assert hardware_rank({"LLMWATCH_NODE_INDEX": "2", "LOCAL_RANK": "1"}, 0, 2) == 5
     assert hardware_rank({}, 3, 2) == 3
+
+
+def test_a_run_that_finishes_during_the_isolation_grace_is_done(tmp_path):
+    watch = FakeWatch({"node1": "straggler"})
+    rounds = Rounds(procs(3, 0, polls=3))  # every rank exits 0 while the grace runs
+    s, _ = supervise(job(tmp_path, isolate_grace_s=60.0), tmp_path, rounds, watch=watch)
+    assert s.run() == 0
+    assert len(rounds.seen) == 1  # no empty round restarted for nothing
+
+
+def test_a_crash_answer_counts_only_if_decided_after_this_crash(tmp_path, clock):
+    class Answers(FakeWatch):
+        def decided_since(self, ts: float) -> bool:
+            self.asked.append(ts)
+            return False
+
+    watch = Answers()
+    watch.asked = []
+    rounds = Rounds(lambda: [FakeProc(None), FakeProc(1), FakeProc(None)], procs(3, 0))
+    s, _ = supervise(job(tmp_path), tmp_path, rounds, watch=watch)
+    assert s.run() == 0
+    # rank 1 failed at the first poll, at the fake clock's start: an answer must be newer than
+    # that (less a second), not any of the last seconds' (a first crash's restart action)
+    assert watch.asked and set(watch.asked) == {1.7e9 + 1000.0 - 1.0}
