@@ -51,7 +51,7 @@ def test_a_rollback_without_a_rank_names_none_and_skips_what_the_rules_say():
     ("grad_spike", "grad_norm_above", 2.0, 1.0, 50.0),  # bar 2, peak 50: 10
 ])
 def test_a_spike_reproduces_above_the_midpoint_of_the_bar_and_the_peak(kind, key, min_ratio, level, value):
-    p = policy(**{kind: {"min_ratio": min_ratio}})
+    p = policy(**{kind: {"min_ratio": min_ratio}}, policy={"rollback_on": ["nan", "loss_spike", "grad_spike"]})
     inc = incident(1, kind, evidence={"peak": {"baseline": level, "value": value}})
     [d] = p.on_incident(run_state(), inc, now=0.0)
     bar = level * min_ratio
@@ -61,7 +61,7 @@ def test_a_spike_reproduces_above_the_midpoint_of_the_bar_and_the_peak(kind, key
 
 
 def test_the_spike_thresholds_use_the_default_rules():
-    [d] = policy().on_incident(run_state(), incident(1, "grad_spike", evidence={"peak": {"baseline": 1.0,
+    [d] = policy(policy={"rollback_on": ["grad_spike"]}).on_incident(run_state(), incident(1, "grad_spike", evidence={"peak": {"baseline": 1.0,
                                                                                           "value": 50.0}}), 0.0)
     assert d.args["grad_norm_above"] == 10.0  # [grad_spike] min_ratio 2.0
 
@@ -302,3 +302,7 @@ def test_a_nan_naming_no_rank_waits_for_its_culprit_then_goes_without():
     late = incident(6, rank=None, node=None, opened_ts=200.0)
     [d] = p.on_incident(run_state(), late, now=201.5)  # it never came: decided without one
     assert d.kind == ROLLBACK and "rank" not in d.args
+
+
+def test_a_lone_grad_spike_is_an_alert_not_a_rollback_by_default():
+    assert policy().on_incident(run_state(), incident(1, "grad_spike"), now=0.0) == []
