@@ -97,3 +97,69 @@ def run_until_incident(run_dir: Path, kind: str, *args: str, timeout_s: float = 
     assert found, f"no {kind} incident within {timeout_s} s:\n{run.stdout[-3000:]}\n{stderr[-3000:]}"
     return read_outcome(run)
 
+
+
+# -- healing scenarios: what the policy did, read from the closed file --------------------------------------
+
+
+@dataclass
+class Healed(Outcome):
+    """A healing run: its incidents (as Outcome) and the policy's tables. `query` opens the
+    closed file read-only again for anything else."""
+
+    actions: list[dict] = field(default_factory=list)  # actions rows, in id order, detail parsed
+    nodes: dict[str, dict] = field(default_factory=dict)  # node -> nodes row
+    bad_batches: list[dict] = field(default_factory=list)  # bad_batches rows, in (epoch, sample_from) order
+
+    def query(self, sql: str, *params) -> list[dict]:
+        return query_db(self.run.run_dir, sql, *params)
+
+    def actions_of(self, kind: str) -> list[dict]:
+        return [a for a in self.actions if a["kind"] == kind]
+
+    def events(self, kind: str) -> list[dict]:
+        """The run's events of `kind` in time order, data parsed."""
+        rows = self.query("SELECT * FROM events WHERE kind = ? ORDER BY ts", kind)
+        for r in rows:
+            r["data"] = json.loads(r["data"]) if isinstance(r.get("data"), str) else r.get("data")
+        return rows
+
+    def report(self) -> str:
+        """What a failed assertion prints: enough to tell from a CI log what happened."""
+        acts = "\n".join(f"  #{a['id']} {a['kind']} {a['status']} mode={a['mode']} incident={a['incident_id']} "
+                         f"node={a['node']} attempt={a['attempt']} recovery_s={a['recovery_s']} {a['detail']}"
+                         for a in self.actions) or "  (none)"
+        nodes = ", ".join(f"{n}={r['status']} ({r['reason']})" for n, r in sorted(self.nodes.items()))
+        lineage = self.query("SELECT attempt, min(step) AS lo, max(step) AS hi, list(DISTINCT rank ORDER BY rank) AS "
+                             "ranks FROM steps GROUP BY attempt ORDER BY attempt")
+        return (f"rc={self.run.returncode}\nincidents:\n{self.summary()}\nactions:\n{acts}\nnodes: {nodes}\n"
+                f"bad_batches: {self.bad_batches}\nattempts: {lineage}\n"
+                f"stdout tail:\n{self.run.stdout[-2500:]}\nstderr tail:\n{self.run.stderr[-2500:]}")
+
+
+def query_db(run_dir: Path, sql: str, *params) -> list[dict]:
+    con = duckdb.connect(str(Path(run_dir) / "telemetry.duckdb"), read_only=True)
+    try:
+        cur = con.execute(sql, list(params))
+        names = [d[0] for d in cur.description]
+        return [dict(zip(names, r)) for r in cur.fetchall()]
+    finally:
+        con.close()
+
+
+def read_healed(run: Run) -> Healed:
+    o = read_outcome(run)
+    h = Healed(run=o.run, incidents=o.incidents, step_end_ts=o.step_end_ts, last_ts=o.last_ts)
+    h.actions = h.query("SELECT * FROM actions ORDER BY id")
+    for a in h.actions:
+        if isinstance(a.get("detail"), str):
+            a["detail"] = json.loads(a["detail"])
+    h.nodes = {r["node"]: r for r in h.query("SELECT * FROM nodes")}
+    h.bad_batches = h.query("SELECT * FROM bad_batches ORDER BY epoch, sample_from")
+    return h
+
+
+def run_healing(run_dir: Path, *args: str) -> Healed:
+    """A healing scenario: a run that ends by itself (the policy's actions included), then its tables."""
+    run = run_trainer(run_dir, "--telemetry", *args, timeout=E2E_TIMEOUT_S)
+    return read_healed(run)
