@@ -30,10 +30,12 @@ def secret_file(tmp_path):
     return str(path)
 
 
-def collector(tmp_path, hook_url: str, *extra: str) -> CollectorProcess:
+def collector(tmp_path, hook_url: str, *extra: str, policy: str = "off") -> CollectorProcess:
+    """A collector alerting `hook_url`. The policy is off by default: these tests follow an
+    incident's alerts, and a policy would add an action (and its alerts) for the NaN."""
     return CollectorProcess(tmp_path / "c.duckdb", args=(
         "--webhook", hook_url, "--webhook-secret-file", secret_file(tmp_path), "--group-min-interval-s", "0",
-        "--group-linger-s", "0", "--external-url", "http://collector.example:8428", *extra))
+        "--group-linger-s", "0", "--external-url", "http://collector.example:8428", "--policy", policy, *extra))
 
 
 def outbox(c: CollectorProcess) -> list[list]:
@@ -151,3 +153,28 @@ def test_trainer_hands_webhooks_and_the_secret_to_its_embedded_collector(tmp_pat
     text = stored + r.stdout + r.stderr + "".join(p.read_text() for p in files)
     assert SECRET not in text and PATH_TOKEN not in text
     assert "webhook:1" in (run_dir / "collector.log").read_text()
+
+
+def test_an_action_of_the_policy_reaches_the_webhook_signed(tmp_path):
+    """With the policy on, the NaN's rollback is an alert of its own (llmwatch_action), signed
+    like the incident's, naming the action, its status and the incident."""
+    with WebhookReceiver() as hook:
+        c = collector(tmp_path, f"{hook.url}/hook", policy="auto").start()
+        run = NanRun(c.url, c.token, run_id="acted")
+        try:
+            run.open_incident()
+            actions = wait_until(lambda: [a for a in hook.alerts("firing")
+                                          if a["labels"]["alertname"] == "llmwatch_action"], 20, "the action's alert")
+            rows = wait_until(lambda: (r := c.sql("SELECT kind, status, action_id, incident_id FROM alert_outbox "
+                                                  "WHERE kind = 'action'")) and r, 10, "the action's outbox row")
+            incident_id = c.sql("SELECT id FROM incidents WHERE run_id = 'acted'")[0][0]
+        finally:
+            run.close()
+            assert c.stop() == 0
+    a = actions[0]
+    assert (a["labels"]["action"], a["labels"]["status"], a["labels"]["mode"], a["labels"]["run_id"]) == (
+        "rollback", "issued", "auto", "acted")
+    assert a["labels"]["incident_id"] == str(incident_id) and "nan at step" in a["annotations"]["summary"]
+    assert rows[0][0] == "action" and rows[0][3] == incident_id and rows[0][2] is not None
+    for _, headers, body in hook.requests:
+        assert alerts.verify(body, headers.get(alerts.SIGNATURE_HEADER), SECRET.encode())
