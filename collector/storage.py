@@ -46,6 +46,7 @@ from collector.decode import DecodedBatch
 from collector.dedupe import BatchKeysProjection
 from collector.detection import DetectionRunner, Detector
 from collector.feed import Feed, Subscription
+from collector.goodput import goodput
 from collector.incidents import (Finding, IncidentsProjection, OpenIncident, RecordFindings, UpdateIncident,
                                  as_finding, check_fields)
 from collector.liveness import LivenessProjection
@@ -444,8 +445,7 @@ class Storage:
         return self.read(read.incidents, run_id, status=status)
 
     def goodput(self, run_id: str) -> dict[str, Any]:
-        """The run's goodput and what it is made of (collector/postmortem.py `Goodput`)."""
-        from collector.postmortem import goodput
+        """The run's goodput and what it is made of (collector/goodput.py)."""
 
         def job(cur) -> dict[str, Any]:
             g = goodput(read.step_time_parts(cur, run_id), read.run_span(cur, run_id))
