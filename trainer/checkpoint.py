@@ -476,14 +476,16 @@ class Checkpointer:
                 newest_step = self._last_finalized
             with self._cv:
                 pinned = set(self._pinned) if root == self.dir else set()
-            finals = []
+            finals, newer = [], []
             for step, path in _list_final(root):
                 if step > newest_step:
-                    self.log(f"checkpoint {path}: removed, it is newer than step {newest_step} just saved "
-                             "(abandoned by a rollback, or left by an earlier run)")
                     _remove_checkpoint(path)
+                    newer.append(step)
                 else:
                     finals.append((step, path))
+            if newer:
+                self.log(f"checkpoints of steps {', '.join(map(str, newer))} under {root}: removed, newer than step "
+                         f"{newest_step} just saved (abandoned by a rollback, or left by an earlier run)")
             if self.cfg.keep > 0:
                 for step, path in finals[:-self.cfg.keep]:
                     if step not in pinned:
