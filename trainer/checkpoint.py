@@ -484,8 +484,8 @@ class Checkpointer:
                 else:
                     finals.append((step, path))
             if newer:
-                self.log(f"checkpoints of steps {', '.join(map(str, newer))} under {root}: removed, newer than step "
-                         f"{newest_step} just saved (abandoned by a rollback, or left by an earlier run)")
+                self.log(f"checkpoints {', '.join(step_dirname(s) for s in newer)} under {root}: removed, newer than "
+                         f"step {newest_step} just saved (abandoned by a rollback, or left by an earlier run)")
             if self.cfg.keep > 0:
                 for step, path in finals[:-self.cfg.keep]:
                     if step not in pinned:
