@@ -117,6 +117,12 @@ class IncidentBook:
     def get(self, key: str) -> Finding | None:
         return self._open.get(key)
 
+    def continue_keys(self, other: "IncidentBook") -> None:
+        """Number new keys after `other`'s (a fresh analysis of the same run, after a
+        restart on another layout): a key is never used twice in a run."""
+        for prefix, n in other._counters.items():
+            self._counters[prefix] = max(self._counters.get(prefix, 0), n)
+
     def open_keys(self, kind: str | None = None) -> list[str]:
         return [k for k, f in self._open.items() if kind is None or f.kind == kind]
 

@@ -174,6 +174,8 @@ class RunMarks:
             elif kind in ("run_started", "restart", "checkpoint_loaded"):
                 if kind == "run_started" or kind == "restart":
                     self.finished, self.finished_ts = False, None
+                    if rank is not None and 0 <= rank < len(self.closed):
+                        self.closed[rank] = False  # a new process for this rank (a restart): it is live
                 if step is not None and step >= 0:
                     if attempt is None:
                         for a in list(self._warm) or [0]:

@@ -21,11 +21,12 @@ What calls for what (DESIGN.md section 7, the keys are `[policy]` in rules.toml)
 - `crash`: **restart** (the supervisor's own; recorded), and the
   `crashes_to_isolate`-th crash on one node **isolates** it.
 
-Guard rails, each a `refused` decision with the reason (recorded and alerted,
-not done): a `cooldown_s` between two actions of one kind in a run; at most
+Guard rails: a `cooldown_s` between two actions of one kind in a run (the next
+one waits for it: `waiting`, and the runner asks again); and, each a `refused`
+decision with the reason (recorded and alerted, not done), at most
 `max_rollbacks` within `rollback_window_s` (past it: **stop** the run rather than
-loop); never isolate below `min_nodes` healthy nodes; nothing at all once the
-run has finished. Modes: `auto` acts, `shadow` records what it would do, `off`
+loop) and never an isolation below `min_nodes` healthy nodes. Nothing at all once
+the run has finished. Modes: `auto` acts, `shadow` records what it would do, `off`
 does nothing; `mode` for all, `rollback_mode` / `isolate_mode` per action.
 """
 
@@ -148,15 +149,25 @@ class Policy:
         mode = self.mode_of(kind)
         if mode == "off":
             return []
-        if refused is None and cooldown and now - st.last_ts.get(kind, -math.inf) < self.cfg.cooldown_s:
-            refused = f"cooldown: a {kind} was issued {now - st.last_ts[kind]:.1f} s ago (cooldown_s " \
-                      f"{self.cfg.cooldown_s:g})"
+        if refused is None and cooldown and self.cooling(st, kind, now):
+            return []  # not now: decided when the cooldown is over (the incident is not marked acted)
         if inc.get("id") is not None:
             st.acted.add(inc["id"])
         if refused is None:
             st.last_ts[kind] = now
         return [Decision(kind=kind, run_id=st.run_id, reason=reason, incident_id=inc.get("id"), args=args or {},
                          node=node, rank=inc.get("rank"), mode=mode, refused=refused)]
+
+    def cooling(self, st: RunPolicy, kind: str, now: float) -> bool:
+        """A `kind` action was issued less than `cooldown_s` ago in this run."""
+        return now - st.last_ts.get(kind, -math.inf) < self.cfg.cooldown_s
+
+    def waiting(self, st: RunPolicy, inc: dict[str, Any], now: float) -> bool:
+        """An incident the policy has not decided on yet, and will when asked again: a
+        NaN settling for its culprit, or a rollback waiting out the cooldown."""
+        if st.finished or inc.get("id") in st.acted or inc.get("kind") not in self.cfg.rollback_on:
+            return False
+        return self.settling(inc, now) or (self.mode_of(ROLLBACK) != "off" and self.cooling(st, ROLLBACK, now))
 
     def settling(self, inc: dict[str, Any], now: float) -> bool:
         """A NaN whose first rows came from ranks that only saw it arrive (the culprit's

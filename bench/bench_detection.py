@@ -82,8 +82,9 @@ class Scenario:
         return out
 
     def argv(self, run_dir: Path) -> list[str]:
-        argv = [sys.executable, "-m", "trainer", "--telemetry", "--run-dir", str(run_dir), "--run-id", run_dir.name,
-                *TINY, *LAYOUTS[self.layout], "--steps", str(self.steps if self.kind != "hang" else 1000),
+        # detection alone is measured: the policy is off, the faults stay as injected
+        argv = [sys.executable, "-m", "trainer", "--telemetry", "--policy", "off", "--run-dir", str(run_dir),
+                "--run-id", run_dir.name, *TINY, *LAYOUTS[self.layout], "--steps", str(self.steps if self.kind != "hang" else 1000),
                 "--precision", "fp16" if self.kind == "overflow" else "fp32"]
         for spec in self.injections():
             argv += ["--inject", spec]

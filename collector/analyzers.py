@@ -39,13 +39,34 @@ class AnalysisDetector:
 
     def __call__(self, state: dict[str, Any], tables: Mapping[str, pa.Table], now: float) -> list:
         run_id = state["run_id"]
-        if state["complete"] and _restarted(tables):
-            state["complete"] = False  # a restart on fewer nodes: another world size, node map and mesh
+        ended: list = []
+        if _restarted(tables):
+            ended = self._new_layout(state, now)
+
         if not state["complete"]:
             meta = self._meta(run_id)
             state["complete"] = _complete(meta)
             tables = {**tables, **meta}
-        return state["analyzer"].feed(Frames.from_arrow(tables), now=now)
+        return ended + state["analyzer"].feed(Frames.from_arrow(tables), now=now)
+
+    def _new_layout(self, state: dict[str, Any], now: float) -> list:
+        """A restart round (maybe on fewer nodes: rank numbers now name other hardware).
+        The open incidents of the old round are closed, and the run's analysis starts
+        over on the new layout: its detectors' state was about the old ranks (a
+        straggler's rank number now belongs to its healthy successor)."""
+        run_id, old = state["run_id"], state["analyzer"]
+        out: list = []
+        book = old.runs[run_id].book if run_id in old.runs else None
+        if book is not None:
+            for key in book.open_keys():
+                f = book.get(key)
+                book.resolve(key, out, ts=now, evidence={**(f.evidence or {}),
+                                                         "resolved_because": "the job restarted (a new round)"})
+        state["analyzer"] = Analyzer(self.rules)
+        if book is not None:
+            state["analyzer"].run_state(run_id).book.continue_keys(book)
+        state["meta"], state["complete"] = None, False  # another world size, node map and mesh
+        return out
 
     def _meta(self, run_id: str) -> dict[str, pa.Table]:
         return self._read(read.run_meta_tables, run_id)

@@ -55,7 +55,8 @@ log = logging.getLogger("collector.policy")
 
 _EVENT_KINDS = ("command_ack", "rerun_verdict", "run_finished", "run_started")
 _FAILED_ACKS = frozenset({"failed", "error", "rejected"})
-_TICK_S = 0.25  # how often open stragglers are looked at again without news
+_TICK_S = 0.25  # how often open stragglers and waiting incidents are looked at again without news
+_DEFER_MAX_S = 120.0  # an incident still waiting this long after it opened is dropped (logged)
 
 
 class IncidentWatch:
@@ -216,10 +217,10 @@ class PolicyRunner:
         st = self._state(row["run_id"])
         now = self.clock()
         decisions = self.policy.on_incident(st, row, now)
-        if row["id"] in st.acted or not self.policy.settling(row, now):
-            self._deferred.pop(row["id"], None)
-        else:
+        if self.policy.waiting(st, row, now) and now - (row.get("opened_ts") or now) < _DEFER_MAX_S:
             self._deferred[row["id"]] = row  # the newest row: an update may have named the culprit
+        else:
+            self._deferred.pop(row["id"], None)
         for d in decisions:
             self._carry_out(d, row)
 

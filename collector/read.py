@@ -229,18 +229,24 @@ RANKS_PER_REPLICA = """coalesce((SELECT
 
 def step_time_parts(cur: Cursor, run_id: str) -> Rows:
     """Step seconds and tokens of the run, per (effective, skipped): a step lasts as long
-    as its slowest rank (max step_s), and its tokens are the sum over its ranks divided by
+    as its slowest rank (max step_s), capped at the time since the step before it ended
+    (so overlapping steps are not counted twice), and its tokens are the sum over its ranks divided by
     tp x pp (every rank of a data-parallel replica reports the replica's tokens; the
     same rule as the step_summary view). `effective`: the attempt steps_effective
     keeps; a rolled-back attempt's steps are not."""
     return records(cur, f"""
         WITH per_step AS (
             SELECT attempt, step, bool_and(effective) AS effective, coalesce(bool_or(skipped), false) AS skipped,
-                   max(step_s) AS step_s, sum(tokens) / {RANKS_PER_REPLICA} AS tokens
-            FROM steps_history WHERE run_id = $r GROUP BY attempt, step)
-        SELECT effective, skipped, count(*) AS num_steps, coalesce(sum(step_s), 0) AS step_s,
+                   max(step_s) AS step_s, max(ts) AS end_ts, sum(tokens) / {RANKS_PER_REPLICA} AS tokens
+            FROM steps_history WHERE run_id = $r GROUP BY attempt, step),
+        -- a step's time is its slowest rank's step_s, but no more than since the step before
+        -- it ended: the ranks' windows do not line up, and summing each step's slowest rank
+        -- would count the overlap twice (goodput above 100%)
+        own AS (SELECT *, least(step_s, end_ts - lag(end_ts) OVER (ORDER BY end_ts, attempt, step)) AS own_s
+                FROM per_step)
+        SELECT effective, skipped, count(*) AS num_steps, coalesce(sum(coalesce(own_s, step_s)), 0) AS step_s,
                coalesce(sum(tokens), 0) AS tokens
-        FROM per_step GROUP BY effective, skipped ORDER BY effective DESC, skipped""", {"r": run_id})
+        FROM own GROUP BY effective, skipped ORDER BY effective DESC, skipped""", {"r": run_id})
 
 
 def step_window(cur: Cursor, run_id: str, *, step_from: int, step_to: int, max_points: int = 400) -> Rows:

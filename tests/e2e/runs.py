@@ -21,6 +21,9 @@ import duckdb
 
 from tests.integration.trainer_run import ROOT, TINY, Run, run_trainer
 
+# The detection scenarios watch what is detected and named: the policy is off, so the
+# faults stay as injected (no rollback, restart or isolation changes the run under them).
+DETECT_ONLY = ("--policy", "off")
 E2E_TIMEOUT_S = 150  # one run; the suite's budget is 4 minutes on 2 cores
 
 
@@ -60,7 +63,7 @@ def read_outcome(run: Run) -> Outcome:
 
 def run_scenario(run_dir: Path, *args: str) -> Outcome:
     """A run that ends by itself (cleanly, or through a crash the launcher handles)."""
-    run = run_trainer(run_dir, "--telemetry", *args, timeout=E2E_TIMEOUT_S)
+    run = run_trainer(run_dir, "--telemetry", *DETECT_ONLY, *args, timeout=E2E_TIMEOUT_S)
     return read_outcome(run)
 
 
@@ -70,7 +73,7 @@ def run_until_incident(run_dir: Path, kind: str, *args: str, timeout_s: float = 
     read what it stored. Fails on the timeout rather than waiting forever."""
     run_dir = Path(run_dir)
     argv = [sys.executable, "-m", "trainer", "--run-dir", str(run_dir), "--run-id", run_dir.name,
-            "--metrics-jsonl", str(run_dir / "metrics.jsonl"), "--telemetry", *TINY, *args]
+            "--metrics-jsonl", str(run_dir / "metrics.jsonl"), "--telemetry", *DETECT_ONLY, *TINY, *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)

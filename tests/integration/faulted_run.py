@@ -10,6 +10,9 @@
 - a transient NaN: rank 1's activations at step 25, once (not tied to the data): every
   rank skips that step's optimizer update and the loss scale halves; training goes on.
 
+With `--policy off`: the run keeps its one lineage (no rollback, no isolation), as a
+run under a team that only wants the pages would.
+
 The run directory is named `demo`, the run id the docs/postmortem.md queries use, so
 they run here verbatim. What was injected is `injections.jsonl` (the truth); the test
 modules assert against FAULTS below, which says the same thing.
@@ -51,7 +54,8 @@ def faulted_run() -> FaultedRun:
                     "--micro-batches", "2", "--precision", "fp16",
                     "--inject", f"straggler@rank={STRAGGLER['rank']},from={STRAGGLER['from_step']},factor=3",
                     "--inject", f"nan@step={NAN['step']},rank={NAN['rank']},mode=transient",
-                    "--ckpt-dir", str(run_dir / "ckpt"), "--ckpt-every", str(CHECKPOINT_EVERY))
+                    "--ckpt-dir", str(run_dir / "ckpt"), "--ckpt-every", str(CHECKPOINT_EVERY),
+                    "--policy", "off")  # detected and alerted, not healed: what the cookbook's queries read
     assert r.returncode == 0, r.stderr[-3000:]
     db = run_dir / "telemetry.duckdb"
     assert db.exists(), r.stdout[-2000:]

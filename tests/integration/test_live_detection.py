@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 def test_a_spike_and_a_straggler_become_incidents_while_the_run_goes(tmp_path):
     r = run_trainer(tmp_path / "run", "--telemetry", "--dp", "2", "--nodes", "2", "--steps", "45",
-                    "--micro-batches", "2", "--inject", "spike@step=30",
+                    "--micro-batches", "2", "--inject", "spike@step=30", "--policy", "off",
                     "--inject", "straggler@rank=1,from=12,factor=3")
     assert r.returncode == 0, r.stderr[-3000:]
     con = duckdb.connect(str(r.run_dir / "telemetry.duckdb"), read_only=True)

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 NAN_STEP, NAN_RANK = 6, 3  # rank 3: pp stage 1 (the last), dp replica 1
 MICRO_BATCHES, MBS = 2, 2  # MBS: trainer_run.TINY's --micro-batch-size
-LAYOUT = ["--telemetry", "--dp", "2", "--pp", "2", "--micro-batches", str(MICRO_BATCHES)]
+LAYOUT = ["--telemetry", "--policy", "off", "--dp", "2", "--pp", "2", "--micro-batches", str(MICRO_BATCHES)]
 
 
 def _open(run):

@@ -104,14 +104,14 @@ def test_an_incident_without_a_step_is_refused():
     assert (d.kind, d.refused) == (ROLLBACK, "the incident names no step")
 
 
-def test_a_second_rollback_within_the_cooldown_is_refused():
+def test_a_second_rollback_within_the_cooldown_waits_for_it():
     p, st = policy(policy={"cooldown_s": 20.0}), run_state()
     assert kinds(p.on_incident(st, incident(1), now=0.0)) == [(ROLLBACK, "auto", None)]
-    [d] = p.on_incident(st, incident(2), now=5.0)
-    assert d.refused.startswith("cooldown: a rollback was issued 5.0 s ago")
-    assert d.detail()["refused"] == d.refused
-    # a refusal does not restart the cooldown
-    assert kinds(p.on_incident(st, incident(3), now=20.0)) == [(ROLLBACK, "auto", None)]
+    assert p.on_incident(st, incident(2), now=5.0) == []
+    assert p.waiting(st, incident(2), 5.0) and 2 not in st.acted  # not decided: asked again later
+    assert kinds(p.on_incident(st, incident(2), now=20.0)) == [(ROLLBACK, "auto", None)]
+    assert not p.waiting(st, incident(2), 20.0)
+    assert p.on_incident(st, incident(3), now=30.0) == []  # the cooldown runs from the last one issued
 
 
 def test_past_max_rollbacks_the_run_is_stopped_instead_of_looping():
