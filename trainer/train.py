@@ -170,9 +170,10 @@ class Trainer:
                 self.agent.set_phase("data", step)
                 batch = loader.next()
                 data_s = loader.wait_s
+                # a rollback's rerun of its suspect step (trainer/diagnosis.py): the probe judges it
                 probe = self.ctx.probe if self.ctx.probe is not None and self.ctx.probe.step == step else None
-                # the samples of this step's global batch (the loader's step_window): data-tied faults follow them
                 self.injector.probing = probe is not None
+                # the samples of this step's global batch (the loader's step_window): data-tied faults follow them
                 faults = self.injector.step_faults(step, self.state.attempt, batch.meta["window"],
                                                    replica_window=batch.meta["replica_window"])
                 if faults.spike:
