@@ -178,12 +178,17 @@ def argv_for(run_dir: Path, run_id: str, *, steps: int, policy: str, inject: lis
 
 # -- reading one run back -----------------------------------------------------------
 def effective_steps(cur, run_id: str) -> dict[int, dict]:
-    """step -> {step_s, skipped, ts} of the effective attempt: read.step_time_parts per step
-    (its slowest rank's step_s), so that segments of a manually restarted job can be joined."""
+    """step -> {step_s, skipped, ts} of the effective attempt, per step as read.step_time_parts
+    counts it (its slowest rank's step_s, capped at the time since the step before ended),
+    so that segments of a manually restarted job can be joined."""
     rows = read.records(cur, """
-        SELECT step, bool_and(effective) AS effective, coalesce(bool_or(skipped), false) AS skipped,
-               max(step_s) AS step_s, max(ts) AS ts
-        FROM steps_history WHERE run_id = $r GROUP BY attempt, step""", {"r": run_id})
+        WITH per_step AS (
+            SELECT attempt, step, bool_and(effective) AS effective, coalesce(bool_or(skipped), false) AS skipped,
+                   max(step_s) AS slowest_s, max(ts) AS ts
+            FROM steps_history WHERE run_id = $r GROUP BY attempt, step)
+        SELECT step, effective, skipped, ts,
+               coalesce(least(slowest_s, ts - lag(ts) OVER (ORDER BY ts, attempt, step)), slowest_s) AS step_s
+        FROM per_step""", {"r": run_id})
     return {int(r["step"]): r for r in rows if r["effective"]}
 
 
