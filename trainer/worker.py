@@ -222,7 +222,7 @@ def run_worker(cfg: JobConfig, *, token: str | None = None) -> int:
 
         floor = int(os.environ.get(ATTEMPT_FLOOR_ENV) or 0)
         attempts_file = Path(cfg.run_dir) / ATTEMPT_FILE if cfg.run_dir else None
-        if not floor and (restart > 0 or cfg.ckpt.resume) and attempts_file is not None and attempts_file.exists():
+        if not floor and attempts_file is not None and (restart > 0 or (cfg.ckpt.resume and attempts_file.exists())):
             # torchrun's restart, or a --resume of a run that ran before: above every attempt
             # already written, so no (step, attempt) row is written twice. Every rank reads
             # it before rank 0 can write this one's (the barrier), so all agree.

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -10,6 +11,7 @@ import duckdb
 import pytest
 
 from tests.integration.trainer_run import ROOT, TINY, assert_close, run_trainer
+from tests.polling import wait_until
 from tests.unit.collector.collector_server import CollectorProcess
 from trainer.launch import free_port
 
@@ -34,6 +36,12 @@ def test_two_torchrun_nodes_match_the_embedded_launcher(tmp_path):
                            "--nodes", "2")
     assert embedded.returncode == 0, embedded.stderr[-3000:]
     assert_close(torchrun, embedded.losses(), range(1, 5))
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 RUN_LINE = re.compile(r"trainer: rank (\d+) in run (\S+) \((\S+)\)")
@@ -105,6 +113,10 @@ def test_an_isolated_node_leaves_and_the_job_finishes_on_the_other_two(tmp_path)
             logs.append(log)
             agents.append(subprocess.Popen([*torchrun, *trainer_args], cwd=ROOT, env=env, stdout=log,
                                            stderr=subprocess.STDOUT))
+            if k == 0:
+                # node0's agent hosts the rendezvous store (the first to bind the endpoint does):
+                # the isolated node must not be the one that holds it (docs/healing.md)
+                assert wait_until(lambda: listening(port), 60.0, 0.1), "node0's agent never served the store"
         codes = [a.wait(timeout=300) for a in agents]
     finally:
         for a in agents:
