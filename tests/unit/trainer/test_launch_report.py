@@ -14,55 +14,16 @@ from agent import wire
 from agent.launcher import LauncherReporter
 from agent.transport import PostResult
 from collector.decode import decode
+from tests.unit.trainer.fakes import FakeClock, FakeProc
 from trainer import supervisor
 from trainer.config import HealingConfig, JobConfig, ParallelConfig
 from trainer.incident_feed import IncidentFeed, describe, read_token
 from trainer.supervisor import Supervisor
 
 
-class FakeProc:
-    """A rank: exits with `code` after `polls` polls, or when signalled (143, as the worker does)."""
-
-    def __init__(self, code: int | None, polls: int = 1) -> None:
-        self.code, self.polls, self.returncode, self.signals = code, polls, None, []
-
-    def poll(self):
-        if self.returncode is None and self.code is not None:
-            self.polls -= 1
-            if self.polls <= 0:
-                self.returncode = self.code
-        return self.returncode
-
-    def send_signal(self, sig) -> None:
-        self.signals.append(sig)
-        self.returncode = 143
-
-    def wait(self, timeout=None):
-        return self.returncode
-
-    def kill(self) -> None:
-        self.returncode = -signal.SIGKILL
-
-
-class Clock:
-    """The supervisor's `time`: its watch loop's sleeps advance the clock, no test waits."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def time(self) -> float:
-        return 1.7e9 + self.now
-
-    def sleep(self, s: float) -> None:
-        self.now += s
-
-
 def supervise(procs, *, on_exit, policy="auto", monkeypatch, tmp_path) -> int:
     """One job under the supervisor (trainer/supervisor.py), its one round these ranks."""
-    monkeypatch.setattr(supervisor, "time", Clock())
+    monkeypatch.setattr(supervisor, "time", FakeClock())
     cfg = JobConfig(parallel=ParallelConfig(dp=len(procs)), healing=HealingConfig(policy=policy))
     rounds = iter([procs])
     return Supervisor(cfg, tmp_path, spawn=lambda cfg, layout, round_: next(rounds), on_exit=on_exit,

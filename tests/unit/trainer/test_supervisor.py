@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.trainer.fakes import FakeClock, FakeProc
 from trainer import supervisor as sup
 from trainer.config import (AlertReceivers, CheckpointConfig, HealingConfig, JobConfig, ParallelConfig,
                             TelemetryConfig)
@@ -16,49 +17,6 @@ from trainer.control import EXIT_RESTART, record_isolation
 from trainer.supervisor import (ATTEMPT_FLOOR_ENV, HW_RANK_ENV, NODE_NAMES_ENV, ORIG_WORLD_ENV, RESTART_ROUND_ENV,
                                 Layout, Supervisor, attempt_high_water, first_layout, layout_config, shrink,
                                 write_attempt)
-
-
-class FakeProc:
-    """A rank: exits with `code` after `polls` polls (never, with None), or when
-    signalled (143, as the worker does)."""
-
-    def __init__(self, code: int | None, polls: int = 1) -> None:
-        self.code, self.polls, self.returncode, self.signals = code, polls, None, []
-
-    def poll(self):
-        if self.returncode is None and self.code is not None:
-            self.polls -= 1
-            if self.polls <= 0:
-                self.returncode = self.code
-        return self.returncode
-
-    def send_signal(self, sig) -> None:
-        self.signals.append(sig)
-        self.returncode = 143
-
-    def wait(self, timeout=None):
-        return self.returncode
-
-    def kill(self) -> None:
-        self.returncode = -signal.SIGKILL
-
-
-class FakeClock:
-    """Stands in for the `time` module in trainer.supervisor: sleep() advances monotonic()."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-        self.slept = 0.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def time(self) -> float:
-        return 1.7e9 + self.now
-
-    def sleep(self, s: float) -> None:
-        self.now += s
-        self.slept += s
 
 
 class FakeWatch:
