@@ -272,12 +272,18 @@ class IsolateHandler(Handler):
                              incident_id=cmd.args.get("incident_id"), step=step, command_id=cmd.id)
         ctx.comm.barrier(Axis.WORLD)  # the file is written before any rank exits
         ctx.log(f"isolate {node}: checkpointed step {step}; the job restarts without it")
-        if ctx.node == node and os.environ.get("TORCHELASTIC_RESTART_COUNT") is not None:
+        if ctx.node == node and under_elastic_agent():
             # Under torchrun the isolated node's elastic agent must leave, not restart its
             # workers: told to stop, it does not rejoin (and does not close the rendezvous),
             # so the other agents re-rendezvous without it (--nnodes MIN:MAX).
             os.kill(os.getppid(), signal.SIGTERM)
         return Outcome(f"{node} isolated at step {step}; restarting without it", stop=True, exit_code=EXIT_RESTART)
+
+
+def under_elastic_agent() -> bool:
+    """This rank is a worker of torchrun's elastic agent (not of the embedded launcher,
+    which sets torchrun's rank variables too, but not this one)."""
+    return "TORCHELASTIC_RESTART_COUNT" in os.environ
 
 
 def record_isolation(run_dir: Path, *, node: str, reason: str, incident_id: Any, step: int, command_id: str) -> None:

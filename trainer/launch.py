@@ -30,9 +30,7 @@ from pathlib import Path
 
 from trainer.config import ConfigError, JobConfig
 from trainer.lifeline import Lifeline, die_with_parent
-from trainer.supervisor import Layout, NodeWatch, Supervisor, fit_world
-
-ORIG_WORLD_TORCHRUN_ENV = "LLMWATCH_ORIG_WORLD_SIZE"  # trainer/worker.py reads it
+from trainer.supervisor import ORIG_WORLD_ENV, Layout, NodeWatch, Supervisor, fit_world
 from trainer.private import COLLECTOR_TOKEN_ENVS, TOKEN_ENV
 from trainer.rundir import new_run_id, prepare_run, torchrun_run_id
 
@@ -186,7 +184,7 @@ def _launch_torchrun(cfg: JobConfig, *, token: str | None, progress: bool) -> in
     world = int(os.environ["WORLD_SIZE"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     configured = cfg.parallel.world_size
-    os.environ.setdefault(ORIG_WORLD_TORCHRUN_ENV, str(configured))  # injections name ranks of this layout
+    os.environ.setdefault(ORIG_WORLD_ENV, str(configured))  # injections name ranks of this layout
     try:
         # --nnodes MIN:MAX: a re-rendezvous after an isolation brings fewer ranks than the
         # command line's dp x tp x pp; dp follows them and the global batch stays
@@ -194,7 +192,7 @@ def _launch_torchrun(cfg: JobConfig, *, token: str | None, progress: bool) -> in
         if note and int(os.environ.get("RANK", "0")) == 0:
             print(f"trainer: {world} ranks instead of {configured}: {note}", flush=True)
         cfg.parallel.nodes = max(1, world // local_world)
-        cfg.validate(world_size=world, injection_world=int(os.environ[ORIG_WORLD_TORCHRUN_ENV]))
+        cfg.validate(world_size=world, injection_world=int(os.environ[ORIG_WORLD_ENV]))
     except (ConfigError, ValueError) as e:
         print(f"trainer: error: {e}", file=sys.stderr)
         return 2

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from trainer.comm import Comm
 from trainer.config import JobConfig
+from trainer.control import under_elastic_agent
 from trainer.faults import FaultInjector, parse_injections
 from trainer.lifeline import watch_lifeline
 from trainer.parallel_dims import ParallelDims
@@ -32,7 +33,6 @@ from trainer.supervisor import (ATTEMPT_FLOOR_ENV, HW_RANK_ENV, NODE_NAMES_ENV, 
 
 NODE_NAME_ENV = "LLMWATCH_NODE_NAME"  # this node's name (under torchrun: set per agent)
 NODE_INDEX_ENV = "LLMWATCH_NODE_INDEX"  # this node's index in the first layout (under torchrun: per agent)
-ORIG_WORLD_TORCHRUN_ENV = "LLMWATCH_ORIG_WORLD_SIZE"  # set by _launch_torchrun: the configured world
 from trainer.rundir import agree_run_id, prepare_run
 
 # The lifeline's hard exit comes this long after its SIGTERM: time for the agent's
@@ -104,10 +104,6 @@ def node_names_from(environ, nodes: int) -> list[str]:
     return names if len(names) == nodes else [f"node{i}" for i in range(nodes)]
 
 
-def restart_env_is_torchrun() -> bool:
-    return "TORCHELASTIC_RESTART_COUNT" in os.environ
-
-
 def gather_node_names(store, *, rank: int, world: int, per_node: int, round_: int) -> list[str]:
     """Under torchrun each agent names its own node (LLMWATCH_NODE_NAME) and the ranks
     are numbered by rendezvous order: every rank publishes its node's name in the job's
@@ -168,7 +164,7 @@ def run_worker(cfg: JobConfig, *, token: str | None = None) -> int:
     dims = ParallelDims.from_config(cfg.parallel, rank=rank, world_size=world)
     dims.build_mesh(device.type)
     node_names = node_names_from(os.environ, dims.nodes)
-    if restart_env_is_torchrun() and os.environ.get(NODE_NAME_ENV):
+    if under_elastic_agent() and os.environ.get(NODE_NAME_ENV):
         node_names = gather_node_names(store, rank=rank, world=world, per_node=dims.ranks_per_node, round_=restart)
     node = os.environ.get(NODE_NAME_ENV) or node_names[dims.node]
 
@@ -213,7 +209,8 @@ def run_worker(cfg: JobConfig, *, token: str | None = None) -> int:
         # Injections name ranks of the job's first layout: after an elastic restart with fewer
         # nodes a fault stays with its hardware (the launcher's LLMWATCH_HW_RANK), not its number.
         hw_rank = hardware_rank(os.environ, rank, dims.ranks_per_node)
-        orig_world = int(os.environ.get(ORIG_WORLD_ENV) or os.environ.get(ORIG_WORLD_TORCHRUN_ENV) or world)
+        # the first layout's world: the supervisor's, or under torchrun the command line's (_launch_torchrun)
+        orig_world = int(os.environ.get(ORIG_WORLD_ENV) or world)
         injector = FaultInjector(parse_injections(cfg.inject, world_size=orig_world), rank=rank, hw_rank=hw_rank,
                                  node=hw_rank // dims.ranks_per_node,
                                  run_dir=cfg.run_dir, tp=dims.tp, pp=dims.pp, dp=dims.dp,
