@@ -38,7 +38,7 @@ import pyarrow as pa
 from prometheus_client import Counter, Gauge
 
 from analysis.policy import Policy
-from collector import read
+from collector import read, read_views
 from collector.actions import (ActionsProjection, BadBatchesProjection, RecordAction, SetNodeStatus,
                                UpdateAction)
 from collector.commands import CommandsProjection, IssueCommand, validate_request
@@ -46,7 +46,6 @@ from collector.decode import DecodedBatch
 from collector.dedupe import BatchKeysProjection
 from collector.detection import DetectionRunner, Detector
 from collector.feed import Feed, Subscription
-from collector.goodput import goodput
 from collector.incidents import (Finding, IncidentsProjection, OpenIncident, RecordFindings, UpdateIncident,
                                  as_finding, check_fields)
 from collector.liveness import LivenessProjection
@@ -446,11 +445,7 @@ class Storage:
 
     def goodput(self, run_id: str) -> dict[str, Any]:
         """The run's goodput and what it is made of (collector/goodput.py)."""
-
-        def job(cur) -> dict[str, Any]:
-            g = goodput(read.step_time_parts(cur, run_id), read.run_span(cur, run_id))
-            return {**{f: getattr(g, f) for f in g.__dataclass_fields__}, "goodput": g.goodput}
-        return self.read(job)
+        return self.read(read_views.run_goodput, run_id)
 
     def actions(self, run_id: str) -> list[dict[str, Any]]:
         return self.read(read.actions, run_id)

@@ -6,12 +6,14 @@ storage query blocks only its own thread (each gets its own DuckDB cursor).
 
 from __future__ import annotations
 
+import inspect
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from pydantic import BeforeValidator, Field
-from starlette.responses import Response
+from starlette.responses import HTMLResponse, Response
 
+from collector import postmortem, read_views
 from collector.routes.common import json_response
 from collector.storage import Storage
 
@@ -29,11 +31,14 @@ Step = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 StepFrom = Annotated[Step | None, _EmptyIsNone, Query()]
 StepTo = Annotated[Step | None, _EmptyIsNone, Query()]
 Rank = Annotated[Annotated[int, Field(ge=0, lt=2**31)] | None, _EmptyIsNone, Query()]
+Points = Annotated[Annotated[int, Field(ge=1, le=10_000)] | None, _EmptyIsNone, Query()]
 
 
 @router.get("")
-def list_runs(storage: StorageDep) -> Response:
-    return json_response(storage.runs())
+def list_runs(storage: StorageDep, detail: bool = False) -> Response:
+    """Every run; `detail=true`: the newest 50 with their last step, attempts, incidents
+    and actions (the dashboard's runs page)."""
+    return json_response(storage.read(read_views.runs_overview) if detail else storage.runs())
 
 
 @router.get("/{run_id}")
@@ -42,6 +47,32 @@ def get_run(run_id: str, storage: StorageDep) -> Response:
     if run is None:
         raise HTTPException(404, f"unknown run {run_id!r}")
     return json_response(run)
+
+
+@router.get("/{run_id}/view/{name}")
+def get_view(run_id: str, name: str, storage: StorageDep, step_from: StepFrom = None, step_to: StepTo = None,
+             max_points: Points = None, max_steps: Points = None, last_steps: Points = None,
+             prefix: Annotated[str | None, Query(max_length=200)] = None) -> Response:
+    """One of collector/read_views.py's aggregate views (what a dashboard chart draws),
+    with the parameters that view takes; the others are ignored."""
+    fn = read_views.VIEWS.get(name)
+    if fn is None:
+        raise HTTPException(404, f"unknown view {name!r}; views: {', '.join(sorted(read_views.VIEWS))}")
+    given = {"step_from": step_from, "step_to": step_to, "max_points": max_points, "max_steps": max_steps,
+             "last_steps": last_steps, "prefix": prefix}
+    accepted = inspect.signature(fn).parameters
+    return json_response(storage.read(fn, run_id, **{k: v for k, v in given.items()
+                                                     if v is not None and k in accepted}))
+
+
+@router.get("/{run_id}/report")
+def get_report(run_id: str, storage: StorageDep) -> Response:
+    """The run's postmortem report as one self-contained HTML page (collector/postmortem.py)."""
+    try:
+        report = storage.read(postmortem.gather, run_id)
+    except LookupError:
+        raise HTTPException(404, f"unknown run {run_id!r}") from None
+    return HTMLResponse(postmortem.render_html(report))
 
 
 @router.get("/{run_id}/steps")
