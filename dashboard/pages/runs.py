@@ -1,0 +1,10 @@
+import dash
+from dash import html
+
+
+
+def layout(**_):
+    return html.Div("todo")
+
+
+dash.register_page(__name__, path="/runs", name="Runs", order=9, layout=layout)

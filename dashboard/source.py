@@ -1,0 +1,246 @@
+"""Where the dashboard's data comes from: one interface, two implementations.
+
+- `HttpSource`: a live collector's query API (`--collector URL`), with the read
+  token as a bearer token. It is how a dashboard watches a run in progress: the
+  collector holds the DuckDB file and nothing else may open it.
+- `DbSource`: a finished run's DuckDB file (`--db PATH`), opened read-only with the
+  collector's lockdown settings (no file or network access from SQL).
+
+Both answer with the same rows because both run the same read-side functions
+(collector/read.py, collector/read_views.py): the collector serves them over HTTP,
+the file source calls them on a cursor. No query is written here.
+
+Errors a page should show, not crash on, are `SourceError` (the collector is
+down, the token is refused, the file cannot be opened) and `SqlError` (a query
+the SQL console refused, with the collector's reason).
+"""
+
+from __future__ import annotations
+
+import json
+import ssl
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+
+Rows = list[dict[str, Any]]
+
+HTTP_TIMEOUT_S = 15.0
+SQL_MAX_ROWS = 5000  # the console shows at most this many rows
+
+
+class SourceError(RuntimeError):
+    """The data is not reachable: a page says so instead of drawing nothing."""
+
+
+class SqlError(ValueError):
+    """The SQL console's query was refused; the message is the collector's reason."""
+
+
+class Source(ABC):
+    """What every page reads. Run-scoped views take the step range and size limits of
+    collector/read_views.py (`view(run, "overview", step_from=..., max_points=...)`)."""
+
+    live: bool = False  # a running collector: pages poll it
+
+    @abstractmethod
+    def describe(self) -> str: ...
+
+    @abstractmethod
+    def runs(self) -> Rows:
+        """The newest runs, newest first, with last step, attempts, incidents and actions."""
+
+    @abstractmethod
+    def run(self, run_id: str) -> dict[str, Any] | None: ...
+
+    @abstractmethod
+    def view(self, run_id: str, name: str, **params: Any) -> Rows:
+        """One of collector/read_views.VIEWS."""
+
+    @abstractmethod
+    def table(self, run_id: str, name: str) -> Rows:
+        """A run's rows of one of TABLES: incidents, actions, nodes, checkpoints, bad_batches, goodput."""
+
+    @abstractmethod
+    def sql(self, query: str, *, max_rows: int = SQL_MAX_ROWS) -> dict[str, Any]:
+        """{"columns", "types", "rows", "truncated"} or SqlError."""
+
+    @abstractmethod
+    def report_html(self, run_id: str) -> str:
+        """The run's postmortem report (collector/postmortem.py)."""
+
+    def close(self) -> None:
+        pass
+
+
+TABLES = ("incidents", "actions", "nodes", "checkpoints", "bad_batches", "goodput")
+
+
+class HttpSource(Source):
+    live = True
+
+    def __init__(self, url: str, token: str | None, *, ca_file: str | None = None,
+                 timeout_s: float = HTTP_TIMEOUT_S) -> None:
+        self.url = url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._context = ssl.create_default_context(cafile=ca_file) if ca_file else None
+        self.timeout_s = timeout_s
+
+    def describe(self) -> str:
+        return f"live: collector {self.url}"
+
+    def _request(self, path: str, *, params: dict[str, Any] | None = None, body: dict | None = None) -> bytes:
+        query = {k: v for k, v in (params or {}).items() if v is not None}
+        url = self.url + path + (f"?{urllib.parse.urlencode(query)}" if query else "")
+        headers = dict(self._headers)
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            headers["Content-Type"] = "application/json"
+        req = urllib.request.Request(url, data=data, headers=headers, method="POST" if data else "GET")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s, context=self._context) as resp:
+                return resp.read()
+        except urllib.error.HTTPError as e:
+            raise _http_error(e) from None
+        except (urllib.error.URLError, OSError) as e:
+            raise SourceError(f"cannot reach the collector at {self.url}: {getattr(e, 'reason', e)}") from None
+
+    def _json(self, path: str, **params: Any) -> Any:
+        return json.loads(self._request(path, params=params))
+
+    def runs(self) -> Rows:
+        return self._json("/v1/runs", detail="true")
+
+    def run(self, run_id: str) -> dict[str, Any] | None:
+        try:
+            return self._json(f"/v1/runs/{_quote(run_id)}")
+        except _NotFound:
+            return None
+
+    def view(self, run_id: str, name: str, **params: Any) -> Rows:
+        return self._json(f"/v1/runs/{_quote(run_id)}/view/{_quote(name)}", **params)
+
+    def table(self, run_id: str, name: str) -> Rows:
+        if name not in TABLES:
+            raise ValueError(f"unknown table {name!r}")
+        return self._json(f"/v1/runs/{_quote(run_id)}/{name}")
+
+    def sql(self, query: str, *, max_rows: int = SQL_MAX_ROWS) -> dict[str, Any]:
+        try:
+            return json.loads(self._request("/v1/sql", body={"sql": query, "format": "json", "max_rows": max_rows}))
+        except _BadRequest as e:
+            raise SqlError(str(e)) from None
+
+    def report_html(self, run_id: str) -> str:
+        return self._request(f"/v1/runs/{_quote(run_id)}/report").decode("utf-8")
+
+
+class _NotFound(SourceError):
+    pass
+
+
+class _BadRequest(SourceError):
+    pass
+
+
+def _quote(part: str) -> str:
+    return urllib.parse.quote(part, safe="")
+
+
+def _http_error(e: urllib.error.HTTPError) -> SourceError:
+    try:
+        reason = json.loads(e.read()).get("error", e.reason)
+    except (ValueError, AttributeError):
+        reason = e.reason
+    if e.code == 404:
+        return _NotFound(str(reason))
+    if e.code == 400:
+        return _BadRequest(str(reason))
+    if e.code in (401, 403):
+        return SourceError(f"the collector refused the read token (HTTP {e.code}: {reason}); "
+                           "give it with LLMWATCH_TOKEN or --token-file")
+    return SourceError(f"the collector answered HTTP {e.code}: {reason}")
+
+
+class DbSource(Source):
+    """A closed collector file, read-only. One connection; a cursor per call (DuckDB
+    cursors are per thread, and the dashboard's server answers on several)."""
+
+    def __init__(self, path: str | Path, *, sql_timeout_s: float = 10.0) -> None:
+        import duckdb
+
+        from collector.storage import connect
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise SourceError(f"no database file at {self.path}")
+        try:
+            self._con = connect(self.path, read_only=True)
+        except duckdb.Error as e:
+            hint = " (a running collector holds it: use --collector URL)" if "lock" in str(e).lower() else ""
+            raise SourceError(f"cannot open {self.path}: {e}{hint}") from None
+        self.sql_timeout_s = sql_timeout_s
+        self._lock = threading.Lock()
+
+    def describe(self) -> str:
+        return f"postmortem: {self.path} (read-only)"
+
+    def _read(self, fn, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            cur = self._con.cursor()
+        try:
+            return fn(cur, *args, **kwargs)
+        finally:
+            cur.close()
+
+    def runs(self) -> Rows:
+        from collector import read_views
+
+        return self._read(read_views.runs_overview)
+
+    def run(self, run_id: str) -> dict[str, Any] | None:
+        from collector import read
+
+        return self._read(read.run, run_id)
+
+    def view(self, run_id: str, name: str, **params: Any) -> Rows:
+        from collector import read_views
+
+        fn = read_views.VIEWS.get(name)
+        if fn is None:
+            raise ValueError(f"unknown view {name!r}")
+        return self._read(fn, run_id, **{k: v for k, v in params.items() if v is not None})
+
+    def table(self, run_id: str, name: str) -> Rows:
+        from collector import read, read_views
+
+        fns = {"incidents": read.incidents, "actions": read.actions, "nodes": read.nodes,
+               "checkpoints": read.checkpoints, "bad_batches": read.bad_batches, "goodput": read_views.run_goodput}
+        if name not in fns:
+            raise ValueError(f"unknown table {name!r}")
+        return self._read(fns[name], run_id)
+
+    def sql(self, query: str, *, max_rows: int = SQL_MAX_ROWS) -> dict[str, Any]:
+        from collector.sqlguard import SqlRefused, run_select
+
+        try:
+            r = self._read(run_select, query, max_rows=max_rows, timeout_s=self.sql_timeout_s)
+        except SqlRefused as e:
+            raise SqlError(str(e)) from None
+        return {"columns": r.columns, "types": r.types, "rows": [list(x) for x in r.rows], "truncated": r.truncated}
+
+    def report_html(self, run_id: str) -> str:
+        from collector import postmortem
+
+        try:
+            return postmortem.render_html(self._read(postmortem.gather, run_id))
+        except LookupError as e:
+            raise _NotFound(str(e)) from None
+
+    def close(self) -> None:
+        self._con.close()
