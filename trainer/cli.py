@@ -77,7 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--otlp-endpoint", help="also export step-phase spans over OTLP/HTTP to this endpoint")
     g.add_argument("--prometheus-port", type=int, help="serve live gauges on this port (+ local rank)")
     g.add_argument("--keep-collector", action="store_true",
-                   help="leave the embedded collector running after training (Ctrl-C stops it)")
+                   help="leave the embedded collector and dashboard running after training (Ctrl-C stops them)")
+    g.add_argument("--no-dashboard", dest="dashboard", action="store_false",
+                   help="do not start the dashboard next to the embedded collector")
+    g.add_argument("--dashboard-port", type=int,
+                   help="the embedded dashboard's loopback port (default 8050; any free one if taken)")
     g = p.add_argument_group("embedded collector", "passed to the collector --telemetry starts (not with --collector: "
                              "give these to `collector serve` there)")
     g.add_argument("--rules", metavar="FILE", help="detection rules (TOML) overriding analysis/rules.toml")
@@ -115,6 +119,7 @@ _MAP = {
     "otlp_endpoint": ("telemetry", "otlp_endpoint"), "ca_file": ("telemetry", "ca_file"),
     "telemetry_flush_s": ("telemetry", "flush_interval_s"),
     "prometheus_port": ("telemetry", "prometheus_port"), "rules": ("telemetry", "rules"),
+    "dashboard": ("telemetry", "dashboard"), "dashboard_port": ("telemetry", "dashboard_port"),
     "policy": ("healing", "policy"), "max_restarts": ("healing", "max_restarts"),
     "min_nodes": ("healing", "min_nodes"), "on_isolate": ("healing", "on_isolate"),
 }

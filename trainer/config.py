@@ -150,6 +150,10 @@ class TelemetryConfig:
     otlp_endpoint: str | None = None
     prometheus_port: int | None = None  # rank r listens on prometheus_port + local rank
     rules: str | None = None  # the embedded collector's detection rules file (--rules)
+    # The embedded collector comes with a dashboard (`python -m dashboard --collector`) on
+    # this loopback port (0, or the port taken: any free one); off with --no-dashboard.
+    dashboard: bool = True
+    dashboard_port: int = 8050
     # Where the embedded collector sends alerts. Never serialised (see JobConfig.to_dict):
     # a URL may be a credential (userinfo, a query token, a Slack webhook's path).
     alerts: AlertReceivers = field(default_factory=lambda: AlertReceivers(), repr=False)

@@ -55,7 +55,7 @@ def launch(cfg: JobConfig, *, token: str | None = None, progress: bool = True, k
     cfg.run_id = cfg.run_id or new_run_id()
     run_dir = prepare_run(cfg)
     (run_dir / "collector.token").unlink(missing_ok=True)  # an older trainer's token file: a secret nothing reads
-    collector = None
+    collector = dashboard = None
     rank_token = token
     if cfg.telemetry.enabled and not cfg.telemetry.collector_url:
         from trainer.embedded import EmbeddedCollector
@@ -74,6 +74,7 @@ def launch(cfg: JobConfig, *, token: str | None = None, progress: bool = True, k
         print(f"telemetry: collector {collector.url}  db {collector.db_path}", flush=True)
         for line in collector.describe_tokens():
             print(f"telemetry: {line}", flush=True)
+        dashboard = _embedded_dashboard(cfg, collector, run_dir)
     elif cfg.telemetry.enabled:
         print(f"telemetry: shipping to {cfg.telemetry.collector_url}", flush=True)
     config_path = run_dir / "config.json"
@@ -93,10 +94,30 @@ def launch(cfg: JobConfig, *, token: str | None = None, progress: bool = True, k
             feed.finish(settle_s=INCIDENT_SETTLE_S)
         if collector is not None:
             if keep_collector:
-                print(f"telemetry: collector still serving {collector.url} (Ctrl-C to stop)", flush=True)
+                also = f", dashboard {dashboard.url}" if dashboard is not None and dashboard.url else ""
+                print(f"telemetry: collector still serving {collector.url}{also} (Ctrl-C to stop)", flush=True)
                 collector.wait_interrupted()
+            if dashboard is not None:
+                dashboard.stop()
             collector.stop()
             print(f"telemetry: stored in {collector.db_path}", flush=True)
+            if dashboard is not None:
+                print(f"telemetry: browse it afterwards: dashboard --db {collector.db_path}", flush=True)
+
+
+def _embedded_dashboard(cfg: JobConfig, collector, run_dir: Path):
+    """The dashboard next to the embedded collector (--no-dashboard: none). It reads with
+    the read token's file; its URL is printed once it answers (trainer/embedded_dashboard.py)."""
+    if not cfg.telemetry.dashboard:
+        return None
+    from trainer.embedded_dashboard import EmbeddedDashboard
+
+    paths = collector.token_paths
+    dashboard = EmbeddedDashboard(collector_url=collector.url, token_path=paths.get("read") or paths.get("all"),
+                                  run_dir=run_dir, port=cfg.telemetry.dashboard_port)
+    dashboard.start()
+    dashboard.announce()
+    return dashboard
 
 
 def _exit_reporter(cfg: JobConfig, token: str | None):
