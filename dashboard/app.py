@@ -1,9 +1,10 @@
 """The Dash app: a header (run picker, pages, the run's status) around the pages.
 
 `create_app(source)` builds it for one data source (dashboard/source.py). Pages
-live in dashboard/pages/, one file each with its layout and its callbacks; they
-are imported here, after the app exists (Dash's page registry needs the app), and
-read nothing until a callback runs.
+live in dashboard/pages/, one file each with its layout, its callbacks and its
+`PAGE` (path, name, order, title); they are registered here, after the app exists
+(Dash's page registry needs the app), so a page module imports without an app (the
+bench and the tests call its builders), and they read nothing until a callback runs.
 
 Page state is in the URL: the run (`?run=`) and each page's controls are written
 back with `history.replaceState` (assets/llmwatch.js), so a link pasted into an
@@ -37,8 +38,10 @@ def create_app(source: Source, *, refresh_ms: int = REFRESH_MS) -> Dash:
     app = Dash(__name__, use_pages=True, pages_folder="", assets_folder=str(_HERE / "assets"),
                title="llmwatch", update_title=None, suppress_callback_exceptions=True,
                serve_locally=True)  # plotly.js and React from the installed packages: no CDN
-    for name in PAGES:
-        importlib.import_module(f"dashboard.pages.{name}")
+    for name in PAGES:  # a page module declares PAGE; registering is the app's (Dash needs the app first)
+        module = importlib.import_module(f"dashboard.pages.{name}")
+        if hasattr(module, "PAGE"):
+            dash.register_page(module.__name__, layout=module.layout, **module.PAGE)
     app.layout = _layout(source, refresh_ms)
     _routes(app)
     return app

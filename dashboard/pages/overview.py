@@ -21,6 +21,7 @@ from dashboard.figures import (Curve, Marks, XAxis, annotate, base_layout, curve
 from dashboard.source import Source, SourceError
 
 
+PAGE = {"path": "/", "name": "Overview", "order": 0, "title": "llmwatch · overview"}  # registered by dashboard/app.py
 CURVES = (
     Curve("loss", "Training loss", "nats", lo="loss_min", hi="loss_max"),
     Curve("grad_norm", "Gradient norm", "L2", lo="grad_norm_min", hi="grad_norm_max"),
@@ -215,5 +216,3 @@ clientside_callback(
     Output("url-sink", "data", allow_duplicate=True),
     Input("ov-x", "value"), Input("ov-smooth", "value"), Input("ov-log", "value"), prevent_initial_call=True)
 
-
-dash.register_page(__name__, path="/", name="Overview", order=0, title="llmwatch · overview", layout=layout)
