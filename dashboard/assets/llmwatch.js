@@ -20,7 +20,8 @@ window.llmw.setQuery = function (params) {
 
 /* Zoom one chart of class llmw-sync and the others follow: the x range of the chart
    that was zoomed goes to every other synced chart of the page, and into the URL
-   (`from`/`to`). An autorange (double click) resets them all. */
+   (`from`/`to`). An autorange (double click) resets them all. Returns the step range
+   ({from, to}, null after an autorange) for a page that refetches what it shows. */
 window.llmw.lastSync = {key: null, at: 0};
 window.llmw.syncZoom = function () {
   const cc = window.dash_clientside.callback_context;
@@ -53,7 +54,9 @@ window.llmw.syncZoom = function () {
   });
   const fmt = v => (typeof v === "number" ? Math.round(v) : v);
   window.llmw.setQuery(from === null ? {from: null, to: null} : {from: fmt(from), to: fmt(to)});
-  return window.dash_clientside.no_update;
+  /* a step range (not a time range) is what a page refetches at full resolution */
+  if (from === null) { return null; }
+  return (typeof from === "number") ? {from: Math.floor(from), to: Math.ceil(to)} : window.dash_clientside.no_update;
 };
 
 /* ClientsideFunction("llmw", name) looks here */

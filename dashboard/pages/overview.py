@@ -34,7 +34,8 @@ MAX_APPENDED = 600  # points appended live before the next full draw
 ATTEMPT_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
 
 
-def layout(x: str = "step", smooth: str = "0", log: str | None = None, **_: Any) -> html.Div:
+def layout(x: str = "step", smooth: str = "0", log: str | None = None, **query: Any) -> html.Div:
+    """`?x=time&smooth=0.6&log=loss,lr&from=100&to=400` restores a pasted view."""
     log_on = [c.key for c in CURVES if c.log_default] if log is None else [m for m in str(log).split(",") if m and m != "none"]
     return html.Div([
         html.Div([
@@ -62,6 +63,8 @@ def layout(x: str = "step", smooth: str = "0", log: str | None = None, **_: Any)
         html.Details([html.Summary("run configuration"), html.Pre(id="ov-config", className="llmw-pre")],
                      className="llmw-card llmw-details"),
         dcc.Store(id="ov-drawn"),
+        # the steps the synced zoom shows (from assets/llmwatch.js): refetched at full resolution
+        dcc.Store(id="ov-range", data=_range(query.get("from"), query.get("to"))),
     ])
 
 
@@ -71,22 +74,35 @@ def marks(src: Source, run_id: str) -> Marks:
                  attempts=src.view(run_id, "attempts"))
 
 
-def build(src: Source, run_id: str, *, x: str = "step", smoothing: float = 0.0,
-          log: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Every figure of the page, drawn in full: {"curves": [...], "eval", "lineage", "drawn"}."""
+def _range(lo: Any, hi: Any) -> dict[str, int] | None:
+    lo, hi = state.as_int(lo), state.as_int(hi)
+    return {"from": lo, "to": hi} if lo is not None and hi is not None and lo <= hi else None
+
+
+def build(src: Source, run_id: str, *, x: str = "step", smoothing: float = 0.0, log: tuple[str, ...] = (),
+          step_from: int | None = None, step_to: int | None = None) -> dict[str, Any]:
+    """Every figure of the page, drawn in full: {"curves": [...], "eval", "lineage", "drawn"}.
+    With a step range (the synced zoom), the curves are read at full resolution there:
+    a zoom into a long run shows every step, not the buckets of the whole run."""
     xa = XAxis(x)
-    rows = src.view(run_id, "overview", max_points=MAX_POINTS)
+    zoomed = step_from is not None and step_to is not None and not xa.by_time
+    rows = src.view(run_id, "overview", max_points=MAX_POINTS, **({"step_from": max(0, step_from - 1),
+                                                                 "step_to": step_to + 1} if zoomed else {}))
     m = marks(src, run_id)
     nonfinite = [r for r in rows if r.get("num_nonfinite")]
     curves = [curve_figure(rows, c, xa, smoothing=smoothing, log_y=c.key in log, marks=m,
                            nonfinite=nonfinite if c.key in ("loss", "grad_norm") else None, uirevision=run_id)
               for c in CURVES]
+    eval_fig = eval_figure(src.view(run_id, "scalars", prefix="eval/"), xa, m, run_id)
+    lineage_fig = lineage_figure(src.view(run_id, "lineage"), xa, m, run_id)
+    if zoomed:  # a redraw resets what Plotly.relayout set: the range is the figure's own
+        for fig in (*curves, eval_fig, lineage_fig):
+            fig.update_xaxes(range=[step_from, step_to])
     last = rows[-1] if rows else {}
     drawn = {"run": run_id, "x": x, "smoothing": smoothing, "log": sorted(log), "marks": repr(m.signature),
              "last_step": last.get("step_to"), "appended": 0,
              "smooth_last": {c.key: _last_smoothed(rows, c, smoothing) for c in CURVES}}
-    return {"curves": curves, "eval": eval_figure(src.view(run_id, "scalars", prefix="eval/"), xa, m, run_id),
-            "lineage": lineage_figure(src.view(run_id, "lineage"), xa, m, run_id), "drawn": drawn}
+    return {"curves": curves, "eval": eval_fig, "lineage": lineage_fig, "drawn": drawn}
 
 
 def extend(src: Source, run_id: str, drawn: dict[str, Any]) -> tuple[list[Any], dict[str, Any]] | None:
@@ -179,8 +195,8 @@ _EXTRA_IDS = {"type": "ov-extra", "name": ALL}
 @callback(Output(_CURVE_IDS, "figure"), Output(_CURVE_IDS, "extendData"), Output(_EXTRA_IDS, "figure"),
           Output("ov-drawn", "data"), Output("ov-config", "children"),
           Input("run", "value"), Input("tick", "n_intervals"), Input("ov-x", "value"), Input("ov-smooth", "value"),
-          Input("ov-log", "value"), State("ov-drawn", "data"))
-def _draw(run_id, _tick, x, smoothing, log, drawn):
+          Input("ov-log", "value"), Input("ov-range", "data"), State("ov-drawn", "data"))
+def _draw(run_id, _tick, x, smoothing, log, zoom, drawn):
     n = len(CURVES)
     if not run_id:
         msg = empty("no run yet", height=240)
@@ -196,7 +212,9 @@ def _draw(run_id, _tick, x, smoothing, log, drawn):
                 if all(d is no_update for d in data):
                     return [no_update] * n, data, [no_update, no_update], no_update, no_update
                 return [no_update] * n, data, [no_update, no_update], new, no_update
-        out = build(src, run_id, x=x, smoothing=smoothing, log=tuple(log or ()))
+        zoom = zoom or {}
+        out = build(src, run_id, x=x, smoothing=smoothing, log=tuple(log or ()), step_from=zoom.get("from"),
+                    step_to=zoom.get("to"))
         run_cfg = config_text(src.run(run_id))
     except SourceError as e:
         msg = empty(str(e), height=240)
@@ -204,7 +222,7 @@ def _draw(run_id, _tick, x, smoothing, log, drawn):
     return out["curves"], [no_update] * n, [out["eval"], out["lineage"]], out["drawn"], run_cfg
 
 
-clientside_callback(ClientsideFunction("llmw", "syncZoom"), Output("url-sink", "data", allow_duplicate=True),
+clientside_callback(ClientsideFunction("llmw", "syncZoom"), Output("ov-range", "data"),
                     Input({"type": "ov-curve", "name": ALL}, "relayoutData"),
                     Input({"type": "ov-extra", "name": ALL}, "relayoutData"), prevent_initial_call=True)
 

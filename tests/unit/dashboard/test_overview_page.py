@@ -91,3 +91,11 @@ def test_smoothing_is_a_debiased_ema_that_continues():
     rows = [{"step": 1, "loss": 1.0}, {"step": 2, "loss": float("nan")}, {"step": 3, "loss": 3.0}]
     traces = curve_traces(rows, Curve("loss", "Loss", "nats"), XAxis(), smoothing=0.5)
     assert list(traces[2].y) == [1.0, None, 3.0] and list(traces[3].y) == [1.0, 1.0, 2.0]
+
+
+def test_a_zoomed_range_is_read_at_full_resolution_there(db_source):
+    out = overview.build(db_source, RUN_ID, step_from=20, step_to=30)
+    loss = out["curves"][0]
+    assert list(loss.data[2].x) == list(range(19, 32))  # one step either side, so the lines reach the edges
+    assert list(loss.layout.xaxis.range) == [20, 30]
+    assert overview.build(db_source, RUN_ID, x="time", step_from=20, step_to=30)["curves"][0].layout.xaxis.range is None
