@@ -219,14 +219,17 @@ def annotate(fig: go.Figure, marks: Marks, x: XAxis, *, label: bool = True) -> g
         if label:
             fig.add_annotation(x=x0, y=1, xref="x", yref="paper", yanchor="bottom", xanchor="left", showarrow=False,
                                text=f"{inc.get('kind')}{who}", font={"size": 10, "color": color})
+    why = {a.get("attempt"): a.get("kind") for a in marks.actions if a.get("attempt") is not None}
     for att in marks.attempts[1:]:  # the first attempt is the run's start, not a rollback
         xv = x.at(att.get("step_from"), att.get("ts_from"))
         if xv is None:
             continue
         fig.add_vline(x=xv, line={"color": ACTION_COLOR, "width": 1.2, "dash": "dash"})
-        if label:
+        if label:  # "rollback → attempt 2" when an action made the attempt, else a restart's
+            cause = why.get(att.get("attempt"))
+            text = f"{cause} → attempt {att.get('attempt')}" if cause else f"attempt {att.get('attempt')}"
             fig.add_annotation(x=xv, y=0, xref="x", yref="paper", yanchor="bottom", xanchor="left", showarrow=False,
-                               text=f"attempt {att.get('attempt')}", font={"size": 10, "color": ACTION_COLOR})
+                               text=text, font={"size": 10, "color": ACTION_COLOR})
     return fig
 
 

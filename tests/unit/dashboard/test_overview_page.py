@@ -31,7 +31,7 @@ def test_build_draws_every_curve_with_the_runs_marks(db_source):
     assert sorted((s["x0"], s["x1"]) for s in rects) == [(19.5, 40.5), (34.5, 35.5)]
     assert [s["x0"] for s in shapes if s["type"] == "line"] == [31]
     texts = [a.text for a in loss.layout.annotations]
-    assert "straggler r3" in texts and "loss_spike" in texts and "attempt 1" in texts
+    assert "straggler r3" in texts and "loss_spike" in texts and "rollback → attempt 1" in texts
     assert loss.layout.yaxis.title.text == "nats" and loss.layout.xaxis.title.text == "step"
     assert out["curves"][2].layout.yaxis.type == "linear"  # the log toggle is the caller's
     assert out["drawn"]["last_step"] == 60 and out["drawn"]["run"] == RUN_ID
