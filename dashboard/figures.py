@@ -25,11 +25,14 @@ RANK_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b",
                "#bcbd22", "#17becf")
 NODE_COLORS = ("#66c2a5", "#fc8d62", "#8da0cb", "#e78ac3", "#a6d854", "#ffd92f", "#e5c494", "#b3b3b3")
 HEALTH_COLORS = {"healthy": "#2ca02c", "warning": "#f0a30a", "incident": "#d62728", "isolated": "#6c6c6c",
-                 "silent": "#8c1c13"}
+                 "silent": "#1e3a8a"}  # silent (no heartbeat) is not another red: it reads apart from an incident
 SEVERITY_COLORS = {"critical": "#d62728", "error": "#d62728", "warning": "#f0a30a", "info": "#1f77b4"}
 ACTION_COLOR = "#6f42c1"
 ACCENT = "#1f77b4"
 BAND = "rgba(31, 119, 180, 0.18)"
+# every dcc.Graph's config: no logo, and the modebar only while the pointer is on the chart
+# (shown always, it covers the legends and long titles at the top right)
+GRAPH_CONFIG = {"displaylogo": False, "displayModeBar": "hover"}
 FONT = {"family": "Inter, system-ui, -apple-system, Segoe UI, sans-serif", "size": 12, "color": "#1d2433"}
 
 

@@ -16,8 +16,8 @@ import plotly.graph_objects as go
 from dash import ALL, Input, Output, State, callback, clientside_callback, ClientsideFunction, dcc, html, no_update
 
 from dashboard import state
-from dashboard.figures import (Curve, Marks, XAxis, annotate, base_layout, curve_figure, curve_traces,
-                               empty, finite, rank_color)
+from dashboard.figures import (GRAPH_CONFIG, annotate, base_layout, Curve, curve_figure, curve_traces, empty, finite,
+                               Marks, rank_color, XAxis)
 from dashboard.source import Source, SourceError
 
 
@@ -53,13 +53,13 @@ def layout(x: str = "step", smooth: str = "0", log: str | None = None, **query: 
                      className="llmw-control"),
         ], className="llmw-controls"),
         html.Div([dcc.Graph(id={"type": "ov-curve", "name": c.key}, className="llmw-sync llmw-card",
-                            config={"displaylogo": False}, figure=empty("loading…", height=240))
+                            config=GRAPH_CONFIG, figure=empty("loading…", height=240))
                   for c in CURVES]
                  + [dcc.Graph(id={"type": "ov-extra", "name": "eval"}, className="llmw-sync llmw-card",
-                              config={"displaylogo": False}, figure=empty("loading…", height=240))],
+                              config=GRAPH_CONFIG, figure=empty("loading…", height=240))],
                  className="llmw-grid"),
         dcc.Graph(id={"type": "ov-extra", "name": "lineage"}, className="llmw-sync llmw-card llmw-wide",
-                  config={"displaylogo": False}, figure=empty("loading…", height=300)),
+                  config=GRAPH_CONFIG, figure=empty("loading…", height=300)),
         html.Details([html.Summary("run configuration"), html.Pre(id="ov-config", className="llmw-pre")],
                      className="llmw-card llmw-details"),
         dcc.Store(id="ov-drawn"),
