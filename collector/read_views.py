@@ -227,8 +227,10 @@ def comm_waits(cur: Cursor, run_id: str, *, step_from: int | None = None, step_t
                last_steps: int = DEFAULT_COMM_STEPS) -> Rows:
     """Who waited for whom: for every collective instance (one group's op at one
     group_seq), the rank that entered last is the one the others waited for, each for
-    the time between its own entry and that one's. Summed per (waiter, waited_for)
-    over the range, in seconds per step."""
+    the time between its own entry and that one's, but no longer than it was blocked
+    on the op (wait_s): an async op started early and waited on later (the command
+    channel's broadcast, a bucketed all-reduce) overlapped compute, and cost nothing.
+    Summed per (waiter, waited_for) over the range, in seconds per step."""
     r = _comm_range(cur, run_id, step_from, step_to, last_steps)
     if r is None:
         return []
@@ -240,7 +242,8 @@ def comm_waits(cur: Cursor, run_id: str, *, step_from: int | None = None, step_t
                    GROUP BY ALL HAVING count(*) > 1),
              n AS (SELECT greatest(1, count(DISTINCT step)) AS num_steps FROM c)
         SELECT c.rank AS waiter, g.last_rank AS waited_for, count(*) AS num_ops,
-               sum(g.last_ts - c.start_ts) / any_value(n.num_steps) AS wait_s
+               sum(least(g.last_ts - c.start_ts, coalesce(c.wait_s, g.last_ts - c.start_ts)))
+                   / any_value(n.num_steps) AS wait_s
         FROM c JOIN g USING (step, axis, group_id, group_seq), n
         WHERE c.rank <> g.last_rank GROUP BY ALL ORDER BY wait_s DESC""",
                    {"r": run_id, "lo": r[0], "hi": r[1]})

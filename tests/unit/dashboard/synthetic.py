@@ -61,7 +61,8 @@ def _attempt_batch(rank: int, seq: int, attempt: int, steps: np.ndarray, ts0: fl
         for k, (axis, gid) in enumerate(((0, tp), (1, dp), (1, dp))):
             gseq = int(s) * 3 + k
             rows.append((s, int(s) * 3 + k, gseq, 0, axis, gid, -1, 4 << 20 if axis == 0 else 1 << 20,
-                         start + 0.1 * k + late, 0.02 + (0.1 - late if rank != 3 and s >= 20 else 0.0), 0.01))
+                         start + 0.1 * k + late, 0.02 + (0.1 - late if rank != 3 and s >= 20 else 0.0),
+                         0.01 + (0.1 if rank != 3 and s >= 20 else 0.0)))  # blocked while rank 3 is late
     a = np.array(rows, dtype=object)
     coll = columns(wire.COLLECTIVE, len(rows), step=a[:, 0].astype(np.int64), attempt=attempt,
                    seq=a[:, 1].astype(np.int64), group_seq=a[:, 2].astype(np.int64), op=a[:, 3].astype(np.int16),
