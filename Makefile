@@ -1,5 +1,5 @@
 # Two commands do all set-up on a fresh machine:
-#   make demo   a short hybrid-parallel run with telemetry, embedded collector, URL printed
+#   make demo   a short hybrid-parallel run with telemetry: embedded collector and dashboard, URL printed
 #   make test   the whole test suite
 # Both create .venv when it is missing. torch is pinned to 2.13.0 first: on this kind of
 # machine that resolves to a local CPU wheel; an unpinned torch would pull a CUDA build.
@@ -11,7 +11,7 @@ TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 RUN_DIR ?= runs/demo
 
-.PHONY: venv demo test test-quick bench clean
+.PHONY: venv system-deps demo test test-quick test-browser screenshots bench clean
 
 venv: $(STAMP)
 
@@ -32,11 +32,25 @@ demo: venv
 	  --ckpt-dir $(RUN_DIR)/ckpt --ckpt-every 10 --metrics-jsonl $(RUN_DIR)/metrics.jsonl \
 	  --inject spike@step=70 --inject straggler@rank=3,from=40,factor=1.5
 
-test: venv
+# Debian's prometheus-alertmanager, chromium and chromium-driver, when missing and this
+# user may install them (root or passwordless sudo); otherwise their tests skip, saying why
+system-deps:
+	@.ci/system-deps
+
+test: venv system-deps
 	$(PY) -m pytest -q
 
 test-quick: venv
 	$(PY) -m pytest -q -m "not slow"
+
+# The dashboard in headless Chromium (Debian's chromium and chromium-driver: .ci/run installs
+# them; without them these tests skip, or fail in CI). Also part of `make test`.
+test-browser: venv system-deps
+	$(PY) -m pytest -q -m browser tests/browser
+
+# docs/screenshots/<page>.png of the demo run (after `make demo`, once its collector stopped)
+screenshots: venv
+	$(PY) -m tests.browser.screenshots --db $(RUN_DIR)/telemetry.duckdb --run demo --out docs/screenshots
 
 bench: venv
 	$(PY) -m pip install -q -e '.[dev,bench]'
