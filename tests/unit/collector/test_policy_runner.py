@@ -1,0 +1,92 @@
+"""PolicyRunner following a rollback across a restart: a command the old round's ranks
+received but left without carrying out (an isolation restarted the job first) is not
+done at the new round's first step; it is issued again to the new round, and done at
+the first step of the attempt it made."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyarrow as pa
+
+from analysis.policy import Decision, Policy
+from analysis.rules import load_rules
+from collector.policy import PolicyRunner
+
+RUN = "r1"
+
+
+class FakeWatch:
+    on_change = None
+
+    def open_rows(self) -> list:
+        return []
+
+
+class FakeStorage:
+    """What the runner calls, recorded; each issued command gets the next id."""
+
+    def __init__(self) -> None:
+        self.issued: list[tuple[str, dict]] = []
+        self.updates: list[tuple[int, dict[str, Any]]] = []
+        self.next_id = 10
+
+    def read(self, fn, run_id):
+        if fn.__name__ == "_run_layout":
+            return {"world_size": 2, "node_map": {0: "node0", 1: "node0"}, "reached": {}}
+        return {"all": ["node0", "node1"], "isolated": ["node1"], "finished": False}
+
+    def issue_command(self, run_id, kind, args, ranks, *, done):
+        self.issued.append((kind, args))
+        self.next_id += 1
+        done({"id": self.next_id}, None)
+
+    def update_action(self, action_id, **fields):
+        self.updates.append((action_id, fields))
+
+
+def events(*rows: dict) -> pa.Table:
+    return pa.Table.from_pylist([{"run_id": RUN, "ts": 1.0, "step": 0, "attempt": 0, **r} for r in rows])
+
+
+def steps(attempt: int, *numbers: int) -> pa.Table:
+    return pa.Table.from_pylist([{"run_id": RUN, "attempt": attempt, "step": s, "ts": 100.0 + s} for s in numbers])
+
+
+def test_a_rollback_the_restart_swallowed_is_issued_again_and_done_only_when_carried_out():
+    storage = FakeStorage()
+    runner = PolicyRunner(storage, Policy(load_rules()), subscription=None, watch=FakeWatch())
+    d = Decision(kind="rollback", run_id=RUN, reason="loss_spike at step 70", incident_id=2,
+                 args={"step": 70, "incident_id": 2, "kind": "loss_spike"})
+    runner._follow(d, 5, 90.0, 0)(1, None)  # action 1, command 5, issued during attempt 0
+    runner._refresh_run(RUN)
+
+    # the isolation's restart: a new round at attempt 1 that never saw command 5 carried out
+    runner._commit({"events": events({"rank": 0, "kind": "run_started",
+                                      "data": '{"restart": 1, "attempt_floor": 1}'})})
+    assert storage.issued == [("rollback", {"step": 70, "incident_id": 2, "kind": "loss_spike"})]
+    assert storage.updates[-1][0] == 1 and storage.updates[-1][1]["command_id"] == 11
+    assert "issued again as 11" in storage.updates[-1][1]["detail"]["reissued"]
+
+    runner._commit({"steps": steps(1, 72, 73)})  # the restart's own attempt: not the rollback's
+    assert not any(f.get("status") == "done" for _, f in storage.updates)
+
+    runner._commit({"events": events({"rank": 0, "kind": "command_ack", "data": '{"command_id": 11, "status": "done"}'},
+                                     {"rank": 1, "kind": "command_ack", "data": '{"command_id": 11, "status": "done"}'}),
+                    "steps": steps(2, 61, 62)})
+    done = [f for _, f in storage.updates if f.get("status") == "done"]
+    assert len(done) == 1 and done[0]["attempt"] == 2 and done[0]["detail"]["first_step"] == 61
+    assert done[0]["recovery_s"] == 100.0 + 61 - 90.0
+
+
+def test_a_rollback_carried_out_before_any_restart_is_done_at_its_attempt():
+    storage = FakeStorage()
+    runner = PolicyRunner(storage, Policy(load_rules()), subscription=None, watch=FakeWatch())
+    d = Decision(kind="rollback", run_id=RUN, reason="nan", incident_id=3, args={"step": 40})
+    runner._follow(d, 7, 50.0, 0)(4, None)
+    runner._refresh_run(RUN)
+    runner._commit({"events": events({"rank": 0, "kind": "command_ack", "data": '{"command_id": 7, "status": "done"}'}),
+                    "steps": steps(1, 31)})
+    assert storage.issued == []
+    done = [f for _, f in storage.updates if f.get("status") == "done"]
+    assert len(done) == 1 and done[0]["attempt"] == 1
