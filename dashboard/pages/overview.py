@@ -16,8 +16,8 @@ import plotly.graph_objects as go
 from dash import ALL, Input, Output, State, callback, clientside_callback, ClientsideFunction, dcc, html, no_update
 
 from dashboard import state
-from dashboard.figures import (GRAPH_CONFIG, annotate, base_layout, Curve, curve_figure, curve_traces, empty, finite,
-                               Marks, rank_color, XAxis)
+from dashboard.figures import (GRAPH_CONFIG, Curve, Marks, XAxis, annotate, base_layout, curve_figure, curve_traces,
+                               empty, finite, plain, rank_color)
 from dashboard.source import Source, SourceError
 
 
@@ -121,7 +121,7 @@ def extend(src: Source, run_id: str, drawn: dict[str, Any]) -> tuple[list[Any], 
     for c in CURVES:
         traces = curve_traces(rows, c, xa, smoothing=drawn.get("smoothing", 0.0),
                               smooth_start=smooth_last.get(c.key))
-        out.append([{"x": [list(t.x) for t in traces], "y": [list(t.y) for t in traces]},
+        out.append([{"x": [plain(t.x) for t in traces], "y": [plain(t.y) for t in traces]},
                     list(range(len(traces)))])
         smooth_last[c.key] = _last_smoothed(rows, c, drawn.get("smoothing", 0.0), start=smooth_last.get(c.key))
     return out, {**drawn, "last_step": rows[-1].get("step_to"), "appended": drawn.get("appended", 0) + len(rows),

@@ -35,12 +35,23 @@ def both(synth_db, tmp_path_factory):
         proc.stop()
 
 
+def same(a, b) -> bool:
+    """Equal, floats to 1e-9 relative: DuckDB's parallel aggregates may sum in another order."""
+    if isinstance(a, float) and isinstance(b, float):
+        return a == pytest.approx(b, rel=1e-9)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 def test_every_view_answers_the_same_live_and_from_the_file(both):
     http, db, _ = both
     assert set(VIEW_PARAMS) == set(VIEWS)
     for name, params in VIEW_PARAMS.items():
         live, closed = http.view(RUN_ID, name, **params), db.view(RUN_ID, name, **params)
-        assert live == closed, name
+        assert same(live, closed), name
         assert closed, f"view {name} is empty on the synthetic run"
     assert len(db.view(RUN_ID, "overview", max_points=7)) == 7
     assert {r["step"] for r in db.view(RUN_ID, "grid", max_steps=12, step_from=5)} >= {5}
@@ -49,7 +60,7 @@ def test_every_view_answers_the_same_live_and_from_the_file(both):
 def test_tables_runs_and_run_answer_the_same(both):
     http, db, _ = both
     for name in TABLES:
-        assert http.table(RUN_ID, name) == db.table(RUN_ID, name), name
+        assert same(http.table(RUN_ID, name), db.table(RUN_ID, name)), name
     assert [r["run_id"] for r in http.runs()] == [r["run_id"] for r in db.runs()] == [RUN_ID]
     assert http.run(RUN_ID)["world_size"] == db.run(RUN_ID)["world_size"] == 4
     assert http.run("nope") is None and db.run("nope") is None
