@@ -78,6 +78,20 @@ class Analyzer:
         """A pass without new rows: timers only (silence, stagnation, step timeouts)."""
         return self.feed(_EMPTY, now=now)
 
+    def continue_run(self, run_id: str, old: "Analyzer") -> None:
+        """A restart round of `run_id` (maybe on fewer nodes): this analyzer's state of the
+        run starts afresh, as its rank numbers now name other hardware, but a detector
+        with `carry_over(old_state)` keeps what is about the run as a whole (the spike
+        detectors' baseline of the training curve)."""
+        prev = old.runs.get(run_id)
+        st = self.run_state(run_id)
+        if prev is None:
+            return
+        for d in self.detectors:
+            carry = getattr(d, "carry_over", None)
+            if carry is not None and d.name in prev.detectors:
+                st.detectors[d.name] = carry(prev.detectors[d.name])
+
     def drop_run(self, run_id: str) -> None:
         self.runs.pop(run_id, None)
 

@@ -53,7 +53,9 @@ class AnalysisDetector:
         """A restart round (maybe on fewer nodes: rank numbers now name other hardware).
         The open incidents of the old round are closed, and the run's analysis starts
         over on the new layout: its detectors' state was about the old ranks (a
-        straggler's rank number now belongs to its healthy successor)."""
+        straggler's rank number now belongs to its healthy successor), except the
+        baselines of the training curve, which goes on from the checkpoint (a loss
+        spike right after the restart is still judged)."""
         run_id, old = state["run_id"], state["analyzer"]
         out: list = []
         book = old.runs[run_id].book if run_id in old.runs else None
@@ -63,6 +65,7 @@ class AnalysisDetector:
                 book.resolve(key, out, ts=now, evidence={**(f.evidence or {}),
                                                          "resolved_because": "the job restarted (a new round)"})
         state["analyzer"] = Analyzer(self.rules)
+        state["analyzer"].continue_run(run_id, old)  # the training curve's baselines go on
         if book is not None:
             state["analyzer"].run_state(run_id).book.continue_keys(book)
         state["meta"], state["complete"] = None, False  # another world size, node map and mesh

@@ -86,6 +86,15 @@ class _SpikeDetector:
     def new_state(self) -> _State:
         return _State(self.cfg.window_steps)
 
+    def carry_over(self, old: _State) -> _State:
+        """The state for a restart round of the run. The training curve goes on from the
+        checkpoint, so the run-wide baseline is kept (a spike a few steps after a restart
+        is judged against it, not lost to a new warm-up); the replicas' series (the old
+        round's ranks) and an open episode are not."""
+        st = self.new_state()
+        st.baseline = old.baseline
+        return st
+
     def run(self, p, st: _State) -> None:
         if st.ep is not None and st.ep.closing:
             self._close(p, st)

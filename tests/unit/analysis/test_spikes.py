@@ -60,3 +60,28 @@ def test_a_grad_norm_spike_the_step_after_a_loss_spike_is_the_same_cause():
               faults=(Spike(step=120, factor=3.0, grad_factor=1.0), Spike(step=121, factor=1.0, grad_factor=6.0)))
     first = opened(feed(Analyzer(), sim.build()))
     assert [(f.kind, f.step_from) for f in first.values()] == [("loss_spike", 120)]
+
+
+def test_a_spike_right_after_a_restart_round_is_judged_against_the_baseline_before_it():
+    """Seen on the demo: node1 isolated at step 65, the job restarted on node0, a loss spike at
+    step 70. The collector starts the run's analysis over on a restart round (the ranks are
+    other hardware now), and a fresh baseline needs 20 steps: the spike went unseen. The
+    training curve goes on from the checkpoint, so its baseline carries over."""
+    from dataclasses import replace
+
+    sim = Sim(layout=Layout(dp=2, tp=2, nodes=2), steps=200, seed=9, faults=(Spike(step=125, factor=3.0),))
+    commits = sim.build()
+    cut = sim.step_end_ts(120)
+    before, after = [c for c in commits if c[0] <= cut], [c for c in commits if c[0] > cut]
+    meta = replace(commits[0][1], steps=None, collectives=None, heartbeats=None, events=None, scalars=None)
+
+    def restarted(carry: bool) -> dict:
+        old = Analyzer()
+        feed(old, before)
+        new = Analyzer()
+        if carry:
+            new.continue_run(sim.run_id, old)
+        return opened(feed(new, [(after[0][0], meta), *after]), "loss_spike")
+
+    assert [f.step_from for f in restarted(True).values()] == [125]
+    assert restarted(False) == {}  # what a fresh analysis of the new round missed
