@@ -251,17 +251,21 @@ def annotate(fig: go.Figure, marks: Marks, x: XAxis, *, label: bool = True) -> g
             labels.append({"x": x0, "y": 1, "xref": "x", "yref": "paper", "yanchor": "bottom", "xanchor": "left",
                            "showarrow": False, "text": f"{inc.get('kind')}{who}", "font": {"size": 10, "color": color}})
     why = {a.get("attempt"): a.get("kind") for a in marks.actions if a.get("attempt") is not None}
+    starts: dict[Any, list[str]] = {}  # x -> the attempts that began there (a restart and a rollback may)
     for att in marks.attempts[1:]:  # the first attempt is the run's start, not a rollback
         xv = x.at(att.get("step_from"), att.get("ts_from"))
         if xv is None:
             continue
+        cause = why.get(att.get("attempt"))  # "rollback → attempt 2" when an action made it
+        starts.setdefault(xv, []).append(f"{cause} → attempt {att.get('attempt')}" if cause
+                                         else f"attempt {att.get('attempt')}")
+    for i, (xv, names) in enumerate(starts.items()):
         shapes.append({"type": "line", "xref": "x", "yref": "y domain", "x0": xv, "x1": xv, "y0": 0, "y1": 1,
                        "line": {"color": ACTION_COLOR, "width": 1.2, "dash": "dash"}})
-        if label:  # "rollback → attempt 2" when an action made the attempt, else a restart's
-            cause = why.get(att.get("attempt"))
-            text = f"{cause} → attempt {att.get('attempt')}" if cause else f"attempt {att.get('attempt')}"
-            labels.append({"x": xv, "y": 0, "xref": "x", "yref": "paper", "yanchor": "bottom", "xanchor": "left",
-                           "showarrow": False, "text": text, "font": {"size": 10, "color": ACTION_COLOR}})
+        if label:  # one label a line, every other one higher: lines close together stay readable
+            labels.append({"x": xv, "y": 0.13 * (i % 2), "xref": "x", "yref": "paper", "yanchor": "bottom",
+                           "xanchor": "left", "showarrow": False, "text": ", ".join(names),
+                           "font": {"size": 10, "color": ACTION_COLOR}, "bgcolor": "rgba(255,255,255,0.75)"})
     if shapes or labels:
         fig.update_layout(shapes=[*fig.layout.shapes, *shapes], annotations=[*fig.layout.annotations, *labels])
     return fig

@@ -109,6 +109,13 @@ def _op_label(r: dict) -> str:
     return f"{r.get('axis') or '?'} · {r.get('op') or '?'}"
 
 
+def _two_line_ticks(fig: go.Figure) -> None:
+    """"axis · op" on two lines, upright: slanted labels of a narrow chart ran into its legend."""
+    xs = list(dict.fromkeys(x for t in fig.data for x in (t.x or ())))
+    fig.update_xaxes(title_text="mesh axis · op", type="category", tickangle=0, tickvals=xs,
+                     ticktext=[str(x).replace(" · ", "<br>") for x in xs])
+
+
 def ops_figure(ops: list[dict], *, uirevision: str = "keep") -> go.Figure:
     """Stacked per "axis · op": the exposed part (what it cost the step) and the overlapped rest."""
     rows = sorted(ops, key=lambda r: -(finite(r.get("duration_s")) or 0.0))
@@ -127,7 +134,7 @@ def ops_figure(ops: list[dict], *, uirevision: str = "keep") -> go.Figure:
     fig.update_layout(barmode="stack", hovermode="closest", margin={"b": 96},
                       legend={"orientation": "h", "traceorder": "normal", "x": 0, "xanchor": "left", "y": -0.3,
                               "yanchor": "top"})
-    fig.update_xaxes(title_text="mesh axis · op", type="category")
+    _two_line_ticks(fig)
     fig.update_yaxes(title_text="s per rank-step", rangemode="tozero")
     return fig
 
@@ -144,7 +151,7 @@ def bytes_figure(ops: list[dict], *, uirevision: str = "keep") -> go.Figure:
                       "<extra></extra>", showlegend=False))
     base_layout(fig, title="Message size by axis and op (MiB per op)", height=340, uirevision=uirevision, legend=False)
     fig.update_layout(hovermode="closest")
-    fig.update_xaxes(title_text="mesh axis · op", type="category")
+    _two_line_ticks(fig)
     fig.update_yaxes(title_text="MiB per op", rangemode="tozero")
     return fig
 

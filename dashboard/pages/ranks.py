@@ -246,13 +246,16 @@ def _marks_as_strip(fig: go.Figure, m: Marks) -> list[dict]:
                           "textposition": "middle left"}
         strip["fillcolor"] = severity_color(inc.get("severity"))
     why = {a.get("attempt"): a.get("kind") for a in m.actions if a.get("attempt") is not None}
-    for att in m.attempts[1:]:  # named as annotate() names them: "rollback → attempt 1"
+    starts: dict[int, list[str]] = {}  # named as annotate() names them, one label a step: "rollback → attempt 1"
+    for att in m.attempts[1:]:
         if att.get("step_from") is not None:
             cause = why.get(att.get("attempt"))
             name = f"attempt {att.get('attempt')}"
-            fig.add_annotation(x=att["step_from"], y=1.0, xref="x", yref="paper", yanchor="bottom", xanchor="left",
-                               showarrow=False, yshift=22, font={"size": 10, "color": ACTION_COLOR},
-                               text=f"{cause} → {name}" if cause else name)
+            starts.setdefault(att["step_from"], []).append(f"{cause} → {name}" if cause else name)
+    for step, names in starts.items():
+        fig.add_annotation(x=step, y=1.0, xref="x", yref="paper", yanchor="bottom", xanchor="left",
+                           showarrow=False, yshift=22, font={"size": 10, "color": ACTION_COLOR},
+                           text=", ".join(names))
     return strips
 
 

@@ -80,7 +80,10 @@ return Array.from(document.querySelectorAll('.js-plotly-plot')).map(function (el
   const title = layout.title && typeof layout.title === 'object' ? layout.title.text : layout.title;
   return {
     id: host.id || '',
-    points: (el.data || []).map(t => Math.max(len(t.x), len(t.y), len(t.z), len(t.values))),
+    // the full traces: there plotly has decoded the typed arrays a numpy column ships as
+    // ({dtype, bdata} in el.data), and `_length` is what it draws
+    points: (el._fullData || el.data || []).map(t => Math.max(t._length || 0, len(t.x), len(t.y), len(t.z),
+                                                             len(t.values))),
     notes: (layout.annotations || []).filter(a => a.xref === 'paper' && a.yref === 'paper')
                                      .map(a => String(a.text || '')),
     title: String(title || ''),
