@@ -166,6 +166,15 @@ def plain(values: Any) -> list:
             for v in (values.tolist() if isinstance(values, np.ndarray) else list(values))]
 
 
+def extendable(fig: go.Figure) -> dict:
+    """The figure as the dict Dash ships, with plain lists for arrays. A go.Figure sends a
+    numpy column as a typed array ({dtype, bdata}), which plotly.js keeps as such in the
+    graph's data: `extendData` cannot append to it. The live curves go out like this."""
+    return {"data": [{k: (plain(v) if isinstance(v, np.ndarray) else v) for k, v in t.to_plotly_json().items()}
+                     for t in fig.data],
+            "layout": fig.layout.to_plotly_json()}
+
+
 def curve_traces(rows: Rows, curve: Curve, x: XAxis, *, smoothing: float = 0.0,
                  smooth_start: float | None = None) -> list[go.Scatter]:
     """The traces of one curve, in a fixed order so a live refresh can extend them:

@@ -17,7 +17,7 @@ from dash import ALL, Input, Output, State, callback, clientside_callback, Clien
 
 from dashboard import state
 from dashboard.figures import (GRAPH_CONFIG, Curve, Marks, XAxis, annotate, base_layout, curve_figure, curve_traces,
-                               empty, finite, plain, rank_color)
+                               empty, extendable, finite, plain, rank_color)
 from dashboard.source import Source, SourceError
 
 
@@ -36,7 +36,10 @@ ATTEMPT_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564
 
 def layout(x: str = "step", smooth: str = "0", log: str | None = None, **query: Any) -> html.Div:
     """`?x=time&smooth=0.6&log=loss,lr&from=100&to=400` restores a pasted view."""
-    log_on = [c.key for c in CURVES if c.log_default] if log is None else [m for m in str(log).split(",") if m and m != "none"]
+    if log is None:  # no `log` in the URL: the curves that read best on a log scale
+        log_on = [c.key for c in CURVES if c.log_default]
+    else:  # "none": the user turned every one off
+        log_on = [m for m in str(log).split(",") if m and m != "none"]
     return html.Div([
         html.Div([
             html.Div([html.Label("x axis", className="llmw-label"),
@@ -219,7 +222,8 @@ def _draw(run_id, _tick, x, smoothing, log, zoom, drawn):
     except SourceError as e:
         msg = empty(str(e), height=240)
         return [msg] * n, [no_update] * n, [msg, empty(str(e), height=300)], None, no_update
-    return out["curves"], [no_update] * n, [out["eval"], out["lineage"]], out["drawn"], run_cfg
+    curves = [extendable(f) for f in out["curves"]]  # extended live: their arrays go out as lists
+    return curves, [no_update] * n, [out["eval"], out["lineage"]], out["drawn"], run_cfg
 
 
 clientside_callback(ClientsideFunction("llmw", "syncZoom"), Output("ov-range", "data"),

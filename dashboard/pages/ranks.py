@@ -38,7 +38,8 @@ from dashboard.figures import (ACTION_COLOR, GRAPH_CONFIG, HEALTH_COLORS, annota
 from dashboard.source import Source, SourceError
 
 PAGE = {"path": "/ranks", "name": "Ranks", "order": 1, "title": "llmwatch · ranks"}  # registered by dashboard/app.py
-MAX_STEPS = 240  # heatmap columns (64 ranks x 240: ~1.9 MB of JSON from the collector; a zoom refetches at full resolution)
+# heatmap columns (64 ranks x 240: ~1.9 MB of JSON from the collector); a zoom refetches at full resolution
+MAX_STEPS = 240
 SILENT_AFTER_S = 30.0  # a running rank whose last heartbeat is older than this is drawn silent
 TOP_SLOWEST = 8
 PARTS = (("compute_s", "compute (fwd+bwd+opt)", "#4e79a7"), ("data_s", "data loading", "#59a14f"),

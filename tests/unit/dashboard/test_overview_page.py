@@ -99,3 +99,15 @@ def test_a_zoomed_range_is_read_at_full_resolution_there(db_source):
     assert list(loss.data[2].x) == list(range(19, 32))  # one step either side, so the lines reach the edges
     assert list(loss.layout.xaxis.range) == [20, 30]
     assert overview.build(db_source, RUN_ID, x="time", step_from=20, step_to=30)["curves"][0].layout.xaxis.range is None
+
+
+def test_the_live_curves_go_out_with_lists_extendData_can_append_to(db_source):
+    """A numpy column ships as a typed array ({dtype, bdata}), which plotly.js cannot extend."""
+    from dashboard.figures import extendable
+
+    fig = overview.build(db_source, RUN_ID)["curves"][0]
+    out = extendable(fig)
+    value = out["data"][2]
+    assert isinstance(value["x"], list) and value["x"][:3] == [1, 2, 3] and isinstance(value["y"], list)
+    assert "bdata" not in pio.to_json(out)
+    assert "bdata" in pio.to_json(fig)  # what the same figure would have shipped
