@@ -16,6 +16,9 @@ Targets: a list of ranks, or None for every rank of the run. A command for
 every rank is resolved to range(world_size) when the run's size is known; if not,
 it is delivered to each rank that reports while the command is young.
 
+A restart round gets again what the old round received and none of its ranks acked
+(`CommandBook.plan`).
+
 Statuses: pending (not yet delivered to every target) -> delivered -> acked
 (every delivered rank acked) or failed (some rank reported failed/error/
 rejected). Nothing is delivered after `ttl_s`; a command still pending then is
@@ -127,9 +130,15 @@ class CommandBook:
         return book
 
     def plan(self, requests: Iterable[tuple[str, int]], acks: Iterable[tuple[str, int, float, CommandAck]],
-             now: float, issued: Sequence[Command] = ()) -> CommandPlan:
-        """The `issued` commands first (so a request in the same group gets them), then
-        deliveries for each (run_id, rank) request in order, then the acks."""
+             now: float, issued: Sequence[Command] = (), restarted: Iterable[str] = ()) -> CommandPlan:
+        """The `issued` commands first (so a request in the same group gets them), then the
+        `restarted` runs' redeliveries, then deliveries for each (run_id, rank) request in
+        order, then the acks.
+
+        A restart round (rank 0's `run_started` with `restart` > 0) is a new set of
+        processes: a command delivered to the old round and acked by none of its ranks
+        was never carried out (they left first: an isolation's restart and a rollback
+        decided a moment later), so it goes to the new round as if not yet delivered."""
         changed: dict[int, Command] = {}
         new_by_run: dict[str, list[Command]] = {}
         for cmd in issued:
@@ -140,6 +149,14 @@ class CommandBook:
             if cmd.id not in changed:
                 changed[cmd.id] = copy.deepcopy(cmd)
             return changed[cmd.id]
+
+        for run_id in set(restarted):
+            for cmd in self._by_run.get(run_id, {}).values():
+                cur = changed.get(cmd.id, cmd)
+                if cur.delivered and not cur.acks and cur.status in ("pending", "delivered") \
+                        and now - cur.issued_ts <= self.ttl_s:
+                    cur = edit(cmd)
+                    cur.delivered, cur.status, cur.updated_ts = [], "pending", now
 
         deliveries = []
         for run_id, rank in requests:
@@ -180,6 +197,15 @@ class CommandBook:
                 del cmds[cid]
             if not cmds:
                 del self._by_run[run_id]
+
+
+def _restart_round(data_json: str | None) -> bool:
+    """A `run_started` of a restart round (the supervisor's `restart` count above 0)."""
+    try:
+        data = json.loads(data_json) if data_json else {}
+        return int(data.get("restart") or 0) > 0
+    except (ValueError, TypeError, AttributeError):
+        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,7 +255,9 @@ class CommandsProjection(Projection):
                 answers.append(cmd.id)
         fresh_acks = [(b.run_id, b.rank, e.ts, e.special) for b in group.fresh for e in b.events
                       if e.kind == "command_ack"]
-        plan = self.book.plan(group.requests, fresh_acks, group.now, issued)
+        restarted = [b.run_id for b in group.fresh if b.rank == 0 for e in b.events
+                     if e.kind == "run_started" and _restart_round(e.data_json)]
+        plan = self.book.plan(group.requests, fresh_acks, group.now, issued, restarted)
         # what the submitter gets: the row as this commit writes it
         plan.results = [a if isinstance(a, BaseException) else plan.changed[a].as_dict() for a in answers]
         return plan

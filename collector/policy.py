@@ -22,9 +22,9 @@ What it does with a decision, through the writer (never blocking):
 Then the row follows the action: `acked` when every rank acked the command
 (`failed` when one refused it, with its reason), `done` with `recovery_s` when
 the first step of the new attempt completes (for a rollback or a stop, of an
-attempt after a rank acked it: a restart's new attempt is not the rollback's, and
-a command the old round received but left without carrying out is issued again
-to the new round) (`recovery_s`, from the incident's
+attempt after a rank acked it: a restart's new attempt is not the rollback's; a
+command the old round received but left without carrying out is delivered again
+to the new round, collector/commands.py) (`recovery_s`, from the incident's
 `opened_ts`: training goes on), and its detail gets `caught_up_s` when the new
 lineage passes the last step the abandoned one reached (the replay is the work
 the fault cost).
@@ -127,8 +127,6 @@ class Pending:
     # `run_started` count (the old round may run a few more steps of a later attempt)
     needs_restart: bool = False
     recovered_ts: float | None = None  # done: training went on; pending until it caught up
-    args: dict[str, Any] = field(default_factory=dict)  # the command's, to issue it again
-    num_reissued: int = 0
 
 
 class PolicyRunner:
@@ -263,33 +261,13 @@ class PolicyRunner:
             # the new round starts above every attempt of the old one (trainer/supervisor.py)
             floor = int(data.get("attempt_floor") or 0)
             with self._lock:
-                owed = []
                 for p in self._pending.values():
                     if p.run_id == run_id and p.needs_restart:
                         p.needs_restart, p.attempt = False, max(p.attempt, floor - 1)
                     elif p.run_id == run_id and _carried_by_ranks(p) and not p.acks:
-                        p.attempt = max(p.attempt, floor)  # its own new attempt comes after the round's
-                        owed.append(p)
-            for p in owed:
-                self._reissue(p)
-
-    def _reissue(self, p: Pending) -> None:
-        """A command the old round's ranks received but left without carrying out (an
-        isolation restarted the job first): the new round gets it again."""
-        def issued(row: Any, error: BaseException | None) -> None:  # on the writer thread: submit only
-            if error is not None:
-                with self._lock:
-                    self._pending.pop(p.action_id, None)
-                self.storage.update_action(p.action_id, status="failed",
-                                           detail={"error": f"could not issue it again: {error}"})
-                return
-            old, p.command_id = p.command_id, row["id"]
-            p.num_reissued += 1
-            self.storage.update_action(p.action_id, command_id=row["id"], detail={
-                "reissued": f"command {old} went to ranks that restarted before acting; "
-                            f"issued again as {row['id']} to the new round"})
-        log.info("policy: %s for run %s issued again to the restarted job", p.kind, p.run_id)
-        self.storage.issue_command(p.run_id, p.kind, p.args, None, done=issued)
+                        # the old round left without carrying it out: the new round gets it again
+                        # (collector/commands.py), and its own attempt comes after the round's
+                        p.attempt = max(p.attempt, floor)
 
     def _ack(self, run_id: str, rank: int, data: dict[str, Any], ts: float | None) -> None:
         try:
@@ -435,7 +413,7 @@ class PolicyRunner:
             with self._lock:
                 self._pending[int(action_id)] = Pending(action_id=int(action_id), run_id=d.run_id, kind=d.kind,
                                                         incident_opened_ts=opened, attempt=attempt,
-                                                        command_id=command_id, args=dict(d.args or {}),
+                                                        command_id=command_id,
                                                         needs_restart=d.kind in (ISOLATE, RESTART))
         return recorded
 

@@ -54,6 +54,25 @@ def test_acks_settle_the_status():
     assert book.plan([], [("r", 0, 2.0, CommandAck(command_id=99, status="ok"))], now=2.0).changed == {}
 
 
+def test_a_restart_round_gets_again_what_the_old_round_left_undone():
+    """Seen on the demo: a rollback delivered to the old round as an isolation restarted it;
+    its ranks left without acting, and the new round (ranks 0 and 1 again) never got it."""
+    book = book_with(Command(id=1, run_id="r", kind="rollback", args={"step": 70}, ranks=[0, 1, 2, 3],
+                             issued_ts=0.0),
+                     Command(id=2, run_id="r", kind="isolate", args={}, ranks=[0, 1, 2, 3], issued_ts=0.0))
+    book.apply(book.plan([("r", k) for k in range(4)], [("r", k, 1.0, CommandAck(command_id=2, status="done"))
+                                                        for k in range(4)], now=1.0), 1.0)
+    assert book.plan([("r", 0)], [], now=2.0).deliveries == [[]]  # delivered once, as before
+    plan = book.plan([("r", 0), ("r", 1)], [], now=2.0, restarted=["r"])
+    assert [[m["id"] for m in d] for d in plan.deliveries] == [[1], [1]]  # the rollback, not the acked isolate
+    assert plan.changed[1].delivered == [0, 1] and plan.changed[1].status == "pending"
+    book.apply(plan, 2.0)
+    acked = book.plan([], [("r", 0, 3.0, CommandAck(command_id=1, status="done"))], now=3.0)
+    book.apply(acked, 3.0)
+    assert book.plan([("r", 0)], [], now=4.0, restarted=["r"]).deliveries == [[]]  # acked: never again
+    assert book.plan([("other", 0)], [], now=4.0, restarted=["other"]).deliveries == [[]]
+
+
 def test_every_rank_of_unknown_size_and_expiry():
     book = book_with(Command(id=1, run_id="r", kind="stop", args={}, ranks=None, issued_ts=0.0),
                      Command(id=2, run_id="r", kind="skip", args={}, ranks=[5], issued_ts=0.0), ttl_s=10.0)
@@ -104,6 +123,19 @@ def test_issue_deliver_ack_through_storage(storage):
                                                   sections={wire.STEP: steps_section([seq])})))
     (row,) = storage.commands("run1")
     assert (row["status"], row["delivered"], sorted(row["acks"])) == ("acked", [1, 0], ["0", "1"])
+
+
+def test_a_restart_rounds_first_batch_gets_the_unacked_command_again(storage):
+    run = {"world_size": 2}
+    storage.ingest_blocking(decode(make_batch(rank=0, run=run)))
+    cmd = storage.issue_command("run1", "rollback", {"step": 7}, None).result(10)
+    for rank in (0, 1):  # the old round received it, and left without acting
+        assert len(storage.ingest_blocking(decode(make_batch(rank=rank, batch_seq=1))).commands) == 1
+    restart = {"ts": 9.0, "kind": "run_started", "data": {"restart": 1, "attempt_floor": 1}}
+    got = storage.ingest_blocking(decode(make_batch(rank=0, batch_seq=0, incarnation="round1", events=[restart])))
+    assert [c["id"] for c in got.commands] == [cmd["id"]]
+    assert [c["id"] for c in storage.ingest_blocking(decode(make_batch(rank=1, batch_seq=0,
+                                                                       incarnation="round1"))).commands] == [cmd["id"]]
 
 
 def started_run(storage) -> None:
