@@ -189,11 +189,17 @@ class EmbeddedCollector:
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, STOP_TIMEOUT_S)
+
+
+def stop_process(proc: subprocess.Popen | None, timeout_s: float) -> None:
+    """SIGTERM a child that is still running (it drains and closes its files), and
+    SIGKILL it past `timeout_s`."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

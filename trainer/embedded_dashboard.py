@@ -13,7 +13,7 @@ reported with its log and training goes on.
 
 from __future__ import annotations
 
-import signal
+import os
 import socket
 import subprocess
 import sys
@@ -23,6 +23,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from trainer.embedded import collector_env, stop_process
 from trainer.lifeline import die_with_parent
 
 HOST = "127.0.0.1"
@@ -65,7 +66,7 @@ class EmbeddedDashboard:
         log = open(self.log_path, "ab")
         try:
             self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT,
-                                         env=_dashboard_env(), start_new_session=True,
+                                         env=self.env(), start_new_session=True,
                                          preexec_fn=die_with_parent())
         finally:
             log.close()
@@ -102,25 +103,12 @@ class EmbeddedDashboard:
         t.start()
         return t
 
+    @staticmethod
+    def env() -> dict[str, str]:
+        """The launcher's environment without any token variable (the dashboard reads its
+        token from the file it is given), as the embedded collector's."""
+        return collector_env(os.environ)
+
     def stop(self) -> None:
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _dashboard_env() -> dict[str, str]:
-    """The launcher's environment without any token variable (the dashboard reads its
-    token from the file it is given), and with one thread for the math libraries."""
-    import os
-
-    from trainer.private import COLLECTOR_TOKEN_ENVS
-
-    env = {k: v for k, v in os.environ.items() if k not in COLLECTOR_TOKEN_ENVS}
-    env["OMP_NUM_THREADS"] = "1"
-    return env
+        stop_process(proc, STOP_TIMEOUT_S)

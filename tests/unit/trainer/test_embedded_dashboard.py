@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 import sys
 
-from trainer.embedded_dashboard import EmbeddedDashboard, _dashboard_env, port_free
+from trainer.embedded_dashboard import EmbeddedDashboard, port_free
 
 
 def test_the_command_line_names_the_token_file_never_the_token(tmp_path):
@@ -22,7 +22,7 @@ def test_the_command_line_names_the_token_file_never_the_token(tmp_path):
 
 def test_no_token_variable_reaches_the_dashboard(monkeypatch):
     monkeypatch.setenv("LLMWATCH_TOKEN", "t")
-    assert "LLMWATCH_TOKEN" not in _dashboard_env()
+    assert "LLMWATCH_TOKEN" not in EmbeddedDashboard.env()
 
 
 def test_a_taken_port_falls_back_to_any_free_one(tmp_path):
