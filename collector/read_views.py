@@ -39,15 +39,15 @@ _BIG = 2**62  # an open end of a step range
 
 
 def _bucket_width(cur: Cursor, table: str, run_id: str, step_from: int | None, step_to: int | None,
-                  max_points: int) -> tuple[int, int, int, int] | None:
-    """(lo, hi, width, max_points) of the run's steps in `table` over the range; None without rows."""
+                  max_points: int) -> tuple[int, int, int] | None:
+    """(lo, hi, width) of the run's steps in `table` over the range; None without rows."""
     lo, hi = cur.execute(f"SELECT min(step), max(step) FROM {table} WHERE run_id = ? "
                          "AND step >= coalesce(?, step) AND step <= coalesce(?, step)",
                          [run_id, step_from, step_to]).fetchone()
     if lo is None:
         return None
     width = max(1, -(-(hi - lo + 1) // max(1, int(max_points))))
-    return int(lo), int(hi), int(width), max(1, int(max_points))
+    return int(lo), int(hi), int(width)
 
 
 def overview(cur: Cursor, run_id: str, *, step_from: int | None = None, step_to: int | None = None,
@@ -60,7 +60,7 @@ def overview(cur: Cursor, run_id: str, *, step_from: int | None = None, step_to:
     b = _bucket_width(cur, "steps", run_id, step_from, step_to, max_points)
     if b is None:
         return []
-    lo, hi, width, _ = b
+    lo, hi, width = b
     return records(cur, f"""
         WITH per_attempt AS (  -- each (attempt, step) over its ranks, then the step's highest attempt
             SELECT attempt, step, max(ts) AS ts,
@@ -91,7 +91,7 @@ def scalar_curves(cur: Cursor, run_id: str, *, prefix: str = "eval/", step_from:
     b = _bucket_width(cur, "scalars", run_id, step_from, step_to, max_points)
     if b is None:
         return []
-    lo, hi, width, _ = b
+    lo, hi, width = b
     return records(cur, """
         WITH s AS (SELECT name, step, avg(value) AS value, max(ts) AS ts FROM (
                        SELECT * FROM scalars WHERE run_id = $r AND starts_with(name, $p) AND step BETWEEN $lo AND $hi
@@ -110,7 +110,7 @@ def lineage(cur: Cursor, run_id: str, *, max_points: int = 600) -> Rows:
     b = _bucket_width(cur, "steps", run_id, None, None, max_points)
     if b is None:
         return []
-    lo, _, width, _ = b
+    lo, _, width = b
     return records(cur, """
         WITH per_attempt AS (
             SELECT attempt, step, avg(loss) FILTER (WHERE isfinite(loss)) AS loss, max(ts) AS ts
@@ -137,7 +137,7 @@ def step_grid(cur: Cursor, run_id: str, *, step_from: int | None = None, step_to
     b = _bucket_width(cur, "steps", run_id, step_from, step_to, max_steps)
     if b is None:
         return []
-    lo, hi, width, _ = b
+    lo, hi, width = b
     return records(cur, f"""
         WITH {_EFFECTIVE}
         SELECT $lo + (step - $lo) // $w * $w AS step, rank, avg(step_s) AS step_s, max(step_s) AS step_s_max,

@@ -104,7 +104,7 @@ def build(src: Source, run_id: str, *, x: str = "step", smoothing: float = 0.0, 
     last = rows[-1] if rows else {}
     drawn = {"run": run_id, "x": x, "smoothing": smoothing, "log": sorted(log), "marks": repr(m.signature),
              "last_step": last.get("step_to"), "appended": 0,
-             "smooth_last": {c.key: _last_smoothed(rows, c, smoothing) for c in CURVES}}
+             "smooth_last": {c.key: _smoothed_end(f.data) for c, f in zip(CURVES, curves)}}
     return {"curves": curves, "eval": eval_fig, "lineage": lineage_fig, "drawn": drawn}
 
 
@@ -126,18 +126,17 @@ def extend(src: Source, run_id: str, drawn: dict[str, Any]) -> tuple[list[Any], 
                               smooth_start=smooth_last.get(c.key))
         out.append([{"x": [plain(t.x) for t in traces], "y": [plain(t.y) for t in traces]},
                     list(range(len(traces)))])
-        smooth_last[c.key] = _last_smoothed(rows, c, drawn.get("smoothing", 0.0), start=smooth_last.get(c.key))
+        smooth_last[c.key] = _smoothed_end(traces)
     return out, {**drawn, "last_step": rows[-1].get("step_to"), "appended": drawn.get("appended", 0) + len(rows),
                  "smooth_last": smooth_last}
 
 
-def _last_smoothed(rows: list[dict], c: Curve, smoothing: float, *, start: float | None = None) -> float | None:
-    from dashboard.figures import ema
-
-    if smoothing <= 0 or not rows:
+def _smoothed_end(traces) -> float | None:
+    """Where the smoothed trace (curve_traces' 4th; empty without smoothing) ends: the
+    next append continues the average from there."""
+    if len(traces) < 4 or len(traces[3].y) == 0:
         return None
-    values = ema([r.get(c.key) for r in rows], smoothing, start=start)
-    return values[-1] if values else start
+    return finite(traces[3].y[-1])
 
 
 def eval_figure(rows: list[dict], xa: XAxis, m: Marks, uirevision: str) -> go.Figure:

@@ -33,8 +33,8 @@ from dash import ALL, ClientsideFunction, Input, Output, State, callback, client
 from dash import no_update
 
 from dashboard import state
-from dashboard.figures import (ACTION_COLOR, GRAPH_CONFIG, HEALTH_COLORS, annotate, base_layout, empty, finite, Marks,
-                               node_color, rank_color, severity_color, XAxis)
+from dashboard.figures import (ACTION_COLOR, GRAPH_CONFIG, HEALTH_COLORS, Marks, XAxis, annotate, base_layout, column,
+                               empty, finite, node_color, rank_color, severity_color)
 from dashboard.source import Source, SourceError
 
 PAGE = {"path": "/ranks", "name": "Ranks", "order": 1, "title": "llmwatch · ranks"}  # registered by dashboard/app.py
@@ -179,14 +179,14 @@ def heatmap_figure(grid: list[dict], info: dict[int, dict], m: Marks, *, metric:
     i = np.fromiter((row_of[g["rank"]] for g in grid), dtype=np.int64, count=len(grid))
     j = np.fromiter((col_of[g["step"]] for g in grid), dtype=np.int64, count=len(grid))
     z = np.full((len(order), len(steps)), np.nan, dtype=np.float32)
-    z[i, j] = _column(grid, key) * 1e3  # ms
+    z[i, j] = column(grid, key) * 1e3  # ms
     cd = None
     if width > 1:  # a bucket of steps: which, and its slowest step
         cd = np.full((len(order), len(steps), 3), np.nan, dtype=np.float32)
         first = np.asarray(steps, dtype=np.float32)[j]
         cd[i, j, 0], cd[i, j, 1] = first, first + (width - 1)
         if metric != "compute":
-            cd[i, j, 2] = _column(grid, "step_s_max") * 1e3
+            cd[i, j, 2] = column(grid, "step_s_max") * 1e3
     values = np.sort(z[np.isfinite(z)])
     zmin = float(values[0]) if len(values) else None  # a first slow step or two must not wash out the rest:
     zmax = float(values[min(len(values) - 1, int(0.98 * len(values)))]) if len(values) else None  # p98 is the top
@@ -221,13 +221,6 @@ def heatmap_figure(grid: list[dict], info: dict[int, dict], m: Marks, *, metric:
              if info.get(order[i], {}).get("node") != info.get(order[i - 1], {}).get("node")]
     fig.layout.shapes = (*fig.layout.shapes, *rules, *_marks_as_strip(fig, m))  # one update, not one a shape
     return fig
-
-
-def _column(rows: list[dict], key: str) -> np.ndarray:
-    """One key of every row as float64, NaN where missing or not finite."""
-    a = np.array([r.get(key) for r in rows], dtype=np.float64)  # None -> NaN
-    a[~np.isfinite(a)] = np.nan
-    return a
 
 
 def _marks_as_strip(fig: go.Figure, m: Marks) -> list[dict]:
