@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from collector import read
+from collector import read, read_views
 from collector.goodput import Goodput, goodput
 
 WINDOW_STEPS = 20  # steps shown either side of an incident in its chart
+GRID_STEPS = 400  # columns of the report's rank x step heatmap
 _HIGHLIGHTS = {  # evidence keys worth a column, by incident kind (the rest stays in the JSON)
     "straggler": ("compute_ratio", "cost_s_per_step", "share_of_step", "onset_step", "fired_at_step"),
     "nan": ("origin", "origin_signal", "num_ranks_nonfinite", "num_ranks", "loss", "grad_norm"),
@@ -131,7 +132,7 @@ def gather(cur: read.Cursor, run_id: str, *, window_steps: int = WINDOW_STEPS) -
                                               step_to=hi + window_steps)
     return Report(run_id=run_id, run=run, span=span, goodput=g, incidents=incidents, stragglers=stragglers,
                   nodes=read.nodes(cur, run_id), checkpoints=read.checkpoints(cur, run_id), windows=windows,
-                  grid=read.step_grid(cur, run_id))
+                  grid=read_views.step_grid(cur, run_id, max_steps=GRID_STEPS))
 
 
 GOODPUT_DEFINITION = (

@@ -266,16 +266,3 @@ def step_window(cur: Cursor, run_id: str, *, step_from: int, step_to: int, max_p
                coalesce(bool_or(skipped), false) AS skipped
         FROM s, w GROUP BY (step - $lo) // width ORDER BY 1""",
                    {"r": run_id, "lo": int(step_from), "hi": int(step_to), "n": max(1, int(max_points))})
-
-
-def step_grid(cur: Cursor, run_id: str, *, max_steps: int = 400) -> Rows:
-    """rank x step of the effective attempt: step_s and compute_s (fwd + bwd + opt, the
-    time not blocked on communication: a straggler's own slowness), averaged over
-    buckets of equal step width when the run has more than `max_steps` steps."""
-    return records(cur, """
-        WITH s AS (SELECT step, rank, step_s, fwd_s + bwd_s + opt_s AS compute_s FROM steps_effective
-                   WHERE run_id = $r),
-             w AS (SELECT min(step) AS lo, greatest(1, ceil((max(step) - min(step) + 1) / $n))::BIGINT AS width
-                   FROM s)
-        SELECT lo + (step - lo) // width * width AS step, rank, avg(step_s) AS step_s, avg(compute_s) AS compute_s
-        FROM s, w GROUP BY ALL ORDER BY step, rank""", {"r": run_id, "n": max(1, int(max_steps))})

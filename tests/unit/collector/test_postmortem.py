@@ -11,7 +11,7 @@ import json
 import duckdb
 import pytest
 
-from collector import postmortem, read
+from collector import postmortem, read, read_views
 from collector.schema import migrate
 
 RUN = "tiny"
@@ -109,10 +109,10 @@ def test_window_and_grid_queries(cur):
     (nan,) = [r for r in rows if r["num_nonfinite"]]
     assert nan["step"] == 3 and nan["loss"] is None and nan["skipped"]  # no mean of NaNs to draw
     assert rows[4]["loss"] == pytest.approx(2.5)  # attempt 1's step 5
-    grid = read.step_grid(cur, RUN)
+    grid = read_views.step_grid(cur, RUN)
     assert len(grid) == 12 and {g["rank"] for g in grid} == {0, 1}
     assert [g["compute_s"] for g in grid if g["rank"] == 1] == pytest.approx([0.95] * 6)
-    assert len(read.step_grid(cur, RUN, max_steps=2)) == 4  # 2 buckets of 3 steps x 2 ranks
+    assert len(read_views.step_grid(cur, RUN, max_steps=2)) == 4  # 2 buckets of 3 steps x 2 ranks
 
 
 def test_markdown_report(cur):
