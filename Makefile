@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,hf,lightning]'
 	touch $(STAMP)
 
 # dp2 x pp2 x tp2 on 8 CPU ranks would crawl on 2 cores: the demo uses dp2 x tp2 (4 ranks)
@@ -53,7 +53,7 @@ screenshots: venv
 	$(PY) -m tests.browser.screenshots --db $(RUN_DIR)/telemetry.duckdb --run demo --out docs/screenshots
 
 bench: venv
-	$(PY) -m pip install -q -e '.[dev,bench]'
+	$(PY) -m pip install -q -e '.[dev,hf,lightning,bench]'
 	for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 clean:
