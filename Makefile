@@ -32,7 +32,7 @@ demo: venv
 	  --ckpt-dir $(RUN_DIR)/ckpt --ckpt-every 10 --metrics-jsonl $(RUN_DIR)/metrics.jsonl \
 	  --inject spike@step=70 --inject straggler@rank=3,from=40,factor=1.5
 
-# Debian's prometheus-alertmanager, chromium and chromium-driver, when missing and this
+# Debian's prometheus, prometheus-alertmanager, docker-compose, chromium and chromium-driver, when missing and this
 # user may install them (root or passwordless sudo); otherwise their tests skip, saying why
 system-deps:
 	@.ci/system-deps
