@@ -1,4 +1,5 @@
-"""`collector serve`, `collector sql`, `collector replay` and `collector postmortem` (also
+"""`collector serve`, `collector sql`, `collector replay`, `collector postmortem` and the
+retention commands `collector archive`, `collector rollup`, `collector compact` (also
 `python -m collector`)."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 from collector.auth import ALL_ROLES_ENV, Role, TokenSources, client_token
+from collector.retention import MIN_ROLLUP_AGE_S, parse_age
 from collector.settings import MiB, Settings
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
@@ -107,6 +109,12 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"collector: error: --max-memory: {e}", file=sys.stderr)
         return 2
+    try:
+        rollup_after_s = _rollup_age(args.rollup_after) if args.rollup_after else 0.0
+        rollup_every_s = parse_age(args.rollup_every)
+    except ValueError as e:
+        print(f"collector: error: {e}", file=sys.stderr)
+        return 2
     if max_memory:
         limit_memory(max_memory)
     db_path = Path(args.db).resolve()
@@ -149,7 +157,8 @@ def serve(args: argparse.Namespace) -> int:
                         webhook_secret=webhook_secret, external_url=args.external_url,
                         alert_timeout_s=args.alert_timeout_s, alert_retry_base_s=args.alert_retry_base_s,
                         alert_retry_cap_s=args.alert_retry_cap_s, alert_max_age_s=args.alert_give_up_s,
-                        alert_max_attempts=args.alert_max_attempts)
+                        alert_max_attempts=args.alert_max_attempts, rollup_after_s=rollup_after_s,
+                        rollup_every_s=rollup_every_s)
     from analysis import RulesError, load_rules
     from collector.analyzers import detectors_for, policy_for
 
@@ -335,6 +344,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an alert not delivered after this long is marked failed")
     a.add_argument("--alert-max-attempts", type=int, default=0,
                    help="... or after this many attempts (0: no limit but the age)")
+    k = s.add_argument_group("retention", "old per-collective rows rolled up into per-step summaries on the "
+                             "writer thread (collectives_rollup); see docs/scale.md")
+    k.add_argument("--rollup-after", metavar="AGE",
+                   help="roll up collectives rows older than this (e.g. 7d, 36h; at least "
+                        f"{MIN_ROLLUP_AGE_S / 3600:g}h; default: never)")
+    k.add_argument("--rollup-every", metavar="AGE", default="1h",
+                   help="how often the rollup looks for old rows (default 1h)")
     s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(func=serve)
 
@@ -368,7 +384,125 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--db", required=True, help="a DuckDB file no collector holds (opened read-only)")
     m.add_argument("--out", required=True, help="report.html (self-contained, charts embedded) or report.md")
     m.set_defaults(func=_postmortem)
+
+    ar = sub.add_parser("archive", help="write finished runs to a Parquet archive partitioned by run and day")
+    ar.add_argument("--db", required=True, help="a DuckDB file no collector holds, or a copy of a live one "
+                                                "(opened read-only)")
+    ar.add_argument("--out", required=True, metavar="DIR",
+                    help="archive root: DIR/<table>/run_id=<id>/day=YYYY-MM-DD/*.parquet (hive layout)")
+    ar.add_argument("--run", action="append", default=[], metavar="ID",
+                    help="archive this run (repeatable; default: every run whose status is not running)")
+    ar.add_argument("--force", action="store_true", help="archive a run that is still running, as far as it got")
+    ar.add_argument("--json", action="store_true", help="one JSON object: runs archived and skipped, rows per table")
+    ar.set_defaults(func=_archive)
+
+    ru = sub.add_parser("rollup", help="roll old collectives rows up into per-step summaries (a closed file)")
+    ru.add_argument("--db", required=True, help="a DuckDB file no collector holds (written in place)")
+    ru.add_argument("--older-than", required=True, metavar="AGE",
+                    help=f"roll up steps whose collectives all began before now minus this (e.g. 7d; at least "
+                         f"{MIN_ROLLUP_AGE_S / 3600:g}h)")
+    ru.add_argument("--run", metavar="ID", help="this run only (default: every run)")
+    ru.add_argument("--compact", action="store_true",
+                    help="then rewrite the file so that the freed space goes back to the disk (collector compact)")
+    ru.add_argument("--json", action="store_true", help="one JSON object: steps and rows rolled up, file bytes")
+    ru.set_defaults(func=_rollup)
+
+    co = sub.add_parser("compact", help="rewrite a closed file into a fresh one, giving deleted rows' space back")
+    co.add_argument("--db", required=True, help="a DuckDB file no collector holds (replaced by its compacted copy)")
+    co.add_argument("--out", metavar="PATH", help="write the compacted copy here instead and leave --db as it is")
+    co.add_argument("--json", action="store_true", help="one JSON object: bytes before and after, rows per table")
+    co.set_defaults(func=_compact)
     return p
+
+
+def _rollup_age(text: str) -> float:
+    from collector.retention import check_age
+
+    return check_age(parse_age(text))
+
+
+def _open_closed(path: str, what: str, *, read_only: bool):
+    import duckdb
+
+    if not Path(path).exists():
+        raise SystemExit(f"collector {what}: no such file: {path}")
+    try:
+        return duckdb.connect(str(path), read_only=read_only)
+    except duckdb.Error as e:
+        hint = " (a running collector holds it: stop it, or work on a copy)" if "lock" in str(e).lower() else ""
+        raise SystemExit(f"collector {what}: cannot open {path}: {e}{hint}") from None
+
+
+def _archive(args: argparse.Namespace) -> int:
+    from collector.archive import ArchiveError, archive
+
+    con = _open_closed(args.db, "archive", read_only=True)
+    try:
+        result = archive(args.db, args.out, run_ids=args.run or None, force=args.force, con=con)
+    except ArchiveError as e:
+        raise SystemExit(f"collector archive: {e}") from None
+    finally:
+        con.close()
+    if args.json:
+        print(json.dumps({"archived": result.archived, "skipped": result.skipped, "rows": result.rows,
+                          "files": result.files}))
+    else:
+        for run_id in result.archived:
+            print(f"archived {run_id}")
+        for run_id, why in result.skipped.items():
+            print(f"skipped {run_id}: {why}")
+        rows = ", ".join(f"{t} {n:,}" for t, n in result.rows.items() if n)
+        print(f"{len(result.archived)} runs, {result.files} files under {args.out}" + (f" ({rows} rows)" if rows else ""))
+    return 0 if result.archived or not args.run else 1
+
+
+def _rollup(args: argparse.Namespace) -> int:
+    from collector import retention
+    from collector.schema import migrate
+
+    try:
+        older_than_s = _rollup_age(args.older_than)
+    except ValueError as e:
+        print(f"collector rollup: error: {e}", file=sys.stderr)
+        return 2
+    before = retention.file_bytes(args.db) if Path(args.db).exists() else 0
+    con = _open_closed(args.db, "rollup", read_only=False)
+    try:
+        migrate(con)  # an older file gets the rollup tables
+        r = retention.rollup(con, older_than_s=older_than_s, run_id=args.run)
+    finally:
+        con.close()
+    after = retention.file_bytes(args.db)
+    out = {"steps": r.num_steps, "collectives_rows": r.raw_rows, "rollup_rows": r.rollup_rows,
+           "wait_rows": r.wait_rows, "bytes_before": before, "bytes_after": after}
+    if args.compact:
+        c = retention.compact(args.db)
+        out["bytes_compacted"] = c.bytes_after
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"rolled up {r.num_steps:,} steps: {r.raw_rows:,} collectives rows -> {r.rollup_rows:,} summary rows "
+              f"+ {r.wait_rows:,} wait rows; file {before:,} -> {after:,} bytes"
+              + (f", compacted {out['bytes_compacted']:,} bytes" if args.compact else ""))
+    return 0
+
+
+def _compact(args: argparse.Namespace) -> int:
+    import duckdb
+
+    from collector.retention import compact
+
+    _open_closed(args.db, "compact", read_only=True).close()  # exists, and no collector holds it
+    try:
+        c = compact(args.db, out=args.out)
+    except (duckdb.Error, FileExistsError, RuntimeError) as e:
+        raise SystemExit(f"collector compact: {e}") from None
+    if args.json:
+        print(json.dumps({"bytes_before": c.bytes_before, "bytes_after": c.bytes_after, "rows": c.rows}))
+    else:
+        print(f"compacted {args.out or args.db}: {c.bytes_before:,} -> {c.bytes_after:,} bytes "
+              f"({sum(c.rows.values()):,} rows)")
+    return 0
 
 
 def _replay(args: argparse.Namespace) -> int:

@@ -182,24 +182,36 @@ def mesh(cur: Cursor, run_id: str) -> Rows:
         WHERE k.run_id = $r ORDER BY k.rank""", {"r": run_id})
 
 
+# The run's last step with collectives at or before $to (raw or rolled up).
+_COMM_LAST_STEP = """SELECT max(step) FROM (
+    SELECT max(step) AS step FROM collectives WHERE run_id = $r AND step <= coalesce($to, step)
+    UNION ALL SELECT max(step) FROM collectives_rollup WHERE run_id = $r AND step <= coalesce($to, step))"""
+
+
 def _comm_range(cur: Cursor, run_id: str, step_from: int | None, step_to: int | None,
                 last_steps: int) -> tuple[int, int] | None:
     if step_from is None:
-        last = cur.execute("SELECT max(step) FROM collectives WHERE run_id = ? AND step <= coalesce(?, step)",
-                           [run_id, step_to]).fetchone()[0]
+        last = cur.execute(_COMM_LAST_STEP, {"r": run_id, "to": step_to}).fetchone()[0]
         if last is None:
             return None
         return int(last) - max(1, int(last_steps)) + 1, int(last)
-    hi = step_to if step_to is not None else cur.execute(
-        "SELECT max(step) FROM collectives WHERE run_id = ?", [run_id]).fetchone()[0]
+    hi = step_to if step_to is not None else cur.execute(_COMM_LAST_STEP, {"r": run_id, "to": None}).fetchone()[0]
     return (int(step_from), int(hi)) if hi is not None else None
 
 
 # The effective attempt's collectives over [$lo, $hi]: a rollback repeats steps, and
-# only the highest attempt's ops count, as for steps_effective.
+# only the highest attempt's ops count, as for steps_effective. Old steps may be
+# rolled up (collector/retention.py): `c` holds the raw rows, `cr` the per-step
+# summaries (collectives_rollup), `cw` the rolled-up waits (collective_waits_rollup);
+# a (step, rank) is in one or the other, and the effective attempt is decided over both.
 _COMM_EFFECTIVE = """
-    c AS (SELECT * FROM collectives WHERE run_id = $r AND step BETWEEN $lo AND $hi
-          QUALIFY attempt = max(attempt) OVER (PARTITION BY step, rank))"""
+    craw AS (SELECT * FROM collectives WHERE run_id = $r AND step BETWEEN $lo AND $hi),
+    croll AS (SELECT * FROM collectives_rollup WHERE run_id = $r AND step BETWEEN $lo AND $hi),
+    ceff AS (SELECT step, rank, max(attempt) AS attempt FROM (
+                 SELECT step, rank, attempt FROM craw UNION ALL SELECT step, rank, attempt FROM croll)
+             GROUP BY step, rank),
+    c AS (SELECT craw.* FROM craw JOIN ceff USING (step, rank, attempt)),
+    cr AS (SELECT croll.* FROM croll JOIN ceff USING (step, rank, attempt))"""
 
 
 def comm_ops(cur: Cursor, run_id: str, *, step_from: int | None = None, step_to: int | None = None,
@@ -212,30 +224,39 @@ def comm_ops(cur: Cursor, run_id: str, *, step_from: int | None = None, step_to:
         return []
     return records(cur, f"""
         WITH {_COMM_EFFECTIVE},
-             n AS (SELECT count(DISTINCT (step, rank)) AS rank_steps FROM c)
-        SELECT axis, op, count(*) AS num_ops, sum(bytes) AS bytes,
+             u AS (SELECT axis, op, step, rank, 1 AS num_ops, bytes, duration_s, wait_s FROM c
+                   UNION ALL SELECT axis, op, step, rank, num_ops, bytes, duration_s, wait_s FROM cr),
+             n AS (SELECT count(DISTINCT (step, rank)) AS rank_steps FROM u)
+        SELECT axis, op, sum(num_ops)::BIGINT AS num_ops, sum(bytes) AS bytes,
                sum(duration_s) / any_value(n.rank_steps) AS duration_s,
                sum(wait_s) / any_value(n.rank_steps) AS exposed_s,
                greatest(0, sum(duration_s) - sum(wait_s)) / any_value(n.rank_steps) AS overlapped_s,
                min(step) AS step_from, max(step) AS step_to
-        FROM c, n GROUP BY axis, op ORDER BY duration_s DESC""", {"r": run_id, "lo": r[0], "hi": r[1]})
+        FROM u, n GROUP BY axis, op ORDER BY duration_s DESC""", {"r": run_id, "lo": r[0], "hi": r[1]})
 
 
 def comm_latency(cur: Cursor, run_id: str, *, step_from: int | None = None, step_to: int | None = None,
                  last_steps: int = DEFAULT_COMM_STEPS, max_groups: int = 64) -> Rows:
     """The distribution of one op's duration per (axis, group, op), as box statistics
     (p5, p25, median, p75, p99, max): a slow link shows as one group's box above its
-    axis's others. The `max_groups` groups with the most time, for a big mesh."""
+    axis's others. The `max_groups` groups with the most time, for a big mesh.
+    Over rolled-up steps a sample is a rank-step's mean duration of the op (its
+    summary row), not one op: the quantiles there are per-step statistics, while
+    num_ops, total_s and max_s stay exact."""
     r = _comm_range(cur, run_id, step_from, step_to, last_steps)
     if r is None:
         return []
     return records(cur, f"""
-        WITH {_COMM_EFFECTIVE}
-        SELECT axis, group_id, op, count(*) AS num_ops, sum(duration_s) AS total_s,
-               quantile_cont(duration_s, 0.05) AS p5_s, quantile_cont(duration_s, 0.25) AS p25_s,
-               median(duration_s) AS p50_s, quantile_cont(duration_s, 0.75) AS p75_s,
-               quantile_cont(duration_s, 0.99) AS p99_s, max(duration_s) AS max_s
-        FROM c GROUP BY axis, group_id, op ORDER BY total_s DESC LIMIT $g""",
+        WITH {_COMM_EFFECTIVE},
+             u AS (SELECT axis, group_id, op, 1 AS num_ops, duration_s, duration_s AS max_s, duration_s AS sample_s
+                   FROM c
+                   UNION ALL SELECT axis, group_id, op, num_ops, duration_s, max_duration_s,
+                                    duration_s / num_ops FROM cr)
+        SELECT axis, group_id, op, sum(num_ops)::BIGINT AS num_ops, sum(duration_s) AS total_s,
+               quantile_cont(sample_s, 0.05) AS p5_s, quantile_cont(sample_s, 0.25) AS p25_s,
+               median(sample_s) AS p50_s, quantile_cont(sample_s, 0.75) AS p75_s,
+               quantile_cont(sample_s, 0.99) AS p99_s, max(max_s) AS max_s
+        FROM u GROUP BY axis, group_id, op ORDER BY total_s DESC LIMIT $g""",
                    {"r": run_id, "lo": r[0], "hi": r[1], "g": max(1, int(max_groups))})
 
 
@@ -246,7 +267,9 @@ def comm_waits(cur: Cursor, run_id: str, *, step_from: int | None = None, step_t
     the time between its own entry and that one's, but no longer than it was blocked
     on the op (wait_s): an async op started early and waited on later (the command
     channel's broadcast, a bucketed all-reduce) overlapped compute, and cost nothing.
-    Summed per (waiter, waited_for) over the range, in seconds per step."""
+    Summed per (waiter, waited_for) over the range, in seconds per step. Rolled-up
+    steps contribute the same pairs, computed the same way when they were rolled up
+    (collective_waits_rollup)."""
     r = _comm_range(cur, run_id, step_from, step_to, last_steps)
     if r is None:
         return []
@@ -256,12 +279,19 @@ def comm_waits(cur: Cursor, run_id: str, *, step_from: int | None = None, step_t
                           max(start_ts) AS last_ts
                    FROM c WHERE group_seq IS NOT NULL AND op NOT IN ('send', 'recv')
                    GROUP BY ALL HAVING count(*) > 1),
-             n AS (SELECT greatest(1, count(DISTINCT step)) AS num_steps FROM c)
-        SELECT c.rank AS waiter, g.last_rank AS waited_for, count(*) AS num_ops,
-               sum(least(g.last_ts - c.start_ts, coalesce(c.wait_s, g.last_ts - c.start_ts)))
-                   / any_value(n.num_steps) AS wait_s
-        FROM c JOIN g USING (step, axis, group_id, group_seq), n
-        WHERE c.rank <> g.last_rank GROUP BY ALL ORDER BY wait_s DESC""",
+             n AS (SELECT greatest(1, count(DISTINCT step)) AS num_steps FROM (
+                       SELECT step FROM c UNION ALL SELECT step FROM cr)),
+             pairs AS (
+                SELECT c.rank AS waiter, g.last_rank AS waited_for, 1 AS num_ops,
+                       least(g.last_ts - c.start_ts, coalesce(c.wait_s, g.last_ts - c.start_ts)) AS wait_s
+                FROM c JOIN g USING (step, axis, group_id, group_seq) WHERE c.rank <> g.last_rank
+                UNION ALL
+                SELECT w.waiter, w.waited_for, w.num_ops, w.wait_s
+                FROM collective_waits_rollup w JOIN ceff e ON e.step = w.step AND e.rank = w.waiter
+                     AND e.attempt = w.attempt
+                WHERE w.run_id = $r AND w.step BETWEEN $lo AND $hi)
+        SELECT waiter, waited_for, sum(num_ops)::BIGINT AS num_ops, sum(wait_s) / any_value(n.num_steps) AS wait_s
+        FROM pairs, n GROUP BY waiter, waited_for ORDER BY wait_s DESC""",
                    {"r": run_id, "lo": r[0], "hi": r[1]})
 
 

@@ -333,6 +333,56 @@ _HEALING_V7 = [
     "ALTER TABLE nodes ADD COLUMN incident_id BIGINT",
 ]
 
+# v8: retention (collector/retention.py). Old `collectives` rows are rolled up into
+# per-step summaries and deleted: one row per (run, attempt, step, rank, axis, op,
+# group_id) with counts, sums and maxima (every total and collective_summary column
+# stays exact), and who waited for whom per step, as read_views.comm_waits computes
+# it from the raw rows. collective_summary reads both the raw rows and the summaries.
+_ROLLUP_V8 = [
+    """CREATE TABLE collectives_rollup (
+        run_id VARCHAR NOT NULL,
+        attempt INTEGER NOT NULL,
+        step BIGINT NOT NULL,
+        rank INTEGER NOT NULL,
+        axis VARCHAR,
+        op VARCHAR,
+        group_id INTEGER,
+        num_ops BIGINT NOT NULL,
+        bytes BIGINT,
+        duration_s DOUBLE,
+        max_duration_s DOUBLE,
+        wait_s DOUBLE,
+        max_wait_s DOUBLE,
+        start_ts DOUBLE,
+        end_ts DOUBLE
+    )""",
+    """CREATE TABLE collective_waits_rollup (
+        run_id VARCHAR NOT NULL,
+        attempt INTEGER NOT NULL,
+        step BIGINT NOT NULL,
+        waiter INTEGER NOT NULL,
+        waited_for INTEGER NOT NULL,
+        num_ops BIGINT NOT NULL,
+        wait_s DOUBLE
+    )""",
+    """CREATE OR REPLACE VIEW collective_summary AS
+        WITH u AS (
+            SELECT run_id, attempt, step, op, axis, 1 AS num_ops, bytes, duration_s, duration_s AS max_duration_s,
+                   wait_s, wait_s AS max_wait_s FROM collectives
+            UNION ALL
+            SELECT run_id, attempt, step, op, axis, num_ops, bytes, duration_s, max_duration_s, wait_s, max_wait_s
+            FROM collectives_rollup)
+        SELECT run_id, attempt, step, op, axis,
+               sum(num_ops)::BIGINT AS num_ops,
+               sum(bytes) AS bytes,
+               sum(duration_s) / sum(num_ops) FILTER (WHERE duration_s IS NOT NULL) AS mean_duration_s,
+               max(max_duration_s) AS max_duration_s,
+               sum(wait_s) / sum(num_ops) FILTER (WHERE wait_s IS NOT NULL) AS mean_wait_s,
+               max(max_wait_s) AS max_wait_s,
+               sum(wait_s) AS total_wait_s
+        FROM u GROUP BY run_id, attempt, step, op, axis""",
+]
+
 MIGRATIONS: list[tuple[int, list[str]]] = [
     (1, _TABLES_V1 + _VIEWS_V1),
     (2, _BATCH_HASH_V2),
@@ -341,6 +391,7 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
     (5, _ALERT_OUTBOX_V5),
     (6, _STEP_SUMMARY_V6),
     (7, _HEALING_V7),
+    (8, _ROLLUP_V8),
 ]
 
 

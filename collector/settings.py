@@ -76,6 +76,12 @@ class Settings:
     alert_max_age_s: float = 86400.0  # give up ('failed') on an alert this old ...
     alert_max_attempts: int = 0  # ... or tried this often (0: no limit but the age)
     alert_firing_hold_s: float = 86400.0  # a firing alert's endsAt in Alertmanager unless resolved sooner
+    # Retention (collector/retention.py): every rollup_every_s, collectives rows older than
+    # rollup_after_s (0: never; at least retention.MIN_ROLLUP_AGE_S) become per-step
+    # summaries, about rollup_chunk_rows raw rows per writer job.
+    rollup_after_s: float = 0.0
+    rollup_every_s: float = 3600.0
+    rollup_chunk_rows: int = 500_000
 
     def __post_init__(self) -> None:
         if self.token:

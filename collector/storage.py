@@ -53,6 +53,7 @@ from collector.metrics import CollectorMetrics
 from collector.policy import IncidentWatch, PolicyRunner
 from collector.outbox import AlertOutbox, RetryPolicy, Sender, Transport, build_receivers, urllib_transport
 from collector.projection import Ids, Projection
+from collector.retention import RollupJob, check_age
 from collector.runinfo import RunInfoProjection
 from collector.schema import migrate
 from collector.settings import Settings
@@ -110,6 +111,8 @@ class Storage:
         `alert_transport`: how the alert sender POSTs (default: urllib; tests fake it).
         `policy`: the healing policy (analysis/policy.py), carried out on a thread of
         its own (collector/policy.py); None acts on nothing."""
+        if settings.rollup_after_s:
+            check_age(settings.rollup_after_s)  # ValueError before anything starts
         self.settings = settings
         self._policy = policy
         self._clock = clock
@@ -147,6 +150,11 @@ class Storage:
         if policy is not None:
             self.policy = PolicyRunner(self, policy, self.subscribe("policy"), self._incident_watch, clock=clock)
             self.policy.start()
+        self.rollup: RollupJob | None = None  # old collectives into per-step summaries, on the writer
+        if settings.rollup_after_s:
+            self.rollup = RollupJob(self.write, self.read, older_than_s=settings.rollup_after_s,
+                                    every_s=settings.rollup_every_s, max_rows=settings.rollup_chunk_rows,
+                                    clock=clock).start()
 
     def _build_writer(self, extra: Sequence[Projection]) -> Writer:
         """The writer and its projections, in the order their writes must run: runs
@@ -196,6 +204,8 @@ class Storage:
         if self._closed:
             return
         self._closed = True
+        if self.rollup is not None:
+            self.rollup.stop()
         if self.detection is not None:
             self.detection.stop()
         if self.policy is not None:
@@ -231,6 +241,8 @@ class Storage:
             return False, "an alert sender thread has died; see the collector's log"
         if self.policy is not None and not self.policy.alive():
             return False, "the policy thread has died; see the collector's log"
+        if self.rollup is not None and not self.rollup.alive():
+            return False, "the rollup thread has died; see the collector's log"
         return True, ""
 
     def subscribe(self, name: str, *, max_commits: int = 64, max_bytes: int = 256 << 20) -> Subscription:
