@@ -7,19 +7,19 @@ control commands. Example, for any loop:
 
     from agent import Agent, AgentConfig, NoopAgent
 
-    cfg = AgentConfig(url="https://collector:4318", token=os.environ["LLMWATCH_TOKEN"], ca_file="ca.pem")
-    agent = Agent(cfg, run_id="my-run", rank=0, node="node0", coords={"dp": 0}) if enabled else NoopAgent()
+    cfg = AgentConfig(url="http://127.0.0.1:8428", token=os.environ["LLMWATCH_TOKEN"])
+    agent = Agent(cfg, run_id="my-run", rank=rank, world_size=world) if enabled else NoopAgent()
     agent.start()
-    for step in range(num_steps):
-        agent.set_phase("train", step)
-        t0 = time.perf_counter(); loss = train_step(); step_s = time.perf_counter() - t0
-        agent.record_step(step, loss, grad_norm, 1.0, lr, tokens, step_s,
-                          fwd_s, bwd_s, opt_s, data_s, 0.0, mem_bytes, False)  # Python floats, not tensors
+    for step in range(1, num_steps + 1):
+        loss, grad_norm = train_step()
+        agent.record_step(step, loss=loss, grad_norm=grad_norm, lr=lr)  # Python floats, not tensors
         for cmd in agent.commands():                      # at a step boundary
             agent.ack(cmd.id, "rejected", "not handled")
-    agent.record_scalar(num_steps, "eval/loss", eval_loss)
-    agent.event("run_finished", step=num_steps)
     agent.close()                                         # final flush; the rest stays in the spool
+
+Every `record_step` value is optional and by keyword (what is not given is
+NULL, "not measured"; `step_s` not given is the time since the previous step's
+call). Hugging Face and Lightning loops: agent/integrations (docs/integrations.md).
 
 The token goes only into the Authorization header: never into a log line, the
 spool or a batch (`run_info` is scrubbed of secret-looking keys). https:// URLs

@@ -20,8 +20,24 @@ once by the agent and keeps being called.
 from __future__ import annotations
 
 import logging
+import math
+import struct
 
 from agent.ring import BufferSet
+from agent.wire import NULL_F64_BITS
+
+_NULL_TOKENS = -1  # tokens / mem_bytes not measured (agent/wire.py)
+_NULL_BYTES = struct.pack("<q", NULL_F64_BITS)
+
+
+def _seconds(x: float) -> float:
+    """A duration for a span: NULL (not measured, a NaN) or a real NaN count as 0."""
+    return x if x == x else 0.0
+
+
+def _is_null(x: float) -> bool:
+    """`x` is the float NULL (not measured), not a NaN the loop measured."""
+    return x != x and struct.pack("<d", x) == _NULL_BYTES
 
 log = logging.getLogger("llmwatch.agent")
 
@@ -53,14 +69,17 @@ class OtelBridge:
         phases = [col("fwd_s"), col("bwd_s"), col("comm_exposed_s"), col("opt_s")]
         for i in range(b.n):
             end_ns = int(ts[i] * 1e9)
-            start_ns = end_ns - max(0, int(step_s[i] * 1e9))
-            span = self._tracer.start_span("step", start_time=start_ns, attributes={
-                "step": steps[i], "attempt": attempts[i], "loss": loss[i], "tokens": tokens[i],
-                "skipped": bool(skipped[i])})
+            start_ns = end_ns - max(0, int(_seconds(step_s[i]) * 1e9))
+            attributes = {"step": steps[i], "attempt": attempts[i], "skipped": bool(skipped[i])}
+            if not _is_null(loss[i]):  # a NaN loss is kept, NULL left out
+                attributes["loss"] = loss[i]
+            if tokens[i] != _NULL_TOKENS:
+                attributes["tokens"] = tokens[i]
+            span = self._tracer.start_span("step", start_time=start_ns, attributes=attributes)
             ctx = self._in_context(span)
-            t_ns = min(end_ns, start_ns + max(0, int(data_s[i] * 1e9)))
+            t_ns = min(end_ns, start_ns + max(0, int(_seconds(data_s[i]) * 1e9)))
             for name, seconds in zip(_PHASES, phases):
-                child_end = min(end_ns, t_ns + max(0, int(seconds[i] * 1e9)))
+                child_end = min(end_ns, t_ns + max(0, int(_seconds(seconds[i]) * 1e9)))
                 self._tracer.start_span(name, context=ctx, start_time=t_ns).end(end_time=child_end)
                 t_ns = child_end
             span.end(end_time=end_ns)
@@ -106,10 +125,11 @@ class PrometheusBridge:
             self._grad_norm.set(col("grad_norm")[i])
             self._loss_scale.set(col("loss_scale")[i])
             self._lr.set(col("lr")[i])
-            step_s = col("step_s")[i]
-            self._tokens_per_s.set(col("tokens")[i] / step_s if step_s > 0 else 0.0)
+            step_s, tokens, mem = col("step_s")[i], col("tokens")[i], col("mem_bytes")[i]
+            # NULL (not measured): NaN, Prometheus's "no value"; comparisons with NaN are False
+            self._tokens_per_s.set(tokens / step_s if step_s > 0 and tokens != _NULL_TOKENS else math.nan)
             self._step_s.set(step_s)
-            self._mem.set(col("mem_bytes")[i])
+            self._mem.set(mem if mem != _NULL_TOKENS else math.nan)
         self._dropped.set(sum(stats["dropped"].values()))
         self._spool_bytes.set(stats["spool_bytes"])
         self._batches_sent.set(stats["batches"]["sent"] + stats["batches"]["replayed"])

@@ -21,9 +21,10 @@ class NoopAgent:
     def start(self) -> None:
         return None
 
-    def record_step(self, step, loss, grad_norm, loss_scale, lr, tokens, step_s, fwd_s, bwd_s, opt_s, data_s,
-                    comm_exposed_s, mem_bytes, skipped, *, local_loss=None, finite_fwd=-1, finite_bwd=-1,
-                    sample_epoch=-1, sample_from=-1, sample_to=-1) -> None:
+    def record_step(self, step, *, loss=None, grad_norm=None, loss_scale=None, lr=None, tokens=None, step_s=None,
+                    fwd_s=None, bwd_s=None, opt_s=None, data_s=None, comm_exposed_s=None, mem_bytes=None,
+                    skipped=False, local_loss=None, finite_fwd=-1, finite_bwd=-1, sample_epoch=-1, sample_from=-1,
+                    sample_to=-1) -> None:
         return None
 
     def collective(self, step, seq, group_seq, op, axis, group_id, peer, nbytes, start_ts, duration_s,

@@ -34,6 +34,7 @@ from typing import Callable
 
 from agent import wire
 from agent.urgent import LossBaseline
+from agent.wire import NULL_F64
 
 log = logging.getLogger("llmwatch.agent")
 
@@ -122,9 +123,10 @@ class BufferSet:
 
 
 def _coerce(fmt: str, value):
-    """Slow path for a value the array refused (None, a float for an int column...)."""
+    """Slow path for a value the array refused (None, a float for an int column...).
+    None is "not measured": NULL_F64 for a float, -1 for an integer."""
     if fmt == "d":
-        return math.nan if value is None else float(value)
+        return NULL_F64 if value is None else float(value)
     return -1 if value is None else int(value)
 
 
@@ -155,6 +157,8 @@ class Recorder:
         self.loss_baseline = LossBaseline()
         self.spike_above = math.inf  # inf during the baseline's warm-up
         self._prev_scale = -math.inf  # the previous step's loss scale (none yet: no backoff)
+        self._prev_step = -2  # the previous record_step's step and time: a step_s not given is their gap
+        self._prev_ts = 0.0
         self.num_urgent = 0  # steps that asked for an urgent flush
 
     def _install(self, bufs: BufferSet) -> None:
@@ -166,21 +170,51 @@ class Recorder:
         self._hb_buf = bufs.heartbeat
 
     # -- hot path ----------------------------------------------------------
-    def record_step(self, step, loss, grad_norm, loss_scale, lr, tokens, step_s, fwd_s, bwd_s, opt_s, data_s,
-                    comm_exposed_s, mem_bytes, skipped, *, local_loss=None, finite_fwd=-1, finite_bwd=-1,
-                    sample_epoch=-1, sample_from=-1, sample_to=-1) -> None:
-        """One optimizer step of this rank. Pass Python numbers (a tensor here would
-        be converted with a device sync). Never raises; a full buffer drops.
+    def record_step(self, step, *, loss=None, grad_norm=None, loss_scale=None, lr=None, tokens=None, step_s=None,
+                    fwd_s=None, bwd_s=None, opt_s=None, data_s=None, comm_exposed_s=None, mem_bytes=None,
+                    skipped=False, local_loss=None, finite_fwd=-1, finite_bwd=-1, sample_epoch=-1, sample_from=-1,
+                    sample_to=-1) -> None:
+        """One optimizer step of this rank; every value but `step` by keyword and optional.
+        Pass Python numbers (a tensor here would be converted with a device sync).
+        Never raises; a full buffer drops.
 
-        The keyword-only local signals (analysis/frames.py) are optional: None / -1
-        is "not measured", NULL in the tables. `local_loss`: this replica's loss
-        before the DP average; `finite_fwd`/`finite_bwd`: 1 when this rank's stage
-        output / local grads were all finite, 0 when not; `sample_*`: the replica's
-        sample window [sample_from, sample_to) of epoch `sample_epoch`.
+        A value not given (or None) is "not measured": NULL in the tables, never NaN
+        or 0, so a loop that only knows its loss records `record_step(step, loss=x)`
+        and opens no NaN detector. `loss`, `grad_norm`: global (after the data-parallel
+        average); `loss_scale`: the dynamic loss scale; `lr`; `tokens`: what this rank's
+        replica processed; `*_s`: seconds of the whole step, forward, backward,
+        optimizer, data wait, exposed communication; `mem_bytes`; `skipped`: the
+        optimizer step was skipped (an inf under fp16).
+
+        `step_s` not given: the time on the agent's clock since the previous
+        `record_step`, when that was of the previous step (`step - 1`); else NULL (the
+        first step, and the first after a jump: a resume, a rollback). That interval
+        holds everything between the calls (data, eval, a checkpoint), and in
+        synchronous data parallel it is the same on every rank (they wait for each
+        other at the gradient all-reduce): it gives the step time and throughput, not
+        a straggler's name, which takes `fwd_s`/`bwd_s`/`opt_s` net of communication
+        (analysis/detectors/straggler.py).
+
+        The local signals (analysis/frames.py) name the origin rank of a NaN or spike:
+        `local_loss`: this replica's loss before the DP average; `finite_fwd`/
+        `finite_bwd`: 1 when this rank's stage output / local grads were all finite, 0
+        when not (-1: not measured); `sample_*`: the replica's sample window
+        [sample_from, sample_to) of epoch `sample_epoch` (-1: not measured).
 
         A step a detector must see now (`agent.urgent`) asks for an immediate flush
         (`_urgent`, which never blocks)."""
         ts = self._clock()
+        # "Not measured" is the NaN NULL_F64 (floats) or -1 (integers): a store like any value.
+        if loss is None:
+            loss = NULL_F64
+        if grad_norm is None:
+            grad_norm = NULL_F64
+        if loss_scale is None:
+            loss_scale = NULL_F64
+        if step_s is None:
+            step_s = ts - self._prev_ts if step == self._prev_step + 1 else NULL_F64
+        self._prev_ts = ts
+        self._prev_step = step
         lock = self._lock
         lock.acquire()
         try:
@@ -195,15 +229,15 @@ class Recorder:
                 c3[i] = loss
                 c4[i] = grad_norm
                 c5[i] = loss_scale
-                c6[i] = lr
-                c7[i] = tokens
+                c6[i] = NULL_F64 if lr is None else lr
+                c7[i] = -1 if tokens is None else tokens
                 c8[i] = step_s
-                c9[i] = fwd_s
-                c10[i] = bwd_s
-                c11[i] = opt_s
-                c12[i] = data_s
-                c13[i] = comm_exposed_s
-                c14[i] = mem_bytes
+                c9[i] = NULL_F64 if fwd_s is None else fwd_s
+                c10[i] = NULL_F64 if bwd_s is None else bwd_s
+                c11[i] = NULL_F64 if opt_s is None else opt_s
+                c12[i] = NULL_F64 if data_s is None else data_s
+                c13[i] = NULL_F64 if comm_exposed_s is None else comm_exposed_s
+                c14[i] = -1 if mem_bytes is None else mem_bytes
                 c15[i] = skipped
                 if local_loss is None:
                     c16[i] = 0.0
@@ -229,9 +263,12 @@ class Recorder:
             lock.release()
         self._hb_step = step
         # Must a detector see this step now? (agent/urgent.py) Comparisons only: x - x != 0 is
-        # NaN or +-inf; the spike threshold comes from the loss baseline the flusher keeps.
+        # NaN or +-inf (NULL_F64, not measured, is a NaN too: told apart by identity, only then);
+        # the spike threshold comes from the loss baseline the flusher keeps. A NULL loss scale
+        # compares False: no backoff is seen across a step without one.
         try:
-            if (skipped or finite_fwd == 0 or finite_bwd == 0 or loss - loss != 0.0 or grad_norm - grad_norm != 0.0
+            if (skipped or finite_fwd == 0 or finite_bwd == 0 or (loss - loss != 0.0 and loss is not NULL_F64)
+                    or (grad_norm - grad_norm != 0.0 and grad_norm is not NULL_F64)
                     or loss_scale < self._prev_scale or loss > self.spike_above):
                 self._urgent()
             self._prev_scale = loss_scale

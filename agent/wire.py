@@ -33,9 +33,13 @@ unaccounted for: a section's rows cost their full row size in the body,
 whatever the header claims.
 Optional columns (added after the first layout) may be left out of a section:
 the rows of an older agent, or of a batch it spooled, then read as NULL there.
-NULL inside a column: an optional integer column's `null` value (-1: its real
-values are flags, positions or codes, never negative) or, for a float, whose NaN
-is a real value, a 0 in the int8 column its `valid` names (on the wire only).
+NULL inside a column: an integer column's `null` value (-1: its real values are
+counts, flags, positions or codes, never negative); for a float, whose NaN is a
+real value (a NaN loss is what the detectors look for), either a 0 in the int8
+column its `valid` names (on the wire only), or the one NaN whose bits are
+`NULL_F64_BITS` (its `null`): a quiet NaN with a payload of its own, which no
+arithmetic produces from numbers (a NaN computed from numbers carries no payload),
+so "not measured" costs the agent no store beyond the value's own.
 A column's dtype is fixed by `SCHEMA`, never by the sender; `decode_batch`
 checks the tiling, every length, the padding, the header JSON's nesting depth
 and number of values (before parsing it), and every dictionary code, and
@@ -75,9 +79,10 @@ class Column:
     # agent's, or one sitting in an old spool) and the decoder then reads them as NULL.
     optional: bool = False
     # NULL on the wire (the "not measured" value): `null` is a value the column's real
-    # values never take (-1 for a flag, a sample position or a dictionary code); `valid`
-    # names the int8 column that says, per row, whether this one holds a value (1) or
-    # NULL (0): for a float, where NaN is a real value. A NULL row's own bytes are 0.
+    # values never take (-1 for a count, a flag, a sample position or a dictionary code;
+    # for a float, the int64 bits of the NaN `NULL_F64`: compare `null_dtype` views); or
+    # `valid` names the int8 column that says, per row, whether this one holds a value (1)
+    # or NULL (0); a NULL row's own bytes are then 0.
     null: int | None = None
     valid: str | None = None
     stored: bool = True  # False: on the wire only (a `valid` column), not a table column
@@ -95,12 +100,26 @@ class Column:
     def numpy_dtype(self) -> str:
         return {"d": "<f8", "q": "<i8", "i": "<i4", "h": "<i2", "b": "<i1"}[self.fmt]
 
+    @property
+    def null_dtype(self) -> str:
+        """The dtype to compare `null` in: a float's NULL is a bit pattern (NaN != NaN)."""
+        return "<i8" if self.fmt == "d" else self.numpy_dtype
+
 
 def _cols(*spec: tuple | Column) -> tuple[Column, ...]:
     return tuple(s if isinstance(s, Column) else Column(*s) for s in spec)
 
 
 NOT_MEASURED = -1  # the `null` of every optional integer column: the agent's default, NULL in the tables
+# The float NULL: a quiet NaN with the payload "LWNULL" (0x4c574e554c4c). Stored as is by the
+# agent for a value not given; the collector reads these bits as NULL, any other NaN as NaN.
+NULL_F64_BITS = 0x7FF8_4C57_4E55_4C4C
+NULL_F64: float = struct.unpack("<d", struct.pack("<q", NULL_F64_BITS))[0]
+
+
+def _measured(name: str, fmt: str) -> Column:
+    """A step value a loop may not measure: NULL when the agent was not given it."""
+    return Column(name, fmt, null=NULL_F64_BITS if fmt == "d" else NOT_MEASURED)
 
 
 def _opt(name: str, fmt: str, **kw) -> Column:
@@ -118,9 +137,12 @@ HEARTBEAT = "heartbeat"
 SCHEMA: dict[str, tuple[Column, ...]] = {
     STEP: _cols(
         ("step", "q"), ("attempt", "i"), ("ts", "d"),
-        ("loss", "d"), ("grad_norm", "d"), ("loss_scale", "d"), ("lr", "d"), ("tokens", "q"),
-        ("step_s", "d"), ("fwd_s", "d"), ("bwd_s", "d"), ("opt_s", "d"), ("data_s", "d"),
-        ("comm_exposed_s", "d"), ("mem_bytes", "q"), ("skipped", "b"),
+        # NULL when not given to record_step (`_measured`): floats NULL_F64, integers -1
+        *(_measured(name, fmt) for name, fmt in (
+            ("loss", "d"), ("grad_norm", "d"), ("loss_scale", "d"), ("lr", "d"), ("tokens", "q"),
+            ("step_s", "d"), ("fwd_s", "d"), ("bwd_s", "d"), ("opt_s", "d"), ("data_s", "d"),
+            ("comm_exposed_s", "d"), ("mem_bytes", "q"))),
+        ("skipped", "b"),
         # the per-rank local signals (analysis/frames.py): optional, NULL when not measured
         _opt("local_loss", "d", valid="local_loss_valid"), _opt("local_loss_valid", "b", stored=False),
         _opt("finite_fwd", "b"), _opt("finite_bwd", "b"),

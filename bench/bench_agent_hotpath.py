@@ -7,9 +7,12 @@ timer's own cost is printed and included in every figure), with a direct
 positional call generated per candidate so no `*args` overhead is added:
 
   numpy floor     10 stores into a preallocated numpy row (the floor)
-  llmwatch agent  Agent.record_step (14 values: the 10 scalars plus times,
-                  memory, skipped) with its flusher running, pointed at a closed
-                  port, so every batch goes to a spool in a temp dir
+  llmwatch agent  Agent.record_step (step and 13 values by keyword: the 10
+                  scalars plus times, memory, skipped) with its flusher running,
+                  pointed at a closed port, so every batch goes to a spool in a
+                  temp dir
+  agent, loss     the same, called with the loss only (the rest NULL, step_s
+    only          derived from the agent's clock: a loop that knows nothing else)
   prometheus      10 pre-bound Gauge children, .set()
   opentelemetry   10 synchronous SDK gauges, .set(value, attributes)
   tensorboardX    10 SummaryWriter.add_scalar        (optional `bench` extra)
@@ -43,13 +46,15 @@ NAMES = ("loss", "grad_norm", "loss_scale", "lr", "tokens", "step_s", "fwd_s", "
 VALUES = (2.5, 0.75, 65536.0, 3e-4, 8192.0, 0.25, 0.08, 0.12, 0.03, 0.01)
 
 
-def _timing_loop(arity: int):
-    """A loop timing `fn(i, v1, ..., v_arity)` per call, with literal arguments."""
+def _timing_loop(arity: int, names: tuple[str, ...] = ()):
+    """A loop timing `fn(i, v1, ..., v_arity)` per call; with `names`, by keyword:
+    `fn(i, name1=v1, ...)` (as the agent's keyword-only record_step is called)."""
     args = ", ".join(f"v{k}" for k in range(arity))
+    call = ", ".join(f"{n}=v{k}" for k, n in enumerate(names)) if names else args
     src = (f"def loop(fn, n, out, pc, {args}):\n"
            f"    for i in range(n):\n"
            f"        t0 = pc()\n"
-           f"        fn(i, {args})\n"
+           f"        fn(i, {call})\n"
            f"        out[i] = pc() - t0\n")
     ns: dict = {}
     exec(src, ns)  # noqa: S102 - generated from integers only
@@ -77,27 +82,39 @@ def numpy_floor():
     return record, VALUES, lambda: None
 
 
+class Kw(dict):
+    """Values passed by keyword (their names) rather than by position."""
+
+
 def llmwatch_agent(tmp: str):
+    agent = _agent(tmp, "bench")
+    # every value by keyword, as the trainer calls it
+    values = Kw(loss=2.5, grad_norm=0.75, loss_scale=65536.0, lr=3e-4, tokens=8192, step_s=0.25, fwd_s=0.08,
+                bwd_s=0.12, opt_s=0.03, data_s=0.01, comm_exposed_s=0.005, mem_bytes=1 << 30, skipped=False)
+    return agent.record_step, values, _agent_done(agent)
+
+
+def _agent(tmp: str, run_id: str):
     from agent import Agent, AgentConfig
 
     with socket.socket() as s:  # a port nobody listens on: the flusher spools
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     logging.getLogger("llmwatch.agent").setLevel(logging.ERROR)
-    agent = Agent(AgentConfig(url=f"http://127.0.0.1:{port}", spool_dir=os.path.join(tmp, "spool")),
-                  run_id="bench", rank=0, node="bench")
+    agent = Agent(AgentConfig(url=f"http://127.0.0.1:{port}", spool_dir=os.path.join(tmp, run_id)),
+                  run_id=run_id, rank=0, node="bench")
     agent.start()
-    # step, loss, grad_norm, loss_scale, lr, tokens, step_s, fwd_s, bwd_s, opt_s, data_s, comm_exposed_s,
-    # mem_bytes, skipped: as the trainer calls it
-    values = (2.5, 0.75, 65536.0, 3e-4, 8192, 0.25, 0.08, 0.12, 0.03, 0.01, 0.005, 1 << 30, False)
+    return agent
 
+
+def _agent_done(agent):
     def done():
         stats = agent.stats()
         agent.close(timeout_s=2.0)
         return (f"recorded {stats['recorded']['step']:,} steps, dropped {stats['dropped']['step']}, "
                 f"{stats['batches']['spooled']} batches spooled ({stats['spool_bytes'] / 1e6:.1f} MB)")
 
-    return agent.record_step, values, done
+    return done
 
 
 def prometheus():
@@ -185,10 +202,11 @@ def mlflow_local(tmp: str):
 
 
 def measure(fn, values, num_calls: int) -> array:
-    loop = _timing_loop(len(values))
+    names = tuple(values) if isinstance(values, Kw) else ()
+    loop = _timing_loop(len(values), names)
     out = array("q", bytes(8 * num_calls))
     gc.collect()
-    loop(fn, num_calls, out, time.perf_counter_ns, *values)
+    loop(fn, num_calls, out, time.perf_counter_ns, *(values.values() if names else values))
     return out
 
 
@@ -209,8 +227,10 @@ def main(argv=None) -> int:
     timer = measure(lambda *a: None, (), 100_000)
     timer_ns = statistics.median(timer)
 
-    core = {"numpy floor": numpy_floor(), "llmwatch agent": llmwatch_agent(tmp), "prometheus-client": prometheus(),
-            "opentelemetry-sdk": opentelemetry()}
+    loss_only = _agent(tmp, "bench-loss-only")
+    core = {"numpy floor": numpy_floor(), "llmwatch agent": llmwatch_agent(tmp),
+            "agent, loss only": (loss_only.record_step, Kw(loss=2.5), _agent_done(loss_only)),
+            "prometheus-client": prometheus(), "opentelemetry-sdk": opentelemetry()}
     per_round = max(1, args.calls // args.rounds)
     samples: dict[str, list[int]] = {name: [] for name in core}
     for name, (fn, values, _) in core.items():  # warm up, then size the slow ones to the budget

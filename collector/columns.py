@@ -8,9 +8,10 @@ and wrapped as an Arrow buffer; dictionary codes are used as sent when the
 batches' dictionaries agree (the usual case) and re-coded through a lookup
 table otherwise; per-batch constants (run_id, rank, node) become `np.repeat`
 over the row counts. A single batch's columns reach Arrow without any copy.
-NULLs (wire.Column `null`/`valid`: a "not measured" local signal, and every row
-of an optional column an older agent left out) become Arrow validity bitmaps,
-built only for a column that has some. Pure: no DuckDB, no clock.
+NULLs (wire.Column `null`/`valid`: a step value or local signal the loop did not
+measure, and every row of an optional column an older agent left out) become
+Arrow validity bitmaps, built only for a column that has some (one vectorised
+compare per column and group). Pure: no DuckDB, no clock.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def _views(col: wire.Column, sections: list[Section]) -> list:
         view = sec.views.get(col.name)
         if view is None:
             fill = col.null if col.null is not None else 0
-            view = np.full(sec.n, fill, dtype=col.numpy_dtype).data
+            view = np.full(sec.n, fill, dtype=col.null_dtype).data
         out.append(view)
     return out
 
@@ -83,7 +84,7 @@ def _valid(kind: str, col: wire.Column, sections: list[Section], n: int) -> np.n
         valid = np.frombuffer(flags[0] if len(flags) == 1 else b"".join(flags), dtype="<i1") != 0
     elif col.null is not None:
         views = _views(col, sections)
-        valid = np.frombuffer(views[0] if len(views) == 1 else b"".join(views), dtype=col.numpy_dtype) != col.null
+        valid = np.frombuffer(views[0] if len(views) == 1 else b"".join(views), dtype=col.null_dtype) != col.null
     else:
         return None
     return None if valid.all() else valid
@@ -144,13 +145,13 @@ def section_table(kind: str, batches: Sequence[DecodedBatch]) -> pa.Table | None
     for col in wire.SCHEMA[kind]:
         if not col.stored:  # a `valid` column: it becomes the other's null bitmap
             continue
-        valid = _valid(kind, col, sections, n) if col.optional else None
+        valid = _valid(kind, col, sections, n) if col.optional or col.null is not None else None
         if col.dict_encoded:
             cols[col.name] = _dictionary_column(col.name, sections, valid)
         elif col.optional:
             cols[col.name] = _primitive(col.fmt, _views(col, sections), n, valid)
         else:
-            cols[col.name] = _primitive(col.fmt, [s.views[col.name] for s in sections], n)
+            cols[col.name] = _primitive(col.fmt, [s.views[col.name] for s in sections], n, valid)
     for name in _CONSTANTS[kind]:
         if name in ("run_id", "node"):
             d = _Dictionary()

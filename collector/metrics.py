@@ -14,6 +14,8 @@ the collector runs with --public-metrics.
 
 from __future__ import annotations
 
+import math
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +26,15 @@ from prometheus_client.core import GaugeMetricFamily
 
 from agent import wire
 from collector.decode import DecodedBatch
+
+
+def _measured(x: float) -> float | None:
+    """A step float as the agent sent it: None for its NULL ("not measured"), else itself
+    (a NaN loss stays NaN: that one was measured)."""
+    return None if x != x and struct.pack("<d", x) == _NULL_BYTES else x
+
+
+_NULL_BYTES = struct.pack("<q", wire.NULL_F64_BITS)
 
 
 class RunGauges:
@@ -53,7 +64,7 @@ class RunGauges:
             v = sec.views
             i = int(np.argmax(sec.array("step"))) if sec.n > 1 else 0
             self._ranks.setdefault(batch.run_id, {})[batch.rank] = (
-                v["step"][i], v["loss"][i], v["tokens"][i], v["step_s"][i])
+                v["step"][i], _measured(v["loss"][i]), v["tokens"][i], _measured(v["step_s"][i]))
 
     def snapshot(self) -> dict[str, tuple[int, float, float]]:
         """run_id -> (latest step, mean loss at it, tokens/s) for runs seen within live_s.
@@ -74,10 +85,17 @@ class RunGauges:
                     continue
                 step = max(r[0] for r in rows)
                 at = [r for r in rows if r[0] == step]
-                loss = sum(r[1] for r in at) / len(at)
-                slowest_s = max(r[3] for r in at)
-                tokens = sum(r[2] for r in at) / self._tp_pp.get(run_id, 1)
-                out[run_id] = (step, loss, tokens / slowest_s if slowest_s > 0 else 0.0)
+                # a value the loop did not measure (NULL: None here) is left out; a gauge
+                # with nothing measured is NaN, Prometheus's "no value"
+                losses = [r[1] for r in at if r[1] is not None]
+                loss = sum(losses) / len(losses) if losses else math.nan
+                if any(r[2] < 0 or r[3] is None for r in at):
+                    tps = math.nan  # some rank's tokens or step time not measured
+                else:
+                    slowest_s = max(r[3] for r in at)
+                    tokens = sum(r[2] for r in at) / self._tp_pp.get(run_id, 1)
+                    tps = tokens / slowest_s if slowest_s > 0 else 0.0
+                out[run_id] = (step, loss, tps)
         return out
 
 

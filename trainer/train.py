@@ -222,9 +222,11 @@ class Trainer:
         # its tp x pp ranks, so the collector counts each replica once; `tokens` (the
         # global batch) is what the progress line and metrics.jsonl show.
         epoch, sample_from, sample_to = window
-        self.agent.record_step(step, r.loss, r.grad_norm, r.loss_scale, r.lr, replica_tokens, step_s, r.fwd_s, r.bwd_s,
-                               r.opt_s, data_s, comm_wait_s, memory_bytes(self.device) if self.telemetry else 0,
-                               bool(r.skipped), local_loss=r.local_loss, finite_fwd=r.finite_fwd,
+        self.agent.record_step(step, loss=r.loss, grad_norm=r.grad_norm, loss_scale=r.loss_scale, lr=r.lr,
+                               tokens=replica_tokens, step_s=step_s, fwd_s=r.fwd_s, bwd_s=r.bwd_s, opt_s=r.opt_s,
+                               data_s=data_s, comm_exposed_s=comm_wait_s,
+                               mem_bytes=memory_bytes(self.device) if self.telemetry else None,
+                               skipped=bool(r.skipped), local_loss=r.local_loss, finite_fwd=r.finite_fwd,
                                finite_bwd=r.finite_bwd, sample_epoch=epoch, sample_from=sample_from,
                                sample_to=sample_to)
         if not self.is_logger:

@@ -160,7 +160,9 @@ def _config(url: str, tmp_path, **kw) -> AgentConfig:
 
 
 def _step(agent: Agent, step: int) -> None:
-    agent.record_step(step, 1.0 / (step + 1), 0.5, 1.0, 1e-3, 1024, 0.01, 0.003, 0.004, 0.001, 0.001, 0.001, 10, False)
+    agent.record_step(step, loss=1.0 / (step + 1), grad_norm=0.5, loss_scale=1.0, lr=1e-3, tokens=1024, step_s=0.01,
+                      fwd_s=0.003, bwd_s=0.004, opt_s=0.001, data_s=0.001, comm_exposed_s=0.001, mem_bytes=10,
+                      skipped=False)
 
 
 @pytest.fixture
@@ -346,7 +348,8 @@ def test_heartbeats_continue_while_the_training_thread_sleeps(collector, tmp_pat
 def test_prometheus_bridge_serves_gauges_on_a_free_port(collector, tmp_path):
     agent = Agent(_config(collector.url, tmp_path, prometheus_port=0), run_id="run8", rank=3, node="n1")
     agent.start()
-    agent.record_step(42, 2.5, 0.75, 128.0, 1e-3, 2048, 0.5, 0.1, 0.2, 0.1, 0.05, 0.05, 1000, False)
+    agent.record_step(42, loss=2.5, grad_norm=0.75, loss_scale=128.0, lr=1e-3, tokens=2048, step_s=0.5, fwd_s=0.1,
+                      bwd_s=0.2, opt_s=0.1, data_s=0.05, comm_exposed_s=0.05, mem_bytes=1000, skipped=False)
     assert agent.flush(5.0)
     port = agent.stats()["prometheus_port"]
     assert port
@@ -364,7 +367,8 @@ def test_otel_bridge_exports_step_phase_spans_over_otlp_http(collector, tmp_path
     agent.start()
     ts0 = time.time()
     for step in range(2):
-        agent.record_step(step, 2.0, 1.0, 1.0, 1e-3, 1024, 0.5, 0.1, 0.2, 0.1, 0.05, 0.05, 1, False)
+        agent.record_step(step, loss=2.0, grad_norm=1.0, loss_scale=1.0, lr=1e-3, tokens=1024, step_s=0.5, fwd_s=0.1,
+                          bwd_s=0.2, opt_s=0.1, data_s=0.05, comm_exposed_s=0.05, mem_bytes=1, skipped=False)
     agent.close()  # shuts the tracer provider down, which exports what it holds
     names = sorted(s[0] for s in collector.spans)
     assert names == sorted(["step", "forward", "backward", "communication", "optimizer"] * 2)

@@ -64,8 +64,11 @@ def test_batch_decodes_to_exactly_the_recorded_values(spooled):
     agent.set_attempt(1)
     agent.set_phase("backward", 11)
     agent.bind_seq_source(lambda: 77)
-    agent.record_step(10, 2.75, 0.5, 1024.0, 1e-4, 8192, 0.25, 0.1, 0.1, 0.02, 0.01, 0.005, 2**40, False)
-    agent.record_step(11, float("nan"), float("inf"), 512.0, 1e-4, 8192, 0.3, 0.1, 0.15, 0.02, 0.01, 0.0, 7, True)
+    agent.record_step(10, loss=2.75, grad_norm=0.5, loss_scale=1024.0, lr=1e-4, tokens=8192, step_s=0.25, fwd_s=0.1,
+                      bwd_s=0.1, opt_s=0.02, data_s=0.01, comm_exposed_s=0.005, mem_bytes=2**40, skipped=False)
+    agent.record_step(11, loss=float("nan"), grad_norm=float("inf"), loss_scale=512.0, lr=1e-4, tokens=8192,
+                      step_s=0.3, fwd_s=0.1, bwd_s=0.15, opt_s=0.02, data_s=0.01, comm_exposed_s=0.0, mem_bytes=7,
+                      skipped=True)
     agent.collective(11, 5, 2, "reduce_scatter", "dp", 1, -1, 4096, 1.5, 0.01, 0.002)
     agent.collective(11, 6, 0, "send", "pp", 2, 3, 64, 1.6, 0.02, 0.0)
     agent.record_scalar(11, "eval/code_loss", 3.25)

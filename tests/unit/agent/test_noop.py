@@ -22,7 +22,9 @@ def test_noop_public_attributes_and_calls_do_nothing():
     noop = NoopAgent(AgentConfig(), run_id="r", rank=0)
     assert "attempt" in vars(agent) and "attempt" in vars(noop)
     noop.start()
-    noop.record_step(1, 1.0, 1.0, 1.0, 1.0, 1, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1, False)
+    noop.record_step(1, loss=1.0)
+    noop.record_step(2, loss=1.0, grad_norm=1.0, loss_scale=1.0, lr=1.0, tokens=1, step_s=1.0, fwd_s=1.0, bwd_s=1.0,
+                     opt_s=1.0, data_s=1.0, comm_exposed_s=1.0, mem_bytes=1, skipped=False)
     noop.collective(1, 0, 0, "all_reduce", "dp", 0, -1, 8, 1.0, 0.1, 0.1)
     noop.record_scalar(1, "x", 1.0)
     noop.event("restart", step=1, reason="test")

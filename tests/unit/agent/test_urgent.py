@@ -61,8 +61,9 @@ NORMAL = dict(loss=3.0, grad_norm=1.0, loss_scale=1024.0, skipped=False, finite_
 
 def record(rec: Recorder, step: int, **values) -> None:
     v = {**NORMAL, **values}
-    rec.record_step(step, v["loss"], v["grad_norm"], v["loss_scale"], 1e-3, 64, 0.1, 0.03, 0.04, 0.01, 0.0, 0.0, 1,
-                    v["skipped"], finite_fwd=v["finite_fwd"], finite_bwd=v["finite_bwd"])
+    rec.record_step(step, loss=v["loss"], grad_norm=v["grad_norm"], loss_scale=v["loss_scale"], lr=1e-3, tokens=64,
+                    step_s=0.1, fwd_s=0.03, bwd_s=0.04, opt_s=0.01, data_s=0.0, comm_exposed_s=0.0, mem_bytes=1,
+                    skipped=v["skipped"], finite_fwd=v["finite_fwd"], finite_bwd=v["finite_bwd"])
 
 
 def warmed(n: int = 30) -> Recorder:
@@ -125,11 +126,12 @@ class CountingEvent(threading.Event):
         super().set()
 
 
-STEP = (1, 2.5, 1.0, 1.0, 1e-3, 64, 0.1, 0.03, 0.04, 0.01, 0.0, 0.0, 1, False)
+STEP = dict(loss=2.5, grad_norm=1.0, loss_scale=1.0, lr=1e-3, tokens=64, step_s=0.1, fwd_s=0.03, bwd_s=0.04,
+            opt_s=0.01, data_s=0.0, comm_exposed_s=0.0, mem_bytes=1, skipped=False)
 
 
 def nan_step(agent: Agent, step: int) -> None:
-    agent.record_step(step, NAN, NAN, *STEP[3:13], True)
+    agent.record_step(step, **{**STEP, "loss": NAN, "grad_norm": NAN, "skipped": True})
 
 
 def test_urgent_flushes_are_rate_limited_and_a_deferred_one_is_served_later():
@@ -157,7 +159,7 @@ def test_an_ordinary_step_asks_for_nothing():
     agent = Agent(AgentConfig(capacity=64), run_id="r", rank=0, monotonic=Clock())
     agent._wake = wake = CountingEvent()
     for step in range(50):
-        agent.record_step(step, *noisy(1, start=step), *STEP[2:])
+        agent.record_step(step, **{**STEP, "loss": noisy(1, start=step)[0]})
     assert wake.num_set == 0 and agent.num_urgent == 0 and agent._take_urgent() == (False, math.inf)
     agent.close(timeout_s=0.1)
 
@@ -185,7 +187,7 @@ def test_the_flusher_ships_an_urgent_step_without_waiting_for_its_period(monkeyp
     try:
         assert wait_for(lambda: len(client.batches) >= 1)  # the first cycle runs at start (the heartbeat)
         first = len(client.batches)
-        agent.record_step(*STEP)  # ordinary: waits for the (hour-long) period
+        agent.record_step(1, **STEP)  # ordinary: waits for the (hour-long) period
         nan_step(agent, 2)  # urgent: shipped now, and the ordinary row with it
         assert wait_for(lambda: len(client.batches) > first)
         steps = [b for b in client.batches[first:] if b.num_rows("step")]
@@ -200,12 +202,12 @@ def test_an_agents_flush_teaches_the_baseline_and_a_spike_after_it_is_urgent():
     agent = Agent(AgentConfig(capacity=64), run_id="r", rank=0, monotonic=Clock())  # no URL: cycles inline
     agent._wake = wake = CountingEvent()
     for step, loss in enumerate(noisy(30)):
-        agent.record_step(step, loss, *STEP[2:])
+        agent.record_step(step, **{**STEP, "loss": loss})
     assert agent.spike_above == math.inf  # nothing learned before a flush
     assert agent.flush(1.0)
     assert agent.loss_baseline.n == 30 and agent.spike_above < 9.0
-    agent.record_step(30, 3.1, *STEP[2:])
+    agent.record_step(30, **{**STEP, "loss": 3.1})
     assert wake.num_set == 0
-    agent.record_step(31, 9.0, *STEP[2:])
+    agent.record_step(31, **{**STEP, "loss": 9.0})
     assert wake.num_set == 1 and agent.num_urgent == 1
     agent.close(timeout_s=0.1)

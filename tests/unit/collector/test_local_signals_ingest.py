@@ -74,11 +74,13 @@ def agent_batch(tmp_path):
     entered = iter([(41, "all_reduce", "dp", 4, 7), (-1, None, None, -1, -1)])
     agent.bind_seq_source(lambda: next(entered))
     agent.collective(1, 41, 7, "all_reduce", "dp", 4, -1, 64, 1.0, 0.1, 0.05)
-    agent.record_step(1, 2.5, 1.0, 1.0, 1e-3, 64, 0.1, 0.03, 0.04, 0.01, 0.0, 0.0, 1, False, local_loss=2.25,
-                      finite_fwd=1, finite_bwd=1, sample_epoch=0, sample_from=8, sample_to=12)
-    agent.record_step(2, math.nan, math.nan, 1.0, 1e-3, 64, 0.1, 0.03, 0.04, 0.01, 0.0, 0.0, 1, True,
-                      local_loss=math.nan, finite_fwd=0, finite_bwd=0, sample_epoch=0, sample_from=24, sample_to=28)
-    agent.record_step(3, 2.4, 1.0, 1.0, 1e-3, 64, 0.1, 0.03, 0.04, 0.01, 0.0, 0.0, 1, False)  # nothing measured
+    step = dict(loss=2.5, grad_norm=1.0, loss_scale=1.0, lr=1e-3, tokens=64, step_s=0.1, fwd_s=0.03, bwd_s=0.04,
+                opt_s=0.01, data_s=0.0, comm_exposed_s=0.0, mem_bytes=1, skipped=False)
+    agent.record_step(1, **step, local_loss=2.25, finite_fwd=1, finite_bwd=1, sample_epoch=0, sample_from=8,
+                      sample_to=12)
+    agent.record_step(2, **{**step, "loss": math.nan, "grad_norm": math.nan, "skipped": True}, local_loss=math.nan,
+                      finite_fwd=0, finite_bwd=0, sample_epoch=0, sample_from=24, sample_to=28)
+    agent.record_step(3, **{**step, "loss": 2.4})  # nothing measured
     agent.flush(0.5)
     agent._next_hb = 0.0  # a second heartbeat now: the seq source's "nothing entered yet" answer
     agent.flush(0.5)
@@ -146,3 +148,41 @@ def test_the_launchers_batches_are_events_only_and_make_no_ranks_row():
         decode(wire.encode_batch(header, {wire.STEP: (1, steps)}))
     with pytest.raises(BatchRejected, match="rank must be >= 0"):
         decode(wire.encode_batch({**header, "rank": -2}, {}))
+
+
+def _spooled_bodies(tmp_path, record) -> list[bytes]:
+    """The batches a real Agent encoded for `record(agent)` (its collector away: from its spool)."""
+    clock = iter(100.0 + 0.5 * i for i in range(1000))
+    cfg = AgentConfig(url=f"http://127.0.0.1:{_closed_port()}", spool_dir=str(tmp_path), capacity=16, timeout_s=0.5)
+    agent = Agent(cfg, run_id="r", rank=0, node="n1", clock=lambda: next(clock))
+    record(agent)
+    agent.close(timeout_s=0.5)
+    spool = Spool(str(tmp_path), max_bytes=1 << 30)
+    bodies = []
+    while (payload := spool.peek()) is not None:
+        bodies.append(bytes(payload))
+        spool.pop()
+    spool.close()
+    return bodies
+
+
+MEASURED = ["loss", "grad_norm", "loss_scale", "lr", "tokens", "step_s", "fwd_s", "bwd_s", "opt_s", "data_s",
+            "comm_exposed_s", "mem_bytes"]
+
+
+def test_step_values_not_given_are_null_in_the_tables_and_a_nan_loss_stays_nan(tmp_path):
+    def record(agent):
+        agent.record_step(1, loss=2.5)
+        agent.record_step(2, loss=math.nan, lr=1e-3)
+        agent.record_step(3, grad_norm=0.5, tokens=64, mem_bytes=0)
+
+    full = old_layout_batch(rank=1, steps=[1])  # every value given (0.5, 1): none of it NULL
+    con = store(*_spooled_bodies(tmp_path, record), full)
+    got = {r[0]: dict(zip(MEASURED, r[1:])) for r in con.execute(
+        f"SELECT step, {', '.join(MEASURED)} FROM steps WHERE rank = 0 ORDER BY step").fetchall()}
+    assert got[1] == {**dict.fromkeys(MEASURED), "loss": 2.5}  # step_s: the first call has no previous one
+    assert math.isnan(got[2].pop("loss"))  # measured NaN: the NaN detector's finding, not "not measured"
+    assert got[2] == {**dict.fromkeys(MEASURED[1:]), "lr": 1e-3, "step_s": 0.5}  # step_s from the agent's clock
+    assert got[3] == {**dict.fromkeys(MEASURED), "grad_norm": 0.5, "tokens": 64, "mem_bytes": 0, "step_s": 0.5}
+    nulls = con.execute(f"SELECT {', '.join(f'count({c})' for c in MEASURED)} FROM steps WHERE rank = 1").fetchone()
+    assert nulls == (1,) * len(MEASURED)

@@ -47,3 +47,20 @@ def test_runs_leave_the_gauges_when_quiet():
     assert gauges.snapshot() == {"run1": (1, 1.0, 5.0)}
     clock[0] = 11.0
     assert gauges.snapshot() == {}
+
+
+def test_unmeasured_values_stay_out_of_the_gauges():
+    """A loop that records only its loss (record_step(step, loss=...)): the agent sends
+    NULL tokens and step times; tokens/s is "no value" (NaN), not negative, and a rank
+    that did not measure its loss leaves the mean alone; a measured NaN loss stays NaN."""
+    import math
+    gauges = RunGauges(live_s=10.0, clock=lambda: 0.0)
+    for rank, loss in ((0, 2.0), (1, wire.NULL_F64)):
+        gauges.observe(decode(make_batch(rank=rank, sections={wire.STEP: steps_section(
+            [7], loss=loss, tokens=wire.NOT_MEASURED, step_s=wire.NULL_F64)})))
+    (step, loss, tps), = gauges.snapshot().values()
+    assert (step, loss) == (7, 2.0) and math.isnan(tps)
+    gauges.observe(decode(make_batch(rank=0, sections={wire.STEP: steps_section(
+        [8], loss=math.nan, tokens=64, step_s=0.5)})))
+    (step, loss, tps), = gauges.snapshot().values()
+    assert step == 8 and math.isnan(loss) and tps == 128.0
