@@ -90,7 +90,7 @@ def read_token(a: argparse.Namespace) -> str | None:
     return a.token or os.environ.get(TOKEN_ENV) or None
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m agent.replay", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("spool", type=Path, help="a run's spool directory, one rank's, or a quarantine")
@@ -100,8 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--token", help=f"bearer token (visible in ps: prefer ${TOKEN_ENV} or --token-file)")
     p.add_argument("--ca-file", help="https: PEM bundle to verify the collector's certificate (default: the "
                                      "system's trust store)")
-    p.add_argument("--timeout-s", type=float, default=10.0)
-    a = p.parse_args(argv)
+    p.add_argument("--timeout-s", type=float, default=10.0, help="per POST (default 10 s)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     if not a.spool.is_dir():
         print(f"replay: {a.spool} is not a directory", file=sys.stderr)
         return 2

@@ -40,7 +40,8 @@ RULES_TOML = ROOT / "analysis" / "rules.toml"
 PACKAGES = ("agent", "collector", "trainer", "dashboard", "analysis")
 
 # (the command as typed, the module whose build_parser() defines it)
-CLIS = (("trainer", "trainer.cli"), ("collector", "collector.cli"), ("dashboard", "dashboard.cli"))
+CLIS = (("trainer", "trainer.cli"), ("collector", "collector.cli"), ("dashboard", "dashboard.cli"),
+        ("python -m agent.replay", "agent.replay"))
 
 _BEGIN = "<!-- BEGIN GENERATED: {} -->"
 _END = "<!-- END GENERATED: {} -->"
@@ -79,7 +80,11 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "LLMWATCH_RESTART_ROUND": ("launcher", "How many times the embedded supervisor restarted the job."),
     "LLMWATCH_LIFELINE_FD": ("launcher", "The read end of the launcher's lifeline pipe: a rank exits when "
                              "the launcher is gone."),
-    "LLMWATCH_RUN_ID": ("trainer", "Set for the `--on-isolate` command: the run."),
+    "LLMWATCH_URL": ("you", "`agent.integrations` callbacks: the collector's URL (when none is passed)."),
+    "LLMWATCH_TOKEN_FILE": ("you", "`agent.integrations` callbacks: a file holding the ingest token (when no "
+                                   "token is passed and `LLMWATCH_TOKEN` is unset)."),
+    "LLMWATCH_RUN_ID": ("trainer", "Set for the `--on-isolate` command: the run. The `agent.integrations` "
+                                   "callbacks read it as the run id when none is passed."),
     "LLMWATCH_NODE": ("trainer", "Set for the `--on-isolate` command: the node being isolated."),
     "LLMWATCH_REASON": ("trainer", "Set for the `--on-isolate` command: why."),
     "RANK": ("torchrun", "The process's global rank; with `WORLD_SIZE` and `LOCAL_RANK` it means \"running "
