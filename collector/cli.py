@@ -18,6 +18,7 @@ from pathlib import Path
 
 from collector.auth import ALL_ROLES_ENV, Role, TokenSources, client_token
 from collector.retention import MIN_ROLLUP_AGE_S, parse_age
+from collector.schema import SchemaTooNew
 from collector.settings import MiB, Settings
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
@@ -173,7 +174,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         storage = Storage(settings, detector_factory=lambda s: detectors_for(
             s.read, rules_path=args.rules, enabled=not args.no_detect), policy=policy)
-    except duckdb.Error as e:
+    except (duckdb.Error, SchemaTooNew) as e:
         print(f"collector: cannot open {db_path}: {e}", file=sys.stderr)
         return 2
     config = uvicorn.Config(create_app(storage), host=args.host, port=args.port, log_level=args.log_level,
@@ -470,6 +471,9 @@ def _rollup(args: argparse.Namespace) -> int:
     try:
         migrate(con)  # an older file gets the rollup tables
         r = retention.rollup(con, older_than_s=older_than_s, run_id=args.run)
+    except SchemaTooNew as e:
+        print(f"collector rollup: cannot open {args.db}: {e}", file=sys.stderr)
+        return 2
     finally:
         con.close()
     after = retention.file_bytes(args.db)

@@ -267,7 +267,8 @@ class CommandsProjection(Projection):
         for cid in plan.new:
             cmd = plan.changed[cid]
             d = cmd.as_dict()
-            con.execute("INSERT INTO commands VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            con.execute("INSERT INTO commands (id, run_id, kind, args, ranks, issued_ts, status, delivered, acks, "
+                        "updated_ts) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                         [cmd.id, cmd.run_id, cmd.kind, json_text(cmd.args), json_text(cmd.ranks), cmd.issued_ts,
                          cmd.status, json_text(d["delivered"]), json_text(d["acks"]), cmd.updated_ts])
         for cmd in plan.changed.values():

@@ -35,7 +35,9 @@ _NODES = """
     ON CONFLICT (run_id, node) DO UPDATE SET ranks = excluded.ranks, updated_ts = excluded.updated_ts"""
 # every rank reports the shards it wrote: the row adds them up
 _CHECKPOINT_SAVED = """
-    INSERT INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1)
+    INSERT INTO checkpoints (run_id, step, attempt, path, num_shards, bytes, checksums, verified, write_s, ts,
+                             num_ranks)
+    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1)
     ON CONFLICT (run_id, step, attempt) DO UPDATE SET path = excluded.path,
         num_shards = checkpoints.num_shards + excluded.num_shards,
         bytes = checkpoints.bytes + excluded.bytes,

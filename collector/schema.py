@@ -395,6 +395,10 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
 ]
 
 
+class SchemaTooNew(RuntimeError):
+    """The file was written by a newer collector (schema version beyond MIGRATIONS)."""
+
+
 def current_version(con: duckdb.DuckDBPyConnection) -> int:
     con.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL, applied_ts DOUBLE NOT NULL)")
     (version,), = con.execute("SELECT max(version) FROM schema_version").fetchall()
@@ -403,8 +407,16 @@ def current_version(con: duckdb.DuckDBPyConnection) -> int:
 
 def migrate(con: duckdb.DuckDBPyConnection, migrations: list[tuple[int, list[str]]] = MIGRATIONS) -> list[int]:
     """Apply every migration newer than the database's version, each in its own
-    transaction. Returns the versions applied (empty when already current)."""
+    transaction. Returns the versions applied (empty when already current).
+
+    A file at a newer version than this code knows (written by a newer collector)
+    is refused with SchemaTooNew, before anything is written: an older collector
+    could not fill the columns a newer one reads, and would corrupt its file."""
     have = current_version(con)
+    known = max((version for version, _ in migrations), default=0)
+    if have > known:
+        raise SchemaTooNew(f"the database is at schema version {have}, newer than this collector's {known}: "
+                           f"open it with the collector version that wrote it, or a newer one")
     applied = []
     for version, statements in sorted(migrations):
         if version <= have:
@@ -413,7 +425,7 @@ def migrate(con: duckdb.DuckDBPyConnection, migrations: list[tuple[int, list[str
         try:
             for sql in statements:
                 con.execute(sql)
-            con.execute("INSERT INTO schema_version VALUES (?, ?)", [version, time.time()])
+            con.execute("INSERT INTO schema_version (version, applied_ts) VALUES (?, ?)", [version, time.time()])
             con.execute("COMMIT")
         except Exception:
             con.execute("ROLLBACK")

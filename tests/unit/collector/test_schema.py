@@ -7,7 +7,7 @@ import pytest
 
 from agent import wire
 from collector.decode import decode
-from collector.schema import MIGRATIONS, current_version, migrate
+from collector.schema import MIGRATIONS, SchemaTooNew, current_version, migrate
 from collector.settings import Settings
 from collector.storage import Storage, connect
 from tests.unit.collector.collector_batches import make_batch, steps_section
@@ -45,6 +45,22 @@ def test_only_newer_migrations_run(tmp_path):
     assert con.execute("SELECT count(*) FROM extra").fetchall() == [(1,)]
     assert current_version(con) == LATEST + 1
     con.close()
+
+
+def test_a_file_from_a_newer_collector_is_refused_untouched(tmp_path, capsys):
+    """An older collector must not write into a newer file: it could not fill the
+    columns the newer one reads. `collector serve` says so and exits 2."""
+    from collector.cli import main
+    path = tmp_path / "new.duckdb"
+    con = connect(path)
+    newer = MIGRATIONS + [(LATEST + 1, ["CREATE TABLE from_the_future (a INTEGER)"])]
+    migrate(con, newer)
+    with pytest.raises(SchemaTooNew, match=f"schema version {LATEST + 1}, newer than this collector's {LATEST}"):
+        migrate(con)
+    assert current_version(con) == LATEST + 1
+    con.close()
+    assert main(["serve", "--db", str(path), "--port", "0", "--token", "t" * 32]) == 2
+    assert "newer than this collector's" in capsys.readouterr().err
 
 
 def test_a_failing_migration_leaves_nothing_behind(tmp_path):
