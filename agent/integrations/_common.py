@@ -20,9 +20,12 @@ Commands (collector/commands.py; the kinds the policy issues, collector/policy.p
   out needs a launcher that restarts the job without it).
 
 Every rank acts on the same command at the same step: with more than one rank,
-rank 0 picks it and broadcasts it (`torch.distributed.broadcast_object_list`, one
-small blocking broadcast per step, only while torch.distributed is initialized);
-each rank acks for itself, as the collector expects.
+torch.distributed's rank 0 (`dist.get_rank()`, whatever rank the framework reports)
+picks it; each step it broadcasts a one-element int flag (one small blocking
+collective), and the command itself (`broadcast_object_list`) only on a step that
+has one. Each rank acks for itself, as the collector expects. Without an
+initialized torch.distributed (say XLA) each rank acts on its own copy, maybe at
+another step: a warning says so.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ import re
 import socket
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from agent.agent import Agent, AgentConfig, Command
@@ -133,11 +135,15 @@ class Telemetry:
         self._waiting: list[Command] = []  # rank 0: received, not yet acted on (one per boundary)
         self._clock = clock
         self._last_end: float | None = None
+        self._flag = None  # the broadcast flag tensor, on the default group's device (made at the first boundary)
 
     # -- the fit ---------------------------------------------------------------
     def begin_fit(self, *, rank: int, world_size: int, step: int, config: dict | None = None) -> None:
         """A fit starts at `step` (the steps done so far: 0, or a resumed checkpoint's)."""
         self.rank, self.world_size = rank, world_size
+        if world_size > 1 and not _dist_initialized():
+            log.warning("llmwatch: %d ranks but torch.distributed is not initialized: each rank acts on its own "
+                        "commands, perhaps at different steps", world_size)
         if self.agent is None or (self._owns_agent and getattr(self.agent, "_closed", False)):
             self.agent = make_agent(rank=rank, world_size=world_size,
                                     run_info={"config": {"framework": self.framework, **(config or {})}},
@@ -145,6 +151,7 @@ class Telemetry:
             self._owns_agent = True
         self.stopped = False
         self._last_end = None
+        self._flag = None  # a new fit may run in a new process group
         pending, self._rollback = self._rollback, None
         self.resume_from = None
         if pending is None:
@@ -207,7 +214,7 @@ class Telemetry:
         cmd = self._agreed(self.agent.commands())
         if cmd is None:
             return Decision()
-        agent, kind, args = self.agent, cmd.kind, cmd.args
+        agent, kind = self.agent, cmd.kind
         if kind == "stop":
             agent.event("command_started", step=step, command_id=cmd.id, command_kind=kind)
             self.stopped = True
@@ -249,17 +256,25 @@ class Telemetry:
         return Decision(stop=True)
 
     def _agreed(self, received: list[Command]) -> Command | None:
-        """The command of this boundary, the same on every rank: rank 0's oldest (the
-        other ranks' own copies are dropped: they act on the broadcast)."""
-        distributed = self.world_size > 1 and _dist_initialized()
-        if self.rank == 0 or not distributed:
+        """The command of this boundary, the same on every rank: torch.distributed rank
+        0's oldest (the other ranks' own copies are dropped: they act on the broadcast)."""
+        if self.world_size <= 1 or _dist_world() <= 1:
             self._waiting.extend(received)
-        if not distributed:
             return self._waiting.pop(0) if self._waiting else None
         import torch.distributed as dist
 
-        box = [self._waiting.pop(0) if self.rank == 0 and self._waiting else None]
-        dist.broadcast_object_list(box, src=0)  # blocking, one small object per step
+        lead = dist.get_rank() == 0  # the broadcast's source (the framework's rank may be another numbering)
+        if lead:
+            self._waiting.extend(received)
+        if self._flag is None:
+            self._flag = _flag_tensor()
+        flag = self._flag
+        flag.fill_(1 if lead and self._waiting else 0)
+        dist.broadcast(flag, src=0)  # blocking, one int per step
+        if not int(flag.item()):
+            return None
+        box = [self._waiting.pop(0) if lead else None]
+        dist.broadcast_object_list(box, src=0)  # only on a step with a command
         return box[0]
 
 
@@ -269,3 +284,28 @@ def _dist_initialized() -> bool:
     except ImportError:
         return False
     return dist.is_available() and dist.is_initialized()
+
+
+def _dist_world() -> int:
+    """torch.distributed's world size; 0 when it is not initialized."""
+    if not _dist_initialized():
+        return 0
+    import torch.distributed as dist
+
+    return dist.get_world_size()
+
+
+def _flag_tensor():
+    """A one-element int64 tensor on the device the default group broadcasts from: the
+    CPU where it has gloo or mpi (also "cuda:nccl,cpu:gloo", as accelerate sets up: no
+    device sync), else the current accelerator (nccl, xccl)."""
+    import torch
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend())
+    device = torch.device("cpu")
+    if "gloo" not in backend and "mpi" not in backend:
+        acc = torch.accelerator.current_accelerator()
+        if acc is not None:
+            device = torch.device(acc.type, torch.accelerator.current_device_index())
+    return torch.zeros(1, dtype=torch.int64, device=device)

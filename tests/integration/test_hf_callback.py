@@ -1,30 +1,28 @@
 """agent.integrations.hf.LlmwatchCallback in a real transformers Trainer (a tiny GPT-2 built
-from a config, CPU) against a real collector: one row per step, stop, rollback, isolate."""
+from a config, CPU) against a real collector: one row per step, stop, rollback, isolate; and
+two ranks under torchrun (gloo) stopping at the same step."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 transformers = pytest.importorskip("transformers")
-import torch  # noqa: E402
 
 from agent.integrations.hf import LlmwatchCallback  # noqa: E402
-from tests.integration.framework_run import agent_config, deliver, settled  # noqa: E402
+from tests.integration.framework_run import agent_config, deliver, post_command, settled  # noqa: E402
+from tests.integration.hf_worker import build_trainer  # noqa: E402
+from tests.polling import wait_until  # noqa: E402
 from tests.unit.collector.collector_server import CollectorProcess  # noqa: E402
+from trainer.launch import free_port  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n: int = 256, seq: int = 16) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, 64, (n, seq), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class At(transformers.TrainerCallback):
@@ -40,13 +38,7 @@ class At(transformers.TrainerCallback):
 
 
 def trainer(tmp_path, callbacks, max_steps: int):
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=64, n_positions=32)
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "out"), max_steps=max_steps, per_device_train_batch_size=4, logging_steps=1,
-        save_steps=4, report_to=[], use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, learning_rate=1e-3)
-    return transformers.Trainer(model=transformers.GPT2LMHeadModel(cfg), args=args, train_dataset=Tokens(),
-                                callbacks=callbacks)
+    return build_trainer(tmp_path / "out", callbacks, max_steps)
 
 
 @pytest.fixture
@@ -100,3 +92,46 @@ def test_rollback_resumes_from_the_checkpoint_before_the_step_as_the_next_attemp
 def _all(col, run_id):
     with col.client() as c:
         return c.get(f"/v1/runs/{run_id}/commands").json()
+
+
+def test_two_ranks_under_torchrun_record_every_step_and_stop_at_the_same_step(col, tmp_path):
+    # rank 0 waits at step 8 until the stop has reached it: the stop lands at a step in 1..8
+    out, run_id, gate = tmp_path / "w", "hf-2r", 8
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", "0",
+            str(ROOT / "tests" / "integration" / "hf_worker.py"), "--out", str(out), "--max-steps", "40",
+            "--gate-step", str(gate)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), LLMWATCH_URL=col.url,
+               LLMWATCH_TOKEN=col.token, LLMWATCH_RUN_ID=run_id)
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    job = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        ranks_at_work = lambda: col.sql(f"SELECT DISTINCT rank FROM steps WHERE run_id = '{run_id}'")  # noqa: E731
+        assert wait_until(lambda: len(ranks_at_work()) == 2 or job.poll() is not None, 120.0, 0.1)
+        post_command(col, run_id, "stop")  # mid-run: both ranks have recorded a step, rank 0 is at most at the gate
+        output = job.communicate(timeout=120)[0]
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.communicate()
+    assert job.returncode == 0, output[-4000:]
+    results = [json.loads((out / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    for r, res in enumerate(results):  # the Trainer's rank is torch.distributed's (the broadcast's source)
+        assert (res["process_index"], res["world_size"]) == (r, 2) and (res["dist_rank"], res["dist_world"]) == (r, 2)
+        assert res["stopped"]
+    stop_step = results[0]["global_step"]
+    assert 1 <= stop_step <= gate and results[1]["global_step"] == stop_step
+    rows = col.sql(f"SELECT rank, step FROM steps WHERE run_id = '{run_id}' ORDER BY rank, step")
+    assert rows == [[r, s] for r in (0, 1) for s in range(1, stop_step + 1)]  # once per step and rank
+
+    def acked() -> list:
+        got = col.sql(f"SELECT status, acks FROM commands WHERE run_id = '{run_id}' AND kind = 'stop'")
+        return got if got and len(json.loads(got[0][1] or "{}")) == 2 else []
+
+    assert wait_until(acked, 30.0, 0.1), col.sql(f"SELECT * FROM commands WHERE run_id = '{run_id}'")
+    ((status, acks),) = acked()
+    acks = json.loads(acks)
+    assert status == "acked" and sorted(acks) == ["0", "1"]
+    for rank in ("0", "1"):
+        assert acks[rank]["status"] == "done" and acks[rank]["detail"] == f"stopped at step {stop_step}"
+    assert col.sql(f"SELECT status FROM runs WHERE run_id = '{run_id}'") == [["stopped"]]
