@@ -4,7 +4,7 @@ The training thread only ever runs the `Recorder` stores (agent/ring.py) and
 a few cheap setters. Everything else happens on one daemon thread, the
 flusher, every `flush_interval_s`:
 
-    heartbeat row (when due) -> swap buffers -> encode one wire batch
+    heartbeat row and device-health sample (when due) -> swap buffers -> encode one wire batch
     -> bridges (OTel spans, Prometheus gauges) -> loss baseline -> POST, or
     spool -> replay spool
 
@@ -52,11 +52,14 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from agent import wire
-from agent.ring import EVENT, MAX_EVENTS, STATS_KINDS, BufferSet, Recorder
+from agent.device_health import DeviceHealthSampler
+from agent.ring import EVENT, MAX_EVENTS, STATS_KINDS, BufferSet, KindBuffer, Recorder
 from agent.spool import Spool, SpoolBusy
 from agent.transport import HttpClient, Shipper, ShipStats
 
 log = logging.getLogger("llmwatch.agent")
+
+_HEALTH_ROWS = 256  # device-health samples held while batches wait (one per heartbeat); more are dropped
 
 
 @dataclass(kw_only=True, slots=True)
@@ -74,6 +77,11 @@ class AgentConfig:
     urgent_followup_s: float = 3.0
     urgent_followup_interval_s: float = 0.2
     heartbeat_interval_s: float = 1.0
+    # A device-health sample (agent/device_health.py) rides with every heartbeat: NVML
+    # when `pynvml` and a GPU are there, host memory and CPU time always. gpu_index None:
+    # the rank's LOCAL_RANK through CUDA_VISIBLE_DEVICES.
+    device_health: bool = True
+    gpu_index: int | None = None
     spool_dir: str | None = None  # default: <tmp>/llmwatch-spool/<run_id>/rank<rank>
     spool_bytes: int = 256 * 1024 * 1024
     capacity: int = 65536  # rows per kind per buffer (two buffers)
@@ -221,6 +229,9 @@ class Agent(Recorder):
         self._last_fill = 0.0  # of the fullest active buffer at the last cycle (0..1)
         self._io_lock = threading.Lock()  # one cycle at a time (flusher, or inline when there is none)
         self._next_hb = 0.0
+        # flusher thread only (under _io_lock): no lock with the training thread
+        self._health: DeviceHealthSampler | None = DeviceHealthSampler(config.gpu_index) if config.device_health else None
+        self._health_buf = KindBuffer(wire.DEVICE_HEALTH, _HEALTH_ROWS)
         self._closed = False
         self._logged: set[str] = set()
         self._last_error = ""
@@ -490,6 +501,7 @@ class Agent(Recorder):
                 self._log_once("baseline", "llmwatch agent: the loss baseline failed: %r", e)
         finally:
             self._recycle(drained)
+            self._health_buf.n = 0  # encoded (copied into the payload) or dropped with the batch
         if shipper is None:
             return True
         num_quarantined = shipper.stats.num_batches_quarantined
@@ -529,11 +541,34 @@ class Agent(Recorder):
             except Exception as e:  # noqa: BLE001
                 last_seq, op, axis, group_id, group_seq = -1, None, None, -1, -1
                 self._log_once("seq", "llmwatch agent: the seq source failed: %r", e)
-        self._record_heartbeat(self._clock(), self._hb_step, self._phase, last_seq, op, axis, group_id, group_seq)
+        ts, step = self._clock(), self._hb_step
+        self._record_heartbeat(ts, step, self._phase, last_seq, op, axis, group_id, group_seq)
+        if self._health is not None:
+            self._sample_health(ts, step)
+
+    def _sample_health(self, ts: float, step: int) -> None:
+        """Flusher thread: one device-health row (agent/device_health.py)."""
+        buf = self._health_buf
+        if buf.n >= buf.capacity:
+            buf.num_dropped += 1
+            return
+        try:
+            values = (ts, step, *self._health.sample())
+            i = buf.n
+            for col, arr, value in zip(wire.SCHEMA[wire.DEVICE_HEALTH], buf.cols, values):
+                arr[i] = (wire.NULL_F64 if col.fmt == "d" else wire.NOT_MEASURED) if value is None else value
+            buf.n = i + 1
+        except Exception as e:  # noqa: BLE001 - a value out of range, a sampler bug: no row, never a raise
+            buf.num_dropped += 1
+            self._log_once("health", "llmwatch agent: the device-health sample failed: %r", e)
 
     def _account(self, bufs: BufferSet) -> dict[str, int]:
         rows = bufs.num_rows()
         rows[EVENT] = len(bufs.events)
+        health = self._health_buf
+        rows[wire.DEVICE_HEALTH] = health.n
+        self._buffer_dropped[wire.DEVICE_HEALTH] += health.num_dropped
+        health.num_dropped = 0
         for kind, n in rows.items():
             self._recorded[kind] += n
         for buf in bufs.kinds():
@@ -558,7 +593,7 @@ class Agent(Recorder):
                       "replayed": ship.num_batches_replayed, "rejected": ship.num_batches_rejected,
                       "quarantined": ship.num_batches_quarantined, "recorded": dict(self._recorded)},
         }
-        sections = {b.kind: (b.n, b.views()) for b in bufs.kinds() if b.n}
+        sections = {b.kind: (b.n, b.views()) for b in (*bufs.kinds(), self._health_buf) if b.n}
         try:
             payload = wire.encode_batch(header, sections)
         except (wire.WireError, ValueError, TypeError) as e:
@@ -597,6 +632,8 @@ class Agent(Recorder):
                                          issued_ts))
 
     def _release(self) -> None:
+        if self._health is not None:
+            self._health.close()
         for bridge in self._bridges:
             try:
                 bridge.close()

@@ -133,6 +133,7 @@ STEP = "step"
 COLLECTIVE = "collective"
 SCALAR = "scalar"
 HEARTBEAT = "heartbeat"
+DEVICE_HEALTH = "device_health"
 
 SCHEMA: dict[str, tuple[Column, ...]] = {
     STEP: _cols(
@@ -162,6 +163,15 @@ SCHEMA: dict[str, tuple[Column, ...]] = {
         _opt("last_op", "h", dict_encoded=True, dictionary="op"),
         _opt("last_axis", "h", dict_encoded=True, dictionary="axis"),
         _opt("last_group_id", "i"), _opt("last_group_seq", "q"),
+    ),
+    # One sample per heartbeat, taken on the agent's thread (agent/device_health.py).
+    # NULL (`_measured`) what this host cannot tell: the GPU columns without NVML.
+    DEVICE_HEALTH: _cols(
+        ("ts", "d"), ("step", "q"),
+        *(_measured(name, fmt) for name, fmt in (
+            ("gpu_index", "i"), ("temperature_c", "d"), ("power_w", "d"), ("sm_clock_mhz", "q"),
+            ("throttle_reasons", "q"), ("ecc_uncorrectable", "q"), ("retired_pages", "q"),
+            ("mem_available_bytes", "q"), ("mem_total_bytes", "q"), ("cpu_s", "d"))),
     ),
 }
 KINDS = tuple(SCHEMA)

@@ -27,7 +27,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-KINDS = ("nan", "loss_spike", "grad_spike", "loss_scale_collapse", "straggler", "hang", "crash")
+KINDS = ("nan", "loss_spike", "grad_spike", "loss_scale_collapse", "straggler", "slow_link", "hang", "crash",
+         "device_health", "data_stall", "checkpoint_slow", "replica_divergence")
 SEVERITIES = ("info", "warning", "critical")
 OPEN = "open"
 RESOLVED = "resolved"

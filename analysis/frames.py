@@ -91,17 +91,20 @@ REQUIRED: dict[str, dict[str, tuple]] = {
     "nodes": {"run_id": (STR, ""), "node": (STR, ""), "ranks": (STR, "JSON [ranks]")},
     "scalars": {"run_id": (STR, ""), "attempt": (I32, ""), "step": (I64, ""), "rank": (I32, ""),
                 "name": (STR, "eval/... names mark eval steps"), "value": (F64, "")},
+    "device_health": {"run_id": (STR, ""), "rank": (I32, ""), "ts": (F64, "sample time (rank clock)")},
 }
 
 OPTIONAL: dict[str, dict[str, tuple]] = {
     "steps": {
         "node": (STR, "the rank's node"), "skipped": (pl.Boolean, "optimizer step skipped"),
+        "data_s": (F64, "data wait (s; NULL: not measured)"),
         "local_loss": (F64, "replica loss before the DP average"),
         "finite_fwd": (I8, "1: forward all finite"), "finite_bwd": (I8, "1: local grads all finite"),
         "sample_epoch": (I64, "epoch of the replica's samples"),
         "sample_from": (I64, "first sample position"), "sample_to": (I64, "end sample position"),
     },
-    "collectives": {"duration_s": (F64, "entry to completion (not used)"), "bytes": (I64, "payload (not used)")},
+    "collectives": {"duration_s": (F64, "entry to completion (slow_link: bus bandwidth)"),
+                    "bytes": (I64, "payload (slow_link: bus bandwidth)")},
     "heartbeats": {"last_op": (STR, "op of the collective last_seq names"),
                    "last_axis": (STR, "its axis"), "last_group_id": (I32, "its group"),
                    "last_group_seq": (I64, "its group_seq")},
@@ -110,6 +113,11 @@ OPTIONAL: dict[str, dict[str, tuple]] = {
     "runs": {},
     "nodes": {"status": (STR, "healthy, suspect, isolated (not used)")},
     "scalars": {"ts": (F64, "sample time (not used)")},
+    "device_health": {"node": (STR, "the rank's node"), "step": (I64, "step in progress"),
+                      "throttle_reasons": (I64, "NVML clock event reason bits"),
+                      "ecc_uncorrectable": (I64, "volatile uncorrectable ECC errors"),
+                      "temperature_c": (F64, "GPU temperature (evidence)"),
+                      "mem_available_bytes": (I64, "host MemAvailable"), "mem_total_bytes": (I64, "host MemTotal")},
 }
 
 TABLES = tuple(REQUIRED)
@@ -197,6 +205,7 @@ class Frames:
     runs: pl.DataFrame | None = None
     nodes: pl.DataFrame | None = None
     scalars: pl.DataFrame | None = None
+    device_health: pl.DataFrame | None = None
 
     @classmethod
     def from_arrow(cls, tables: Mapping[str, object]) -> "Frames":
@@ -293,3 +302,7 @@ def nodes_frame(rows) -> pl.DataFrame:
 
 def scalars_frame(rows) -> pl.DataFrame:
     return _frame("scalars", rows)
+
+
+def device_health_frame(rows) -> pl.DataFrame:
+    return _frame("device_health", rows)

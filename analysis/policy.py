@@ -17,9 +17,25 @@ What calls for what (DESIGN.md section 7, the keys are `[policy]` in rules.toml)
     `transient_window_s` isolate it.
 - `straggler` whose cost stays at or above `straggler_cost_s` seconds per step and
   `straggler_min_share` of its step for `straggler_persist_s`: **isolate** its node.
+- `slow_link` the same, with `slow_link_cost_s`, `slow_link_min_share` and
+  `slow_link_persist_s`: **isolate** the node of the rank whose link is slow.
+- `data_stall` the same, with `data_stall_cost_s`, `data_stall_min_share` and
+  `data_stall_persist_s`: **isolate** the node whose data loading stalls.
+- `checkpoint_slow`: an alert only (every incident is one). Moving that node's
+  checkpoints to the persist tier alone would need a per-node checkpoint target,
+  which the checkpointer does not have (trainer/checkpoint.py writes to `dir`,
+  then copies to `persist_dir`).
 - `hang`: **isolate** the culprit's node (`isolate_on_hang`).
 - `crash`: **restart** (the supervisor's own; recorded), and the
   `crashes_to_isolate`-th crash on one node **isolates** it.
+- `replica_divergence` (silent data corruption): with a majority and caught at
+  the first checksum after the last agreeing one (`caught_within_steps` <=
+  `checksum_every`, and `replica_repair`): **repair** in place (a healthy
+  replica's parameters and optimizer state broadcast over its dp group,
+  trainer/control.py); otherwise (dp = 2: no majority; or caught late) **rollback**
+  to the newest verified checkpoint before the last agreeing step, without a
+  rerun. Either way the fault counts against the suspect node(s) as a transient
+  verdict does: `transient_limit` within `transient_window_s` isolate it.
 
 Guard rails: a `cooldown_s` between two actions of one kind in a run (the next
 one waits for it: `waiting`, and the runner asks again); and, each a `refused`
@@ -39,6 +55,7 @@ from typing import Any
 
 MODES = ("auto", "shadow", "off")
 ROLLBACK, ISOLATE, STOP, RESTART = "rollback", "isolate", "stop", "restart"
+REPAIR = "repair"
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,14 +129,50 @@ class Policy:
             return []
         if kind in self.cfg.rollback_on:
             return self._rollback(st, inc, now)
-        if kind == "straggler":
+        if kind in ("straggler", "slow_link", "data_stall"):
             return self._straggler(st, inc, now)
         if kind == "hang" and self.cfg.isolate_on_hang:
             return self._isolate(st, inc, inc.get("node"), now,
                                  f"hang: rank {inc.get('rank')} stopped entering collectives")
         if kind == "crash":
             return self._crash(st, inc, now)
+        if kind == "replica_divergence":
+            return self._divergence(st, inc, now)
         return []
+
+    def _divergence(self, st: RunPolicy, inc: dict[str, Any], now: float) -> list[Decision]:
+        """Repair in place when a majority holds the healthy bits and the corruption was
+        caught at the first checksum after the last agreeing one; else roll back (no
+        rerun: a memory fault is not in the data). Then count it against the node(s)."""
+        ev = inc.get("evidence") or {}
+        within, every = _number(ev.get("caught_within_steps")), _number(ev.get("checksum_every"))
+        shard = ev.get("shard")
+        if (self.cfg.replica_repair and ev.get("majority") and ev.get("src_dp") is not None
+                and within is not None and every is not None and within <= every):
+            reason = (f"replica_divergence of shard {shard}: rank(s) {ev.get('divergent_ranks')} differ from the "
+                      f"majority at step {ev.get('first_disagreeing_step')} (caught within {within:g} steps)")
+            out = self._decision(st, REPAIR, inc, reason, now, node=inc.get("node"),
+                                 args={"src_dp": int(ev["src_dp"]), "ranks": list(ev.get("divergent_ranks") or []),
+                                       "incident_id": inc.get("id"), "step": inc.get("step_to")})
+        else:
+            out = [replace(d, args={**d.args, "diagnose": False}) if d.kind == ROLLBACK else d
+                   for d in self._rollback(st, inc, now)]
+        if out and out[0].refused is None:
+            for node in ev.get("suspect_nodes") or ([inc["node"]] if inc.get("node") else []):
+                out += self._count_fault(st, inc, node, now)
+        return out
+
+    def _count_fault(self, st: RunPolicy, inc: dict[str, Any], node: str, now: float) -> list[Decision]:
+        """A fault of `node`'s device that was healed (a transient verdict's counter):
+        the `transient_limit`-th within `transient_window_s` isolates the node."""
+        times = st.transients.setdefault(node, deque())
+        times.append(now)
+        while times and now - times[0] > self.cfg.transient_window_s:
+            times.popleft()
+        if len(times) < self.cfg.transient_limit:
+            return []
+        return self._isolate(st, inc, node, now,
+                             f"{len(times)} device faults within {self.cfg.transient_window_s:g} s")
 
     def on_verdict(self, st: RunPolicy, verdict: dict[str, Any], node: str | None, now: float) -> list[Decision]:
         """A rerun's verdict (the trainer's `rerun_verdict` event); `node`: its rank's."""
@@ -219,19 +272,22 @@ class Policy:
         return {"loss_above" if inc["kind"] == "loss_spike" else "grad_norm_above": round(above, 6)}
 
     def _straggler(self, st: RunPolicy, inc: dict[str, Any], now: float) -> list[Decision]:
+        """A straggler, a slow link or a data stall (`<kind>_cost_s`, `_min_share`, `_persist_s`)."""
         evidence = inc.get("evidence") or {}
+        kind = inc.get("kind", "straggler")
+        min_cost, min_share, persist_s = (self.cfg[f"{kind}_{k}"] for k in ("cost_s", "min_share", "persist_s"))
         cost, share = _number(evidence.get("cost_s_per_step")), _number(evidence.get("share_of_step"))
         iid = inc["id"]
-        if cost is None or cost < self.cfg.straggler_cost_s or (share is not None
-                                                                and share < self.cfg.straggler_min_share):
+        if cost is None or cost < min_cost or (share is not None and share < min_share):
             st.slow_since.pop(iid, None)
             return []
         since = st.slow_since.setdefault(iid, now)
-        if now - since < self.cfg.straggler_persist_s:
+        if now - since < persist_s:
             return []
         st.slow_since.pop(iid, None)
+        what = {"slow_link": f"slow {evidence.get('axis')} link", "data_stall": "data stall"}.get(kind, "straggler")
         return self._isolate(st, inc, inc.get("node"), now,
-                             f"straggler: rank {inc.get('rank')} costs {cost:.3g} s/step"
+                             f"{what}: rank {inc.get('rank')} costs {cost:.3g} s/step"
                              + (f" ({100 * share:.0f}% of its step)" if share is not None else "")
                              + f" for {now - since:.1f} s")
 

@@ -42,6 +42,7 @@ import duckdb
 ARCHIVED: dict[str, str | None] = {
     "runs": "created_ts", "ranks": "first_seen_ts", "steps": "ts", "collectives": "start_ts",
     "collectives_rollup": "start_ts", "collective_waits_rollup": None, "scalars": "ts", "heartbeats": "ts",
+    "device_health": "ts",
     "events": "ts", "incidents": "opened_ts", "actions": "requested_ts", "checkpoints": "ts",
     "nodes": "updated_ts", "commands": "issued_ts", "bad_batches": "ts", "batches": "received_ts",
 }

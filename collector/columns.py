@@ -25,7 +25,8 @@ from agent import wire
 from collector.decode import DecodedBatch, Section
 
 # wire record kind -> table
-KIND_TABLES = {wire.STEP: "steps", wire.COLLECTIVE: "collectives", wire.SCALAR: "scalars", wire.HEARTBEAT: "heartbeats"}
+KIND_TABLES = {wire.STEP: "steps", wire.COLLECTIVE: "collectives", wire.SCALAR: "scalars", wire.HEARTBEAT: "heartbeats",
+               wire.DEVICE_HEALTH: "device_health"}
 
 # Per-batch constants added to each kind's rows (header field -> column).
 _CONSTANTS = {
@@ -33,6 +34,7 @@ _CONSTANTS = {
     wire.COLLECTIVE: ("run_id", "rank"),
     wire.SCALAR: ("run_id", "rank"),
     wire.HEARTBEAT: ("run_id", "rank", "node", "pid"),
+    wire.DEVICE_HEALTH: ("run_id", "rank", "node"),
 }
 
 

@@ -49,7 +49,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from analysis.policy import ISOLATE, RESTART, Decision, Policy, RunPolicy
+from analysis.policy import ISOLATE, REPAIR, RESTART, Decision, Policy, RunPolicy
 from collector.feed import Subscription
 from collector.incidents import IncidentPlan
 from collector.projection import Group
@@ -182,7 +182,7 @@ class PolicyRunner:
                 if now - last_tick >= _TICK_S:
                     last_tick = now
                     for row in self._watch.open_rows():
-                        if row.get("kind") == "straggler":
+                        if row.get("kind") in ("straggler", "slow_link", "data_stall"):  # persist timers
                             self._incident(row)
                     for row in list(self._deferred.values()):
                         self._incident(row)
@@ -289,6 +289,13 @@ class PolicyRunner:
             return
         p.acks.add(rank)
         world = self._world.get(run_id) or 0
+        if world and len(p.acks) >= world and p.kind == REPAIR:
+            # a repair in place starts no new attempt: done when every rank has carried it out
+            with self._lock:
+                self._pending.pop(p.action_id, None)
+            self.storage.update_action(p.action_id, status="done", started_ts=ts, finished_ts=ts,
+                                       detail={"outcome": "every rank repaired its replica in place"})
+            return
         if world and len(p.acks) >= world:
             p.acked = True
             # the first new step may have been seen first (the same commit): done stays done

@@ -185,6 +185,7 @@ _RUN_ROWS = {  # table -> (columns, order): every row of a run, JSON as text
     "steps": ("*", "ts, rank"),
     "collectives": ("*", "start_ts, rank"),
     "heartbeats": ("*", "ts, rank"),
+    "device_health": ("*", "ts, rank"),
     "events": ("* REPLACE (data::VARCHAR AS data)", "ts, rank"),
     "scalars": ("* EXCLUDE (attrs)", "ts, rank"),
 }

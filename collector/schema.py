@@ -383,6 +383,30 @@ _ROLLUP_V8 = [
         FROM u GROUP BY run_id, attempt, step, op, axis""",
 ]
 
+# v9: device health (agent/device_health.py): one sample per heartbeat per rank. GPU
+# columns come from NVML and are NULL without it (a CPU host, no pynvml); the host's
+# memory and the process's CPU time are always there. Read by the `device_health`
+# detector (analysis/detectors/device_health.py).
+_DEVICE_HEALTH_V9 = [
+    """CREATE TABLE device_health (
+        run_id VARCHAR NOT NULL,
+        rank INTEGER NOT NULL,
+        ts DOUBLE NOT NULL,
+        node VARCHAR,
+        step BIGINT,
+        gpu_index INTEGER,
+        temperature_c DOUBLE,
+        power_w DOUBLE,
+        sm_clock_mhz BIGINT,
+        throttle_reasons BIGINT,
+        ecc_uncorrectable BIGINT,
+        retired_pages BIGINT,
+        mem_available_bytes BIGINT,
+        mem_total_bytes BIGINT,
+        cpu_s DOUBLE
+    )""",
+]
+
 MIGRATIONS: list[tuple[int, list[str]]] = [
     (1, _TABLES_V1 + _VIEWS_V1),
     (2, _BATCH_HASH_V2),
@@ -392,6 +416,7 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
     (6, _STEP_SUMMARY_V6),
     (7, _HEALING_V7),
     (8, _ROLLUP_V8),
+    (9, _DEVICE_HEALTH_V9),
 ]
 
 

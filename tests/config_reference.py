@@ -80,6 +80,8 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "LLMWATCH_RESTART_ROUND": ("launcher", "How many times the embedded supervisor restarted the job."),
     "LLMWATCH_LIFELINE_FD": ("launcher", "The read end of the launcher's lifeline pipe: a rank exits when "
                              "the launcher is gone."),
+    "CUDA_VISIBLE_DEVICES": ("you", "The agent's device-health sampler maps `LOCAL_RANK` through it to the GPU "
+                                    "NVML reads (an index or a UUID entry)."),
     "LLMWATCH_URL": ("you", "`agent.integrations` callbacks: the collector's URL (when none is passed)."),
     "LLMWATCH_TOKEN_FILE": ("you", "`agent.integrations` callbacks: a file holding the ingest token (when no "
                                    "token is passed and `LLMWATCH_TOKEN` is unset)."),

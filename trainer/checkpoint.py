@@ -214,11 +214,14 @@ class Checkpointer:
     on a session token, so that partial manifests left by a crashed earlier run
     in a same-named `.tmp` directory are never mixed into this run's manifest).
     `serialize` writes one shard to a binary file; tests inject a slow one.
+    `slow_write(step)` (fault injection, trainer/faults.py `slowio` what=ckpt) is how
+    many times as long this rank's shard writes of that step take: the writer thread
+    really waits (F - 1) x each shard's measured write, and its `write_s` shows it.
     """
 
     def __init__(self, cfg: CheckpointConfig, *, dims: ParallelDims, comm: Comm, log: Callable[[str], None] = print,
                  clock: Callable[[], float] = time.time, serialize: Callable[[Any, BinaryIO], None] = torch.save,
-                 finalize_timeout_s: float = 600.0) -> None:
+                 finalize_timeout_s: float = 600.0, slow_write: Callable[[int], float] | None = None) -> None:
         if not cfg.dir:
             raise ValueError("CheckpointConfig.dir is required")
         self.cfg = cfg
@@ -229,6 +232,7 @@ class Checkpointer:
         self.dir = Path(cfg.dir)
         self.persist_dir = Path(cfg.persist_dir) if cfg.persist_dir else None
         self._serialize = serialize
+        self._slow_write = slow_write
         self._finalize_timeout_s = finalize_timeout_s
         self.dir.mkdir(parents=True, exist_ok=True)
         token = torch.tensor([secrets.randbits(62)], dtype=torch.int64, device=comm.device)
@@ -339,7 +343,7 @@ class Checkpointer:
         name = step_dirname(job.step)
         tmp = self.dir / f"{name}.tmp"
         tmp.mkdir(parents=True, exist_ok=True)
-        entries = [self._write_shard(tmp, shard) for shard in job.shards]
+        entries = [self._write_shard(tmp, shard, job.step) for shard in job.shards]
         write_s = self.clock() - t0
         partial = {"format": FORMAT_VERSION, "session": self._session, "step": job.step, "rank": self.dims.rank,
                    "write_s": write_s, "shards": entries}
@@ -370,13 +374,16 @@ class Checkpointer:
             self.log(f"checkpoint step {superseded.step}: not persisted, superseded by step {job.step}")
             self._finish(replace(superseded, persisted=False))
 
-    def _write_shard(self, tmp: Path, shard: _Shard) -> dict:
+    def _write_shard(self, tmp: Path, shard: _Shard, step: int) -> dict:
         t0 = self.clock()
         with open(tmp / shard.file, "wb") as f:
             writer = _HashingWriter(f)
             self._serialize(shard.state, writer)
             f.flush()
             os.fsync(f.fileno())
+        factor = self._slow_write(step) if self._slow_write is not None else 1.0
+        if factor > 1.0:  # injected slow storage: the write really takes factor x as long
+            time.sleep((factor - 1.0) * max(0.0, self.clock() - t0))
         return {"file": shard.file, "kind": shard.kind, "coords": shard.coords, "sha256": writer.sha256.hexdigest(),
                 "bytes": writer.nbytes, "writer_rank": self.dims.rank, "write_s": self.clock() - t0}
 

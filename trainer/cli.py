@@ -60,7 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--metrics-jsonl", help="rank 0 writes one JSON object per step here")
     g.add_argument("--inject", action="append", metavar="KIND@k=v,...",
                    help="fault injection: nan@step=S,rank=R[,mode=data|transient|device] | spike@step=S | "
-                        "straggler@rank=R,from=S,factor=F[,to=E] | hang@rank=R,step=S | crash@rank=R,step=S | "
+                        "straggler@rank=R,from=S,factor=F[,to=E] | slowlink@rank=R,axis=dp|tp|pp,from=S,factor=F[,to=E] "
+                        "(that rank's ops on the axis take F x as long) | slowio@rank=R,from=S,factor=F,what=data|ckpt[,to=E] "
+                        "(that rank's data fetch or checkpoint shard writes take F x as long) | "
+                        "hang@rank=R,step=S | crash@rank=R,step=S | "
                         "overflow@rank=R,from=S,to=E (fp16: infinite gradients) | "
                         "jitter@pct=P[,seed=S] (background noise on every rank; not a fault)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -75,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--telemetry-flush-s", type=float,
                    help="how often each agent ships a batch (default 1.0; urgent steps, e.g. a NaN, "
                         "go at once; longer costs less CPU, shows data later)")
+    g.add_argument("--checksum-every", type=int, metavar="N",
+                   help="every N steps each rank records its parameter shard's checksum; the dp replicas' "
+                        "are compared (replica_divergence; default 10, 0: never)")
     g.add_argument("--otlp-endpoint", help="also export step-phase spans over OTLP/HTTP to this endpoint")
     g.add_argument("--prometheus-port", type=int, help="serve live gauges on this port (+ local rank)")
     g.add_argument("--keep-collector", action="store_true",
@@ -118,7 +124,7 @@ _MAP = {
     "ckpt_keep": ("ckpt", "keep"), "resume": ("ckpt", "resume"),
     "telemetry": ("telemetry", "enabled"), "collector": ("telemetry", "collector_url"),
     "otlp_endpoint": ("telemetry", "otlp_endpoint"), "ca_file": ("telemetry", "ca_file"),
-    "telemetry_flush_s": ("telemetry", "flush_interval_s"),
+    "telemetry_flush_s": ("telemetry", "flush_interval_s"), "checksum_every": ("telemetry", "checksum_every"),
     "prometheus_port": ("telemetry", "prometheus_port"), "rules": ("telemetry", "rules"),
     "dashboard": ("telemetry", "dashboard"), "dashboard_port": ("telemetry", "dashboard_port"),
     "policy": ("healing", "policy"), "max_restarts": ("healing", "max_restarts"),

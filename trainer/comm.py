@@ -20,6 +20,14 @@ not block, so times come from CUDA events recorded on the current stream
 before the op and after `wait()`; they are resolved without a sync at the next
 step boundary (`end_step`), when the events have long completed.
 
+A degraded link (fault injection, `slowlink@...`, trainer/faults.py): the engine
+passes `begin_step(step, slow_links=((axis, factor), ...))` and every op of that
+axis this step really takes `factor` times as long: after it completes, the rank
+waits `(factor - 1)` times its measured duration before the op returns, inside
+the timed region (so `duration_s` and `wait_s` include it, and the thread's CPU
+time, the compute the engine measures, does not). On CUDA the wait is on the host
+after the op's `wait()`, stretching the host-measured time the same way.
+
 `seq` counts this rank's ops (monotonic, reported in heartbeats: a hung rank's
 `seq` falls behind its peers'). `last_entered` names the op the latest `seq`
 is: `(seq, op, axis, group_id, group_seq)`, one tuple stored per op (read by the
@@ -132,7 +140,12 @@ class Handle:
         if self._ev0 is not None:
             w0 = torch.cuda.Event(enable_timing=True)
             w0.record()
+            h0 = time.perf_counter()
             self._work.wait()
+            factor = comm.slowness(self._axis)
+            if factor > 1.0:  # a degraded link: host-side, the op returns factor x later
+                torch.cuda.current_stream().synchronize()
+                _wait_until(self._t0 + factor * (time.perf_counter() - min(h0, self._t0)))
             w1 = torch.cuda.Event(enable_timing=True)
             w1.record()
             comm._pending_cuda.append((self._step, self._seq, self._gseq, self._op, self._axis, self._group_id, self._peer, self._nbytes, self._t0, self._ev0, w0, w1))
@@ -140,12 +153,26 @@ class Handle:
         w0, c0 = time.perf_counter(), time.thread_time()
         self._work.wait()
         w1 = time.perf_counter()
-        comm.blocked_cpu_s += time.thread_time() - c0
         done = self._done[0] if self._done else w1
+        factor = comm.slowness(self._axis)
+        if factor > 1.0:  # a degraded link: the op completes factor x later than it did
+            late = self._t0 + factor * (max(done, self._t0) - self._t0)
+            w1 = _wait_until(late)
+            done = max(done, late)
+        comm.blocked_cpu_s += time.thread_time() - c0
         comm._emit(self._step, self._seq, self._gseq, self._op, self._axis, self._group_id, self._peer, self._nbytes, self._t0, max(done, self._t0) - self._t0, w1 - w0)
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
+
+
+def _wait_until(perf: float) -> float:
+    """Sleep until `time.perf_counter()` reaches `perf`; returns the time it is then."""
+    now = time.perf_counter()
+    while now < perf:
+        time.sleep(perf - now)
+        now = time.perf_counter()
+    return now
 
 
 class _NoopHandle:
@@ -186,6 +213,7 @@ class Comm:
         # on the caller's thread), all steps: the engine takes it out of compute on CPU
         self.blocked_cpu_s = 0.0
         self._pending_cuda: list[tuple] = []
+        self._slow: dict[str, float] = {}  # axis name -> factor: an injected degraded link, this step
         for axis in Axis:
             try:
                 members = dims.ranks_in(axis)
@@ -202,8 +230,14 @@ class Comm:
     def set_sink(self, sink: CommSink | None) -> None:
         self.sink = sink or NullSink()
 
-    def begin_step(self, step: int) -> None:
+    def begin_step(self, step: int, slow_links: tuple[tuple[str, float], ...] = ()) -> None:
+        """Start a step; `slow_links`: (axis, factor) of an injected degraded link."""
         self.step = step
+        self._slow = dict(slow_links) if slow_links else {}
+
+    def slowness(self, axis: str) -> float:
+        """How many times as long this step's ops on `axis` take (1: a healthy link)."""
+        return self._slow.get(axis, 1.0) if self._slow else 1.0
 
     def end_step(self) -> CommStepStats:
         """Resolve finished CUDA timings and return (and reset) the step's totals."""
@@ -280,6 +314,9 @@ class Comm:
         t0, c0 = time.perf_counter(), time.thread_time()
         fn(False)
         dt = time.perf_counter() - t0
+        factor = self.slowness(axis_name)
+        if factor > 1.0:  # a degraded link: the op returns factor x later than it did
+            dt = _wait_until(t0 + factor * dt) - t0
         self.blocked_cpu_s += time.thread_time() - c0
         self._emit(self.step, seq, gseq, op, axis_name, group_id, peer, nbytes, t0, dt, dt)
         return None

@@ -146,6 +146,10 @@ class TelemetryConfig:
     # ~once a second; a step a detector must see now is flushed at once (agent/urgent.py)
     flush_interval_s: float = 1.0
     heartbeat_interval_s: float = 1.0
+    # Every N steps each rank records its parameter shard's checksum (trainer/integrity.py),
+    # compared across the dp replicas by the `replica_divergence` detector; 0: never.
+    # A repair in place needs the corruption caught within N steps (docs/healing.md).
+    checksum_every: int = 10
     spool_bytes: int = 256 * 1024 * 1024
     otlp_endpoint: str | None = None
     prometheus_port: int | None = None  # rank r listens on prometheus_port + local rank
@@ -234,6 +238,8 @@ class JobConfig:
             raise ConfigError(f"--seq-len {self.model.seq_len} is not divisible by --tp {self.parallel.tp} (needed by --sp)")
         if self.ckpt.every and not self.ckpt.dir:
             raise ConfigError("--ckpt-every needs --ckpt-dir")
+        if self.telemetry.checksum_every < 0:
+            raise ConfigError("--checksum-every must be >= 0")
         if self.ckpt.resume and not self.ckpt.dir:
             raise ConfigError("--resume needs --ckpt-dir")
         # Imported here so that parsing specs never needs torch.

@@ -25,7 +25,8 @@ Built in: `checkpoint`, `stop`, `rollback` (restore the newest verified
 checkpoint before the incident, continue as attempt + 1, and plan the rerun that
 diagnoses it: trainer/diagnosis.py) and `isolate` (checkpoint, record the node in
 the run's membership file, exit with `EXIT_RESTART` so that the supervisor
-restarts the job without that node).
+restarts the job without that node) and `repair` (copy a healthy dp replica's
+parameters and optimizer state over a corrupted one, in place: trainer/integrity.py).
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ class RunContext:
     probe: ProbePlan | None = None  # the rerun diagnosis planned by a rollback
     recovery: Recovery | None = None
     run_dir: Path | None = None
+    checksum_next: bool = False  # take the parameter checksums at the next step (after a repair)
 
 
 class Handler:
@@ -244,6 +246,45 @@ class RollbackHandler(Handler):
         return Outcome(f"restored step {loaded.step} as attempt {ctx.state.attempt}")
 
 
+class RepairHandler(Handler):
+    """Repair a corrupted replica in place (silent data corruption, `replica_divergence`):
+    every dp group broadcasts the parameters and optimizer state of a healthy replica,
+    dp index `src_dp`, to its other replicas (trainer/integrity.py), with no rollback.
+    The step's checksums are taken again at the next step, which shows the replicas
+    agree. Every rank runs it (a broadcast per dp group; the healthy groups' copy is a
+    no-op on their bits).
+
+    Arguments: `src_dp` (required: a dp index whose replica holds the majority's
+    checksum), `ranks` (the corrupted ones, for the record), `incident_id`, `step`."""
+
+    kind = "repair"
+
+    def check(self, ctx: RunContext, cmd: AgreedCommand) -> None:
+        if ctx.dims.dp < 2:
+            raise Refused("a repair needs dp >= 2: there is no other replica to copy")
+        src = _int_arg(cmd.args, "src_dp", minimum=0)
+        if src is None or src >= ctx.dims.dp:
+            raise Refused(f"argument 'src_dp' must name a dp replica (0..{ctx.dims.dp - 1})")
+        _int_arg(cmd.args, "incident_id", minimum=0)
+        ranks = cmd.args.get("ranks", [])
+        if not isinstance(ranks, list) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+            raise Refused("argument 'ranks' must be a list of ranks")
+        d = ctx.dims  # the same answer on every rank: a refusal on some would leave the others waiting
+        if any((r // d.tp) % d.dp == src for r in ranks):
+            raise Refused(f"replica dp {src} holds a corrupted rank: it cannot be the source")
+
+    def act(self, ctx: RunContext, cmd: AgreedCommand, step: int) -> Outcome:
+        from trainer.integrity import broadcast_replica
+
+        src = int(cmd.args["src_dp"])
+        nbytes = broadcast_replica(ctx.engine, ctx.comm, Axis.DP, src)
+        ctx.checksum_next = True
+        ctx.agent.event("replica_repaired", step=step, command_id=cmd.id, incident_id=cmd.args.get("incident_id"),
+                        src_dp=src, ranks=list(cmd.args.get("ranks", [])), bytes=nbytes)
+        ctx.log(f"repair: replica dp {src} copied to the others at step {step} ({nbytes} bytes per rank)")
+        return Outcome(f"replica dp {src} broadcast at step {step}")
+
+
 class IsolateHandler(Handler):
     """Checkpoint, record the node as isolated in the run's membership file, and exit
     every rank with EXIT_RESTART: the supervisor restarts the job on the other nodes
@@ -309,7 +350,8 @@ def read_membership(run_dir: Path) -> dict[str, Any]:
 
 
 def default_handlers() -> dict[str, Handler]:
-    return {h.kind: h for h in (CheckpointHandler(), StopHandler(), RollbackHandler(), IsolateHandler())}
+    return {h.kind: h for h in (CheckpointHandler(), StopHandler(), RollbackHandler(), IsolateHandler(),
+                                RepairHandler())}
 
 
 def encode_command(cmd: AgreedCommand | None) -> bytes:

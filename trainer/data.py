@@ -36,7 +36,7 @@ import dataclasses
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -148,12 +148,18 @@ class DataLoader:
 
     Every served StepBatch's meta has `window` (the global batch), `replica_window`
     (the samples this rank got), `skipped_windows` (the bad windows jumped over
-    just before this step, usually empty) and `swap_shift` (0 unless swapped)."""
+    just before this step, usually empty) and `swap_shift` (0 unless swapped).
+
+    `slow_fetch(step)` (fault injection, trainer/faults.py `slowio` what=data) says
+    how many times slower than this rank consumes them the storage serves its steps:
+    a factor F > 1 makes `next()` really wait (F - 1) x the time since the previous
+    `next()` returned (the work the prefetch hid the fetch behind), so `wait_s` shows it."""
 
     def __init__(self, corpus: Corpus, *, seq_len: int, micro_batch_size: int, micro_batches: int, dp_size: int,
                  dp_rank: int, seed: int, position: DataPosition, group_window: int, prefetch: int,
                  pad_multiple: int = 1, start_step: int = 0,
-                 bad_windows: Sequence[tuple[int, int, int]] = ()) -> None:
+                 bad_windows: Sequence[tuple[int, int, int]] = (),
+                 slow_fetch: Callable[[int], float] | None = None) -> None:
         if min(micro_batch_size, micro_batches, dp_size, group_window, pad_multiple) < 1 or prefetch < 0:
             raise ValueError("micro_batch_size, micro_batches, dp_size, group_window, pad_multiple must be >= 1, "
                              "prefetch >= 0")
@@ -177,6 +183,8 @@ class DataLoader:
             raise ValueError(f"{len(corpus.train_ids)} training samples are fewer than one global batch "
                              f"of {self.samples_per_step}")
         self.wait_s = 0.0
+        self._slow_fetch = slow_fetch
+        self._served_at: float | None = None  # when the last next() returned (perf_counter); None after a seek
         # Immutable, replaced whole: the producer thread reads them without a lock, and a
         # change is followed by a restart that drops what the old values prepared.
         self._bad_windows = tuple(_as_window(w) for w in bad_windows)
@@ -263,7 +271,11 @@ class DataLoader:
             batch = self._make_step(self._position, self._step)
         else:
             batch = self._get()
-        self.wait_s = time.perf_counter() - t0
+        factor = self._slow_fetch(batch.step) if self._slow_fetch is not None else 1.0
+        if factor > 1.0 and self._served_at is not None:  # injected slow storage: the fetch really waits
+            time.sleep((factor - 1.0) * max(0.0, t0 - self._served_at))
+        self._served_at = time.perf_counter()
+        self.wait_s = self._served_at - t0
         self._position, self._step = batch.next_position, batch.step + 1
         if self._swap is not None and self._swap[0] == batch.step:
             self._swap = None
@@ -331,6 +343,7 @@ class DataLoader:
 
     def _start(self, position: DataPosition, step: int) -> None:
         self._position, self._step = position, step
+        self._served_at = None
         self._error = None
         if self.prefetch == 0:
             return

@@ -39,6 +39,7 @@ from trainer.comm import Comm
 from trainer.config import JobConfig
 from trainer.data_parallel import GradBuckets
 from trainer.faults import NO_FAULTS, StepFaults
+from trainer.integrity import shard_checksum
 from trainer.model import GPTStage
 from trainer.optim import DynamicLossScaler, build_adamw, clip_coef, counts_in_norm, global_grad_sq_norm, lr_at
 from trainer.parallel_dims import Axis, ParallelDims
@@ -68,6 +69,9 @@ class StepResult:
     local_loss: float = math.nan  # token-mean loss of this DP replica's micro-batches, before the DP average
     finite_fwd: int = 1  # 1: every forward output of this stage (pre-head on the last) was finite
     finite_bwd: int = 1  # 1: this rank's local gradients (before the DP all-reduce) were finite
+    # trainer/integrity.py: the shard's parameter checksum as the step began (after the
+    # previous update), on the steps asked for (`train_step(checksum=True)`); None else
+    checksum: float | None = None
 
 
 class TrainEngine:
@@ -91,6 +95,7 @@ class TrainEngine:
         precision = cfg.precision.precision
         self.autocast_dtype = AUTOCAST_DTYPES.get(precision)
         self._stalled_s = 0.0  # injected straggler/jitter sleep, all steps (counts as compute)
+        self._checksum: float | None = None  # read at the last step's host sync (train_step(checksum=True))
         self.scaler = DynamicLossScaler(cfg.precision, enabled=precision == "fp16")
         self.pipeline = Pipeline(comm, device=device)
         # AND of isfinite over the step's forward outputs, on the device; None outside train_step
@@ -167,7 +172,7 @@ class TrainEngine:
 
     # -- training ------------------------------------------------------------
     def train_step(self, step: int, micro_batches: list[MicroBatch], global_num_tokens: int,
-                   faults: StepFaults = NO_FAULTS, probe: Probe | None = None) -> StepResult:
+                   faults: StepFaults = NO_FAULTS, probe: Probe | None = None, checksum: bool = False) -> StepResult:
         """One optimizer step over this dp rank's micro-batches. `step` counts from 1
         (the loop's numbering; it sets the LR). `global_num_tokens` is the number of
         loss tokens in the whole global batch, the loss's denominator.
@@ -176,10 +181,13 @@ class TrainEngine:
         the host sync every rank's (finite_fwd, finite_bwd, local loss, dp rank, stage)
         is gathered over the world, one small all-gather, and `probe(rows, loss,
         grad_norm)` decides whether the update is applied (False: skipped, the scaler
-        untouched). Every rank calls it with the same rows."""
+        untouched). Every rank calls it with the same rows.
+
+        `checksum`: also take the shard's parameter checksum (trainer/integrity.py) as
+        the step begins, on the device, and read it at the step's one host sync."""
         if not micro_batches:
             raise ValueError("a step needs at least one micro-batch")
-        self.comm.begin_step(step)
+        self.comm.begin_step(step, faults.slow_links)
         model, dims = self.model, self.dims
         batches = [self._prepare(mb) for mb in micro_batches]
         num_mb = len(batches)
@@ -188,6 +196,7 @@ class TrainEngine:
         loss_sum = torch.zeros((), device=self.device)
         timing = {"fwd_s": 0.0, "bwd_s": 0.0, "bwd_end_ts": 0.0}
         self.grads.zero_grad()
+        cks = shard_checksum(self.model.parameters()) if checksum else None  # device ops: no sync
         self._fwd_ok = torch.ones((), dtype=torch.bool, device=self.device)
         local_tokens = sum(mb.num_tokens for mb in micro_batches)
 
@@ -226,11 +235,12 @@ class TrainEngine:
         to_local = max(1, global_num_tokens) / max(1, local_tokens)  # the replica's loss sum -> its token mean
         veto = self._gathered(probe, to_local) if probe is not None else None
         loss, grad_norm, skipped, lr, local_sum, finite_fwd, finite_bwd = self._update(step, loss_sum, scale, fwd_ok,
-                                                                                       veto)
+                                                                                       veto, cks)
         return StepResult(loss=loss, grad_norm=grad_norm, loss_scale=self.scaler.scale, lr=lr, skipped=skipped,
                           fwd_s=timing["fwd_s"], bwd_s=timing["bwd_s"], opt_s=self._compute_s(m_opt),
                           bwd_end_ts=timing["bwd_end_ts"], num_micro_batches=num_mb,
-                          local_loss=local_sum * to_local, finite_fwd=finite_fwd, finite_bwd=finite_bwd)
+                          local_loss=local_sum * to_local, finite_fwd=finite_fwd, finite_bwd=finite_bwd,
+                          checksum=self._checksum)
 
     def _gathered(self, probe: Probe, to_local: float) -> Callable[[float, float, float, int, int], bool]:
         """The probe as `_update` calls it: this rank's view in, every rank's out."""
@@ -244,7 +254,8 @@ class TrainEngine:
         return veto
 
     def _update(self, step: int, loss_sum: torch.Tensor, scale: float, fwd_ok: torch.Tensor,
-                veto: Callable[..., bool] | None = None) -> tuple[float, float, bool, float, float, int, int]:
+                veto: Callable[..., bool] | None = None,
+                cks: torch.Tensor | None = None) -> tuple[float, float, bool, float, float, int, int]:
         """Gradient sync, norm, skip decision, optimizer. Returns (loss, grad_norm, skipped,
         lr, the replica's own loss sum over the global token count, finite_fwd, finite_bwd)."""
         self.grads.finish()
@@ -264,7 +275,12 @@ class TrainEngine:
         # The step's one host sync: the skip decision and the clip factor need these on the host;
         # this rank's finite flags ride along (never reduced: they are its own).
         flags = torch.stack([found_inf, fwd_ok.float(), bwd_ok.float()])
-        loss, grad_sq, local, inf, finite_fwd, finite_bwd = torch.cat([packed, flags]).tolist()
+        host = torch.cat([packed, flags])
+        if cks is not None:  # exact in float64 (< 2^52); the float32 values widen exactly
+            host = torch.cat([host.double(), cks.reshape(1)])
+        values = host.tolist()
+        loss, grad_sq, local, inf, finite_fwd, finite_bwd = values[:6]
+        self._checksum = values[6] if cks is not None else None
         grad_norm = math.sqrt(grad_sq) / scale if grad_sq >= 0 else float("nan")
         skipped = inf > 0 or not math.isfinite(grad_norm)
         self.scaler.update(found_inf=skipped)

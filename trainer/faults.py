@@ -3,17 +3,37 @@
     --inject nan@step=40,rank=2[,mode=data|transient|device]
     --inject spike@step=60
     --inject straggler@rank=3,from=30,factor=1.5[,to=80]
+    --inject slowlink@rank=3,axis=tp,from=30,factor=4[,to=80]
+    --inject slowio@rank=2,from=30,factor=3,what=data|ckpt[,to=80]
     --inject hang@rank=1,step=80
     --inject crash@rank=1,step=80
+    --inject bitflip@rank=1,step=25[,target=param|optim]
     --inject overflow@rank=1,from=40,to=46
     --inject jitter@pct=10[,seed=S]
 
 Every fault really happens: a NaN propagates through the forward and backward
 passes, a spike is a batch of random bytes, a straggler's compute really takes
-`factor` times as long, a hung rank stops entering collectives, a crashed rank's
-process exits, an overflowing rank's gradients really go infinite (the fp16
-scaler skips the step and backs off), and jitter really stretches every rank's
-compute by a random factor each step.
+`factor` times as long, a slow link's communication on its axis really takes
+`factor` times as long (the comm layer waits inside the op, trainer/comm.py: its
+compute is untouched), a slow storage's data fetch or checkpoint shard writes
+really take `factor` times as long (`slowio`, below), a hung rank stops entering
+collectives, a crashed rank's process exits, an overflowing rank's gradients
+really go infinite (the fp16 scaler skips the step and backs off), and jitter
+really stretches every rank's compute by a random factor each step.
+
+`bitflip` is silent data corruption: after step S's update one bit of one element
+of that rank's parameters (or optimizer state, `target=optim`) really flips on the
+device (`FaultInjector.after_update`, trainer/integrity.py), once; its replica
+then differs from its dp peers, which only their checksums show.
+
+`slowio` is a slow storage node under one rank. `what=data`: its data loader
+(trainer/data.py) serves each step F times slower than the rank consumes it: the
+fetch that the prefetch hid behind the rank's work since the previous step now
+takes F times that long, so `next()` really waits (F - 1) x that time and the
+step's `data_s` shows it (a share of about 1 - 1/F of the step). `what=ckpt`: each
+of its checkpoint shard writes (trainer/checkpoint.py) really takes F times as
+long, in the background writer, and the shard's `write_s` shows it. One
+ground-truth row at the first step of the window (`what`, `factor`).
 
 `jitter` is background noise, not a fault: each rank's compute is stretched by a
 factor drawn uniformly from [1, 1 + pct/100] per step (seeded by `seed`, the rank,
@@ -64,20 +84,29 @@ _KEYS: dict[str, dict[str, type]] = {
     "nan": {"step": int, "rank": int, "mode": str},
     "spike": {"step": int},
     "straggler": {"rank": int, "from": int, "factor": float, "to": int},
+    "slowlink": {"rank": int, "axis": str, "from": int, "factor": float, "to": int},
+    "slowio": {"rank": int, "from": int, "factor": float, "what": str, "to": int},
     "hang": {"rank": int, "step": int},
     "crash": {"rank": int, "step": int},
     "overflow": {"rank": int, "from": int, "to": int},
     "jitter": {"pct": float, "seed": int},
+    "bitflip": {"rank": int, "step": int, "target": str},
 }
 _NAN_MODES = ("data", "transient", "device")
+_FLIP_TARGETS = ("param", "optim")  # bitflip: a parameter or an optimizer-state element
+_LINK_AXES = ("dp", "tp", "pp")  # slowlink: the axis whose ops are stretched
+_IO_WHATS = ("data", "ckpt")  # slowio: the data fetch or the checkpoint shard writes
 _REQUIRED = {
     "nan": ("step", "rank"),
     "spike": ("step",),
     "straggler": ("rank", "from", "factor"),
+    "slowlink": ("rank", "axis", "from", "factor"),
+    "slowio": ("rank", "from", "factor", "what"),
     "hang": ("rank", "step"),
     "crash": ("rank", "step"),
     "overflow": ("rank", "from", "to"),
     "jitter": ("pct",),
+    "bitflip": ("rank", "step"),
 }
 
 
@@ -87,13 +116,17 @@ class Injection:
     step: int = -1  # nan, spike, hang, crash; `from` for straggler
     rank: int = -1  # -1: every rank (spike)
     mode: str = "data"  # nan: data | transient | device
-    factor: float = 1.0  # straggler; jitter: 1 + pct / 100
-    to_step: int = 1 << 62  # straggler, overflow: last affected step
+    factor: float = 1.0  # straggler, slowlink; jitter: 1 + pct / 100
+    to_step: int = 1 << 62  # straggler, slowlink, overflow: last affected step
     seed: int = 0  # jitter
+    axis: str = ""  # slowlink: dp | tp | pp
+    what: str = ""  # slowio: data | ckpt
+    target: str = ""  # bitflip: param | optim
 
     @property
     def name(self) -> str:
-        return f"{self.kind}@step={self.step},rank={self.rank}"
+        return (f"{self.kind}@step={self.step},rank={self.rank}" + (f",axis={self.axis}" if self.axis else "")
+                + (f",what={self.what}" if self.what else ""))
 
 
 def parse_injection(spec: str, *, world_size: int | None = None) -> Injection:
@@ -122,7 +155,13 @@ def parse_injection(spec: str, *, world_size: int | None = None) -> Injection:
     if mode not in _NAN_MODES:
         raise ConfigError(f"--inject {spec!r}: mode must be one of {', '.join(_NAN_MODES)}")
     factor = float(values.get("factor", 1.0))
-    if kind == "straggler" and factor < 1.0:
+    axis = str(values.get("axis", ""))
+    if kind == "slowlink" and axis not in _LINK_AXES:
+        raise ConfigError(f"--inject {spec!r}: axis must be one of {', '.join(_LINK_AXES)}")
+    what = str(values.get("what", ""))
+    if kind == "slowio" and what not in _IO_WHATS:
+        raise ConfigError(f"--inject {spec!r}: what must be one of {', '.join(_IO_WHATS)}")
+    if kind in ("straggler", "slowlink", "slowio") and factor < 1.0:
         raise ConfigError(f"--inject {spec!r}: factor must be >= 1")
     if kind == "jitter":
         pct = float(values["pct"])
@@ -133,10 +172,13 @@ def parse_injection(spec: str, *, world_size: int | None = None) -> Injection:
     if step < 0:
         raise ConfigError(f"--inject {spec!r}: step must be >= 0")
     to_step = int(values.get("to", 1 << 62))
-    if kind == "overflow" and to_step < step:
+    if kind in ("overflow", "slowlink", "slowio") and to_step < step:
         raise ConfigError(f"--inject {spec!r}: to must be >= from")
+    target = str(values.get("target", "param" if kind == "bitflip" else ""))
+    if kind == "bitflip" and target not in _FLIP_TARGETS:
+        raise ConfigError(f"--inject {spec!r}: target must be one of {', '.join(_FLIP_TARGETS)}")
     return Injection(kind=kind, step=step, rank=rank, mode=mode, factor=factor, to_step=to_step,
-                     seed=int(values.get("seed", 0)))
+                     seed=int(values.get("seed", 0)), axis=axis, what=what, target=target)
 
 
 def parse_injections(specs, *, world_size: int | None = None) -> list[Injection]:
@@ -151,6 +193,7 @@ class StepFaults:
     slowdown: float = 1.0  # compute takes this many times as long
     spike: bool = False  # the batch was replaced by random bytes (already applied)
     overflow: bool = False  # this rank's gradients go infinite (the fp16 scaler skips and backs off)
+    slow_links: tuple[tuple[str, float], ...] = ()  # (axis, factor): that axis's ops take factor x as long
 
 
 NO_FAULTS = StepFaults()
@@ -226,8 +269,12 @@ class FaultInjector:
             row["current_rank"] = self.rank
         if inj.kind == "nan":
             row["mode"] = inj.mode
-        if inj.kind == "straggler":
+        if inj.kind in ("straggler", "slowlink", "slowio"):
             row["factor"] = inj.factor
+        if inj.kind == "slowlink":
+            row["axis"] = inj.axis
+        if inj.kind == "slowio":
+            row["what"] = inj.what
         with open(self.run_dir / "injections.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
             f.flush()
@@ -273,6 +320,7 @@ class FaultInjector:
             return NO_FAULTS
         nan = spike = overflow = False
         slowdown = jitter = 1.0
+        links: dict[str, float] = {}
         for inj in self.injections:
             if inj.kind == "spike":
                 spike |= self._data_tied(inj, step, attempt, window, None)
@@ -282,6 +330,13 @@ class FaultInjector:
                 if self._mark_fired(inj.name):
                     self._truth(inj, step, attempt)
                 slowdown = max(slowdown, inj.factor)
+            elif inj.kind == "slowlink" and self._mine(inj) and inj.step <= step <= inj.to_step:
+                if self._mark_fired(inj.name):
+                    self._truth(inj, step, attempt)
+                links[inj.axis] = max(links.get(inj.axis, 1.0), inj.factor)
+            elif inj.kind == "slowio" and self._mine(inj) and inj.step <= step <= inj.to_step:
+                if self._mark_fired(inj.name):  # the stretch itself: slowio_factor (data, checkpoint)
+                    self._truth(inj, step, attempt)
             elif inj.kind == "overflow" and self._mine(inj) and inj.step <= step <= inj.to_step:
                 if self._mark_fired(inj.name):
                     self._truth(inj, step, attempt, to=inj.to_step)
@@ -290,9 +345,21 @@ class FaultInjector:
                 if self._mark_fired(inj.name):
                     self._truth(inj, step, attempt, pct=round(100.0 * (inj.factor - 1.0), 6), seed=inj.seed)
                 jitter = max(jitter, _jitter_factor(inj, self.rank, attempt, step))
-        if not (nan or spike or overflow) and slowdown == jitter == 1.0:
+        if not (nan or spike or overflow or links) and slowdown == jitter == 1.0:
             return NO_FAULTS
-        return StepFaults(nan=nan, slowdown=slowdown * jitter, spike=spike, overflow=overflow)
+        return StepFaults(nan=nan, slowdown=slowdown * jitter, spike=spike, overflow=overflow,
+                          slow_links=tuple(sorted(links.items())))
+
+    def slowio_factor(self, what: str, step: int) -> float:
+        """How many times as long this rank's data fetch (`what="data"`) or checkpoint
+        shard writes (`"ckpt"`) take at `step` (1.0: no slowio). Pure: the ground truth
+        is written by `step_faults` (every rank calls it each step). The data loader
+        and the checkpoint writer call it, the writer from its background thread."""
+        factor = 1.0
+        for inj in self.injections:
+            if inj.kind == "slowio" and inj.what == what and self._mine(inj) and inj.step <= step <= inj.to_step:
+                factor = max(factor, inj.factor)
+        return factor
 
     def _nan(self, inj: Injection, step: int, attempt: int, window: tuple[int, int, int],
              replica_window: tuple[int, int, int] | None) -> bool:
@@ -332,6 +399,30 @@ class FaultInjector:
             served = window if replica_window is None else replica_window
             self._truth(inj, step, attempt, samples=list(served), replay=not first)
         return fires
+
+    # -- silent data corruption -----------------------------------------------
+    def after_update(self, step: int, attempt: int, tensors) -> None:
+        """`bitflip`: after step `step`'s optimizer update, flip one bit of one element of
+        this rank's parameters (`target=param`) or optimizer state (`optim`), on the
+        device (trainer/integrity.py: the top mantissa bit, a finite change). One-shot:
+        a later attempt that replays the step does not flip it again (a memory error is
+        not in the data). `tensors(target)` lists (name, tensor) of that kind; the
+        element is drawn reproducibly from (rank, step). Ground truth: the tensor's
+        name, the flat index, the bit, and the bits before and after."""
+        for inj in self.injections:
+            if inj.kind != "bitflip" or inj.step != step or not self._mine(inj) or not self._mark_fired(inj.name):
+                continue
+            from trainer.integrity import flip_bit
+
+            candidates = [(n, t) for n, t in tensors(inj.target) if t.numel()]
+            if not candidates:
+                continue
+            rng = random.Random(f"bitflip/{self.hw_rank}/{step}")
+            name, t = candidates[rng.randrange(len(candidates))]
+            index = rng.randrange(t.numel())
+            bit, before, after = flip_bit(t, index)
+            self._truth(inj, step, attempt, target=inj.target, tensor=name, index=index, bit=bit,
+                        bits_before=before, bits_after=after)
 
     def before_step(self, step: int, attempt: int) -> None:
         """One-shot process faults: hang or crash this rank at the start of `step`."""

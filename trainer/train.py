@@ -12,6 +12,7 @@ import os
 import random
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,6 +26,7 @@ from trainer.config import JobConfig
 from trainer.control import CommandChannel, RunContext, default_handlers
 from trainer.diagnosis import ProbeRow, Verdict, judge
 from trainer.faults import FaultInjector
+from trainer.integrity import named_tensors
 from trainer.parallel_dims import Axis, ParallelDims
 from trainer.supervisor import write_attempt
 
@@ -181,8 +183,11 @@ class Trainer:
                 self.agent.set_phase("train", step)
                 verdict: list[Verdict] = []
                 result = self.engine.train_step(step, batch.micro_batches, batch.global_num_tokens, faults,
-                                                probe=self._prober(probe, verdict) if probe is not None else None)
+                                                probe=self._prober(probe, verdict) if probe is not None else None,
+                                                checksum=self._checksum_due(step))
                 comm_stats = self.comm.end_step()
+                if self.injector:  # a bitflip after this step's update (silent data corruption)
+                    self.injector.after_update(step, self.state.attempt, partial(named_tensors, self.engine))
                 if probe is not None:
                     self.ctx.probe = None
                     if not self._diagnosed(step, batch, probe, verdict[0]):
@@ -229,6 +234,8 @@ class Trainer:
                                skipped=bool(r.skipped), local_loss=r.local_loss, finite_fwd=r.finite_fwd,
                                finite_bwd=r.finite_bwd, sample_epoch=epoch, sample_from=sample_from,
                                sample_to=sample_to)
+        if r.checksum is not None:  # the shard's parameters as the step began (trainer/integrity.py)
+            self.agent.record_scalar(step, f"checksum/{self.engine.shard_key}", r.checksum)
         if not self.is_logger:
             return
         tokens_per_s = tokens / step_s if step_s > 0 else 0.0
@@ -273,6 +280,16 @@ class Trainer:
             self.agent.event("checkpoint_saved", step=rec.step, path=str(rec.path), num_shards=rec.num_shards,
                              bytes=rec.bytes, write_s=rec.write_s, checksums=rec.checksums, verified=True,
                              attempt=self.state.attempt)
+
+    def _checksum_due(self, step: int) -> bool:
+        """Every `telemetry.checksum_every` steps, and the step after a repair (which
+        shows the replicas agree again): the same answer on every rank."""
+        every = self.cfg.telemetry.checksum_every if self.telemetry else 0
+        if not every:
+            return False
+        due = step % every == 0 or self.ctx.checksum_next
+        self.ctx.checksum_next = False
+        return due
 
     # -- control channel -----------------------------------------------------
     def _control(self, step: int) -> bool:

@@ -194,6 +194,7 @@ def run_worker(cfg: JobConfig, *, token: str | None = None) -> int:
                 micro_batches=cfg.parallel.micro_batches, dp_size=dims.dp, dp_rank=dims.dp_rank, seed=cfg.seed,
                 position=position, group_window=cfg.data.group_window, prefetch=cfg.data.prefetch,
                 pad_multiple=pad_multiple, start_step=start_step, bad_windows=bad_windows,
+                slow_fetch=lambda step: injector.slowio_factor("data", step),  # injected slowio (what=data)
             )
 
         eval_sets = {}
@@ -205,7 +206,8 @@ def run_worker(cfg: JobConfig, *, token: str | None = None) -> int:
             from trainer.checkpoint import Checkpointer
 
             checkpointer = Checkpointer(cfg.ckpt, dims=dims, comm=comm,
-                                        log=(lambda m: print(f"[rank {rank}] {m}", flush=True)))
+                                        log=(lambda m: print(f"[rank {rank}] {m}", flush=True)),
+                                        slow_write=lambda step: injector.slowio_factor("ckpt", step))
         # Injections name ranks of the job's first layout: after an elastic restart with fewer
         # nodes a fault stays with its hardware (the launcher's LLMWATCH_HW_RANK), not its number.
         hw_rank = hardware_rank(os.environ, rank, dims.ranks_per_node)

@@ -4,4 +4,6 @@ crash before hang (a hang whose culprit is silent is the crash), nan before the
 spikes, the loss spike before the grad-norm spike (which folds into it).
 """
 
-from analysis.detectors import crash, hang, nan, spikes, loss_scale, straggler  # noqa: F401  (order matters)
+from analysis.detectors import crash, hang, nan, spikes, loss_scale, straggler, slow_link, device_health  # noqa: F401  (order matters)
+from analysis.detectors import data_stall, checkpoint_slow  # noqa: F401
+from analysis.detectors import replica_divergence  # noqa: F401

@@ -12,6 +12,7 @@ import pytest
 from agent import wire
 from collector import read, read_views, retention
 from collector.decode import decode
+from collector.schema import MIGRATIONS
 from collector.settings import Settings
 from collector.storage import Storage, connect
 from tests.polling import wait_until
@@ -276,6 +277,6 @@ def test_compact_shrinks_a_rolled_up_file_and_keeps_every_row(filled, tmp_path):
     try:
         assert {t: con.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in rows} == rows
         assert_answers_close(comm_answers(con, "more"), answers)
-        assert con.execute("SELECT max(version) FROM schema_version").fetchone()[0] == 8
+        assert con.execute("SELECT max(version) FROM schema_version").fetchone()[0] == MIGRATIONS[-1][0]
     finally:
         con.close()

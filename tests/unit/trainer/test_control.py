@@ -143,7 +143,7 @@ def test_an_unknown_kind_is_rejected_on_every_rank():
     for a in agents:
         [(cid, status, detail)] = a.acks
         assert (cid, status) == ("c9", "rejected")
-        assert "no 'frobnicate' handler" in detail and "checkpoint, isolate, rollback, stop" in detail
+        assert "no 'frobnicate' handler" in detail and "checkpoint, isolate, repair, rollback, stop" in detail
 
 
 def test_only_rank_0_picks_and_a_second_command_waits_for_the_next_boundary():

@@ -1,0 +1,339 @@
+"""`slow_link`: a degraded link (a slow NIC, network jitter).
+
+One rank's communication on one axis is slow while its compute is not.
+
+The signal is each collective's **bus bandwidth**, from its bytes and its duration
+with nccl-tests' conventions (`bus_bandwidth`): `algbw = bytes / time`, and
+`busbw = algbw x 2(n-1)/n` for an all-reduce, `x (n-1)/n` for an all-gather or a
+reduce-scatter, `x 1` for a broadcast, send or receive (n the group's size). The
+time is the op's *transfer* time: from the last member's entry (the members'
+rows matched by `(attempt, axis, group_id, group_seq)`, as in
+analysis/attribution.py) to this member's completion, so a rank that waited for a
+late peer (a compute straggler) does not look like a slow transfer. A send or
+receive has no entry to wait for: its time is its duration. Ops of no bytes
+(barriers) say nothing.
+
+Per judged step (excluded steps, analysis/marks.py, are skipped), and per group
+of each axis:
+
+- the group's bus bandwidth is its ops' bus bytes over their time at their
+  slowest member (an op is done for the group when that member is done), summed
+  over the step's ops: the large transfers weigh, not the latency-bound ones;
+- it is *low* when it is below its own baseline (the median of its last
+  `baseline_steps` steps that were not low, `min_history_steps` of them needed)
+  by `min_ratio` or more, and below the median of the other groups of the same
+  axis that step by `min_ratio` too (an axis of one group, the world's control
+  broadcast among them, has nothing to compare with and is not judged), and one
+  member's own transfers were the slow ones that step (its link ratio, below, at
+  least `min_ratio`: host noise slows every member alike);
+- each member's *link ratio* is the median over its ops of its transfer time
+  over the others' median: the rank whose own ops are slow has a ratio of about
+  the injected factor, its partners the inverse.
+
+A group opens an incident when `min_slow_steps` of its last `window_steps` judged
+steps were low and its member with the highest link ratio (smoothed, at least
+`min_ratio`) is not a compute straggler: the excess of its compute (`fwd_s +
+bwd_s + opt_s`, net of communication) over the other ranks' median is smaller
+than the excess of its transfers over its partners' (both smoothed, s/step). A
+straggler's transfers are not slow at all (they are timed from the last entry);
+on an oversubscribed host a slow link's rank computes a little slower too (its
+partner spins while it computes), but by far less than its link costs. That
+member is the culprit, with its node. The cost is the
+seconds per step the job loses: the culprit's transfer time in excess of its
+partners' in the group's ops of a step, summed (the others wait that long),
+smoothed; and its share of the step time. The incident's range starts at the
+first step of the latest run of low steps (a lone low step before is noise). It
+resolves after
+`resolve_after_steps` judged steps in a row that were not low.
+
+The rows of a step are final once the step `collective_lag_steps` after it is
+complete (an async op of step s is recorded when waited, in step s+1). Only the
+rows of the last few steps and per-group windows of a fixed length are kept.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import numpy as np
+import polars as pl
+
+from analysis.findings import Finding, json_number
+from analysis.frames import has, iter_steps, split_key, step_keys
+from analysis.registry import register
+from analysis.robust import loo_median
+from analysis.topology import _grow
+
+_P2P = ("send", "recv")
+_MIN_TRANSFER_S = 1e-7  # a transfer time floor (clock resolution)
+_MAX_OPEN_STEPS = 16  # steps whose rows are held until final
+
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests' bus-bandwidth factor of one op over `n` ranks (0: an op that moves no bus bytes)."""
+    if op == "all_reduce":
+        return 2.0 * (n - 1) / n if n > 1 else 0.0
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n if n > 1 else 0.0
+    if op in ("broadcast", "send", "recv"):
+        return 1.0
+    return 0.0
+
+
+def bus_bandwidth(coll: pl.DataFrame) -> pl.DataFrame:
+    """The collectives with bytes and a duration, one row each, with `group_size`
+    (members matched in these rows; 2 for a send or receive), `transfer_s` (from the
+    last member's entry to this member's completion; a send's or receive's duration),
+    `algbw` (bytes / transfer_s, B/s) and `busbw` (algbw x the op's bus factor). Rows
+    of no bytes, no duration or a lone member are left out. Pure: every member's row
+    of a collective must be in `coll` for its `transfer_s` to be exact."""
+    added = {"group_size": pl.Int64, "transfer_s": pl.Float64, "algbw": pl.Float64, "busbw": pl.Float64}
+    if coll is None or not coll.height or not (has(coll, "bytes") and has(coll, "duration_s")):
+        return pl.DataFrame(schema={**(dict(coll.schema) if coll is not None else {}), **added})
+    df = coll.filter(pl.col("bytes").is_not_null() & (pl.col("bytes") > 0) & pl.col("duration_s").is_not_null()
+                     & (pl.col("duration_s") >= 0))
+    p2p = pl.col("op").is_in(_P2P)
+    key = ["attempt", "axis", "group_id", "group_seq"]
+    df = df.with_columns(
+        pl.when(p2p).then(pl.lit(2, pl.Int64)).otherwise(pl.col("rank").n_unique().over(key).cast(pl.Int64))
+        .alias("group_size"),
+        pl.when(p2p).then(pl.col("start_ts")).otherwise(pl.col("start_ts").max().over(key)).alias("_last_in"))
+    end = pl.col("start_ts") + pl.col("duration_s")
+    df = df.with_columns(pl.max_horizontal(pl.min_horizontal(end - pl.col("_last_in"), pl.col("duration_s")),
+                                           pl.lit(_MIN_TRANSFER_S)).alias("transfer_s")).drop("_last_in")
+    df = df.filter((pl.col("group_size") >= 2))
+    factor = (pl.when(pl.col("op") == "all_reduce").then(2.0 * (pl.col("group_size") - 1) / pl.col("group_size"))
+              .when(pl.col("op").is_in(["all_gather", "reduce_scatter"]))
+              .then((pl.col("group_size") - 1) / pl.col("group_size"))
+              .when(pl.col("op").is_in(["broadcast", *_P2P])).then(1.0).otherwise(0.0))
+    algbw = pl.col("bytes").cast(pl.Float64) / pl.col("transfer_s")
+    return df.with_columns(algbw.alias("algbw"), (algbw * factor).alias("busbw")).filter(pl.col("busbw") > 0)
+
+
+def _latest_run_start(recent) -> int:
+    """The first step of the latest run of low steps (a low step before a steady one was noise)."""
+    start = -1
+    for step, low in reversed(recent):
+        if low:
+            start = step
+        elif start >= 0:
+            break
+    return start
+
+
+class _Group:
+    __slots__ = ("axis", "group_id", "history", "recent", "calm", "judged", "key", "culprit", "onset", "fired_at",
+                 "last")
+
+    def __init__(self, axis: str, group_id: int, baseline_steps: int, window_steps: int) -> None:
+        self.axis, self.group_id = axis, group_id
+        self.history: deque[float] = deque(maxlen=baseline_steps)  # log busbw of steps that were not low
+        self.recent: deque[tuple[int, bool]] = deque(maxlen=window_steps)  # (judged step, low)
+        self.calm = 0  # judged steps in a row not low
+        self.judged = 0
+        self.key: str | None = None  # the open incident
+        self.culprit = -1  # its rank
+        self.onset = -1
+        self.fired_at = -1
+        self.last: dict = {}  # what the last judged step measured
+
+
+class _State:
+    __slots__ = ("rows", "groups", "link", "cost", "compute_ratio", "compute_excess", "step_s", "last_final")
+
+    def __init__(self) -> None:
+        self.rows: list[pl.DataFrame] = []  # collective rows of steps not final yet
+        self.groups: dict[tuple[str, int], _Group] = {}
+        self.link: dict[tuple[str, int], float] = {}  # (axis, rank) -> EWMA of log link ratio
+        self.cost: dict[tuple[str, int], float] = {}  # (axis, rank) -> EWMA of excess transfer s/step
+        self.compute_ratio = np.ones(0)  # EWMA of compute / the others' median, per rank
+        self.compute_excess = np.zeros(0)  # EWMA of compute - the others' median, s, per rank
+        self.step_s = 0.0
+        self.last_final = -1  # step key of the last final step
+
+    def footprint(self) -> dict[str, int]:
+        return {"open_collective_rows": sum(r.height for r in self.rows), "groups": len(self.groups),
+                "links": len(self.link)}
+
+
+@register
+class SlowLinkDetector:
+    name = "slow_link"
+    kinds = ("slow_link",)
+
+    def __init__(self, rules) -> None:
+        self.cfg = rules.slow_link
+        self.log_min = math.log(self.cfg.min_ratio)
+
+    def new_state(self) -> _State:
+        return _State()
+
+    def run(self, p, st: _State) -> None:
+        coll = p.frames.collectives
+        if coll is not None and coll.height and has(coll, "bytes") and has(coll, "duration_s"):
+            st.rows.append(coll.select("attempt", "step", "rank", "op", "axis", "group_id", "group_seq", "peer",
+                                       "start_ts", "bytes", "duration_s"))
+        rel = p.released
+        if rel is None or not rel.height:
+            return
+        for _, _, rows in iter_steps(rel):
+            self._compute(st, rows)
+        last_attempt, last_step = split_key(int(step_keys(rel).max()))
+        upto = (last_attempt << 40) + last_step - self.cfg.collective_lag_steps
+        if not st.rows or upto <= st.last_final:
+            return
+        pending = pl.concat(st.rows, how="vertical_relaxed")
+        keys = step_keys(pending)
+        final = pending.filter(pl.Series(keys <= upto))
+        keep = pending.filter(pl.Series(keys > upto))
+        if keep.height:  # at most the newest _MAX_OPEN_STEPS steps (a backlog's far future is dropped)
+            ks = step_keys(keep)
+            keep = keep.filter(pl.Series(ks > int(ks.max()) - _MAX_OPEN_STEPS))
+        st.rows = [keep] if keep.height else []
+        st.last_final = upto
+        if not final.height:
+            return
+        bw = bus_bandwidth(final).sort("attempt", "step")
+        for attempt, step, rows in iter_steps(bw):
+            if p.run.marks.is_excluded(attempt, step, p.topo):
+                continue
+            self._judge(p, st, step, rows)
+
+    # -- compute, net of communication ------------------------------------------
+    def _compute(self, st: _State, rows: pl.DataFrame) -> None:
+        r = rows["rank"].to_numpy().astype(np.int64)
+        c = sum(rows[col].to_numpy().astype(float) for col in ("fwd_s", "bwd_s", "opt_s"))
+        ok = np.isfinite(c) & (c > 0) & (r >= 0)
+        step_s = rows["step_s"].to_numpy().astype(float)
+        step_s = step_s[np.isfinite(step_s)]
+        if len(step_s):
+            st.step_s = float(np.median(step_s))
+        if ok.sum() < 2:
+            return
+        r, c = r[ok], c[ok]
+        st.compute_ratio = _grow(st.compute_ratio, int(r.max()) + 1, 1.0)
+        st.compute_excess = _grow(st.compute_excess, int(r.max()) + 1, 0.0)
+        ref, peers = loo_median(c, np.zeros(len(c), np.int64))
+        good = (peers >= 1) & (ref > 0)
+        a = self.cfg.ewma_alpha
+        st.compute_ratio[r[good]] = a * (c[good] / ref[good]) + (1 - a) * st.compute_ratio[r[good]]
+        st.compute_excess[r[good]] = a * (c[good] - ref[good]) + (1 - a) * st.compute_excess[r[good]]
+
+    # -- one final step ------------------------------------------------------------
+    def _judge(self, p, st: _State, step: int, rows: pl.DataFrame) -> None:
+        cfg, a = self.cfg, self.cfg.ewma_alpha
+        key = ["axis", "group_id", "group_seq"]
+        ops = rows.with_columns(
+            pl.col("transfer_s").sum().over(key).alias("_sum"), pl.len().over(key).alias("_n"),
+            (pl.col("busbw") * pl.col("transfer_s")).alias("_bus_bytes"),
+            pl.col("transfer_s").max().over(key).alias("_op_s"),
+            pl.col("transfer_s").median().over(key).alias("_med"))
+        # the others' median transfer: leave this member out (exact for 2 and 3 members, close beyond)
+        others = pl.when(pl.col("_n") <= 2).then((pl.col("_sum") - pl.col("transfer_s")) / (pl.col("_n") - 1)) \
+            .otherwise(pl.col("_med"))
+        ops = ops.with_columns(others.alias("_others"))
+        ops = ops.with_columns((pl.col("transfer_s") / pl.col("_others")).log().alias("_lr"),
+                               (pl.col("transfer_s") - pl.col("_others")).clip(lower_bound=0.0).alias("_excess"))
+        per_rank = ops.group_by("axis", "group_id", "rank").agg(pl.col("_lr").median(), pl.col("_excess").sum())
+        for axis, gid, rank, lr, excess in per_rank.iter_rows():
+            k = (axis, int(rank))
+            st.link[k] = a * float(lr) + (1 - a) * st.link.get(k, 0.0)
+            st.cost[k] = a * float(excess) + (1 - a) * st.cost.get(k, 0.0)
+        link_of = {(axis, int(gid)): float(lr) for axis, gid, lr in
+                   per_rank.group_by("axis", "group_id").agg(pl.col("_lr").max()).iter_rows()}
+        groups = (ops.unique(subset=key).group_by("axis", "group_id")
+                  .agg((pl.col("_bus_bytes").sum() / pl.col("_op_s").sum()).log().alias("lbw"))
+                  .sort("axis", "group_id"))
+        for axis, rows_axis in groups.group_by("axis", maintain_order=True):
+            gids = rows_axis["group_id"].to_numpy().astype(np.int64)
+            lbw = rows_axis["lbw"].to_numpy().astype(float)
+            peer_ref, npeers = loo_median(lbw, np.zeros(len(lbw), np.int64))
+            if len(gids) < 2:
+                continue  # no other group of the axis to compare with
+            for gid, x, ref, n in zip(gids.tolist(), lbw.tolist(), peer_ref.tolist(), npeers.tolist()):
+                name = axis[0] if isinstance(axis, tuple) else axis
+                g = st.groups.get((name, gid))
+                if g is None:
+                    g = st.groups[(name, gid)] = _Group(name, gid, cfg.baseline_steps, cfg.window_steps)
+                members = ops.filter((pl.col("axis") == name) & (pl.col("group_id") == gid))["rank"].unique()
+                self._group_step(p, st, g, step, x, ref if n >= 1 else None, sorted(members.to_list()),
+                                 link_of.get((name, gid), 0.0))
+
+    def _group_step(self, p, st: _State, g: _Group, step: int, lbw: float, peers: float | None,
+                    members: list[int], link: float) -> None:
+        """`lbw`: the group's log bus bandwidth this step, `peers`: the other groups' median,
+        `link`: the highest log link ratio of a member this step."""
+        cfg = self.cfg
+        base = float(np.median(np.fromiter(g.history, float))) if len(g.history) >= cfg.min_history_steps else None
+        low = (base is not None and peers is not None and lbw <= min(base, peers) - self.log_min
+               and link >= self.log_min)  # and one member's own transfers were the slow ones
+        g.judged += 1
+        g.recent.append((step, low))
+        g.calm = 0 if low else g.calm + 1
+        if not low:
+            g.history.append(lbw)
+        g.last = {"busbw": math.exp(lbw), "baseline": math.exp(base) if base is not None else None,
+                  "peers": math.exp(peers) if peers is not None else None, "members": members}
+        if g.key is not None:
+            if g.calm >= cfg.resolve_after_steps:
+                p.resolve(g.key, step_to=step, evidence={**p.book.get(g.key).evidence,
+                                                         "resolved_because": "bus bandwidth back to its baseline"})
+                g.key, g.culprit, g.onset, g.fired_at = None, -1, -1, -1
+                return
+            self._report(p, st, g, step)
+            return
+        if sum(lo for _, lo in g.recent) < cfg.min_slow_steps:
+            return
+        culprit = self._culprit(st, g)
+        if culprit is None:
+            return
+        g.fired_at, g.culprit = step, culprit
+        g.onset = _latest_run_start(g.recent)
+        node = p.topo.node_name(culprit)
+        g.key = p.book.new_key(f"slow_link:{node}" if node else f"slow_link:rank{culprit}")
+        self._report(p, st, g, step)
+
+    def _culprit(self, st: _State, g: _Group) -> int | None:
+        """The member whose own ops are slow (link ratio at least min_ratio) while its compute is
+        not: its compute's excess over the others' is below its transfers' excess."""
+        ranked = sorted(g.last["members"], key=lambda r: -st.link.get((g.axis, r), 0.0))
+        if not ranked or st.link.get((g.axis, ranked[0]), 0.0) < self.log_min:
+            return None
+        r = ranked[0]
+        if r < len(st.compute_excess) and st.compute_excess[r] >= st.cost.get((g.axis, r), 0.0):
+            return None  # its compute costs more than its link: a straggler, the straggler detector's
+        return r
+
+    def _report(self, p, st: _State, g: _Group, step: int) -> None:
+        culprit = g.culprit
+        topo = p.topo
+        node = topo.node_name(culprit)
+        last = g.last
+        link = math.exp(st.link.get((g.axis, culprit), 0.0))
+        cost = max(0.0, st.cost.get((g.axis, culprit), 0.0))
+        share = cost / st.step_s if st.step_s > 0 else None
+        cratio = float(st.compute_ratio[culprit]) if culprit < len(st.compute_ratio) else None
+        cexcess = float(st.compute_excess[culprit]) if culprit < len(st.compute_excess) else None
+        vs_base = last["busbw"] / last["baseline"] if last["baseline"] else None
+        vs_peers = last["busbw"] / last["peers"] if last["peers"] else None
+        evidence = {"axis": g.axis, "group_id": g.group_id, "group_ranks": last["members"], "node": node,
+                    "busbw_Bps": json_number(last["busbw"], 4), "baseline_busbw_Bps": json_number(last["baseline"], 4),
+                    "peer_groups_busbw_Bps": json_number(last["peers"], 4),
+                    "busbw_vs_baseline": json_number(vs_base, 3), "busbw_vs_peer_groups": json_number(vs_peers, 3),
+                    "link_ratio": json_number(link, 3), "compute_ratio": json_number(cratio, 3),
+                    "compute_excess_s_per_step": json_number(cexcess, 3),
+                    "cost_s_per_step": json_number(cost, 4), "share_of_step": json_number(share, 3),
+                    "step_s": json_number(st.step_s, 4), "onset_step": g.onset, "fired_at_step": g.fired_at,
+                    "min_ratio": self.cfg.min_ratio, "window_steps": self.cfg.window_steps,
+                    **topo.coords(int(culprit))}
+        where = f" on {node}" if node else ""
+        root = (f"slow {g.axis} link on rank {culprit}{where}: its {g.axis} ops take {link:.2f}x its partners' "
+                f"while its compute is not slow; the group's bus bandwidth is "
+                + (f"{vs_base:.2f}x its baseline" if vs_base is not None else "low")
+                + (f" and {vs_peers:.2f}x the other {g.axis} groups'" if vs_peers is not None else "")
+                + f"; costs {cost:.3g} s/step" + (f" ({100 * share:.0f}% of step time)" if share is not None else ""))
+        p.report(Finding(kind="slow_link", key=g.key, run_id=p.run.run_id,
+                         severity="critical" if share is not None and share >= 0.25 else "warning",
+                         rank=int(culprit), node=node, step_from=g.onset, step_to=step, evidence=evidence,
+                         root_cause=root, confidence=0.8 if vs_peers is not None else 0.6))

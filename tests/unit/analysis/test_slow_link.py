@@ -1,0 +1,215 @@
+"""Degraded links: the bus-bandwidth conversion, the `slow_link` detector on synthetic frames
+(named with its rank, node and cost; silent on a clean run and on a compute straggler), the
+straggler detector silent on a slow link, and the policy's isolation of a costly one."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import polars as pl
+import pytest
+
+from analysis import Analyzer
+from analysis.detectors.slow_link import bus_bandwidth, bus_factor
+from analysis.frames import Frames, collectives_frame
+from analysis.policy import ISOLATE, Policy, RunPolicy
+from analysis.rules import rules_from_dict
+from tests.unit.analysis.sim import last_of, opened
+
+MiB = 1 << 20
+
+
+# -- the conversion ---------------------------------------------------------------
+
+@pytest.mark.parametrize("op, n, factor", [("all_reduce", 2, 1.0), ("all_reduce", 4, 1.5), ("all_reduce", 8, 1.75),
+                                           ("all_gather", 4, 0.75), ("reduce_scatter", 2, 0.5),
+                                           ("broadcast", 4, 1.0), ("send", 2, 1.0), ("recv", 2, 1.0),
+                                           ("barrier", 4, 0.0), ("all_reduce", 1, 0.0)])
+def test_bus_factors_follow_nccl_tests(op, n, factor):
+    assert bus_factor(op, n) == pytest.approx(factor)
+
+
+def _row(rank, op, start, duration, nbytes, *, axis="tp", gid=0, gseq=0, peer=-1):
+    return {"run_id": "r", "attempt": 0, "step": 1, "rank": rank, "seq": gseq, "group_seq": gseq, "op": op,
+            "axis": axis, "group_id": gid, "peer": peer, "start_ts": start, "wait_s": duration,
+            "duration_s": duration, "bytes": nbytes}
+
+
+def test_busbw_of_an_all_reduce_counts_from_the_last_entry():
+    # 4 ranks; rank 3 enters 1 s late: the others' 1.01 s are mostly waiting, the transfer is 0.01 s
+    rows = [_row(r, "all_reduce", 100.0 + (1.0 if r == 3 else 0.0), 1.01 if r != 3 else 0.01, 8 * MiB)
+            for r in range(4)]
+    bw = bus_bandwidth(collectives_frame(rows)).sort("rank")
+    assert bw["group_size"].to_list() == [4, 4, 4, 4]
+    assert bw["transfer_s"].to_numpy() == pytest.approx([0.01] * 4)
+    assert bw["algbw"].to_numpy() == pytest.approx([8 * MiB / 0.01] * 4)
+    assert bw["busbw"].to_numpy() == pytest.approx([8 * MiB / 0.01 * 1.5] * 4)  # x 2(n-1)/n
+
+
+def test_busbw_of_gathers_scatters_and_p2p():
+    rows = [_row(0, "all_gather", 10.0, 0.5, MiB, axis="dp", gid=0, gseq=1),
+            _row(1, "all_gather", 10.0, 0.5, MiB, axis="dp", gid=0, gseq=1),
+            _row(0, "reduce_scatter", 20.0, 0.25, MiB, axis="dp", gid=0, gseq=2),
+            _row(1, "reduce_scatter", 20.1, 0.15, MiB, axis="dp", gid=0, gseq=2),
+            _row(0, "send", 30.0, 0.125, MiB, axis="pp", gid=0, gseq=0, peer=2),
+            _row(0, "barrier", 40.0, 0.1, 0, axis="dp", gid=0, gseq=3),  # no bytes: left out
+            _row(1, "barrier", 40.0, 0.1, 0, axis="dp", gid=0, gseq=3)]
+    bw = bus_bandwidth(collectives_frame(rows)).sort("op", "rank")
+    got = {(r["op"], r["rank"]): (r["group_size"], r["transfer_s"], r["busbw"]) for r in bw.iter_rows(named=True)}
+    assert set(got) == {("all_gather", 0), ("all_gather", 1), ("reduce_scatter", 0), ("reduce_scatter", 1),
+                        ("send", 0)}
+    assert got[("all_gather", 0)] == pytest.approx((2, 0.5, MiB / 0.5 * 0.5))
+    assert got[("reduce_scatter", 0)] == pytest.approx((2, 0.15, MiB / 0.15 * 0.5))  # from the last entry, 20.1
+    assert got[("send", 0)] == pytest.approx((2, 0.125, MiB / 0.125))  # p2p: its own duration, x 1
+
+
+def test_busbw_of_rows_without_bytes_or_duration_is_empty():
+    rows = [_row(r, "all_reduce", 1.0, 0.1, 0) for r in range(2)]
+    assert bus_bandwidth(collectives_frame(rows)).height == 0
+    rows = [{k: v for k, v in _row(r, "all_reduce", 1.0, 0.1, MiB).items() if k != "duration_s"} for r in range(2)]
+    assert bus_bandwidth(collectives_frame(rows)).height == 0
+
+
+# -- a synthetic dp2 x tp2 run ------------------------------------------------------------
+
+NODES = {0: "node0", 1: "node0", 2: "node1", 3: "node1"}  # ranks: tp innermost, dp = rank // 2
+TP_GROUPS = {0: (0, 1), 2: (2, 3)}
+DP_GROUPS = {0: (0, 2), 1: (1, 3)}
+
+
+def synthetic_run(steps: int = 60, *, seed: int = 0, slow_link: tuple[int, str, int, float] | None = None,
+                  straggler: tuple[int, int, float] | None = None):
+    """Commits of a dp2 x tp2 run, one per step: per rank 0.1 s of compute, 8 TP all-reduces of
+    1 MiB (~1 ms each) and one DP all-reduce of 4 MiB a step. `slow_link` = (rank, axis, from,
+    factor): that rank's transfers on the axis take factor x as long (its partners wait at its
+    next entry); `straggler` = (rank, from, factor): its compute does."""
+    rng = np.random.default_rng(seed)
+    t = 1000.0
+    commits = []
+    seqs = {}
+    for step in range(1, steps + 1):
+        t_rank = {r: t for r in range(4)}
+        compute = {r: 0.0 for r in range(4)}
+        coll = []
+
+        def slice_of(r, s):
+            f = straggler[2] if straggler and straggler[0] == r and step >= straggler[1] else 1.0
+            d = s * f * rng.uniform(0.95, 1.05)
+            compute[r] += d
+            t_rank[r] += d
+
+        def op(axis, gid, members, nbytes, base_s):
+            gseq = seqs[(axis, gid)] = seqs.get((axis, gid), -1) + 1
+            last_in = max(t_rank[r] for r in members)
+            base = base_s * rng.uniform(0.9, 1.1)
+            for r in members:
+                f = slow_link[3] if slow_link and slow_link[0] == r and slow_link[1] == axis \
+                    and step >= slow_link[2] else 1.0
+                end = last_in + base * f * rng.uniform(0.97, 1.03)
+                coll.append({"run_id": "run-1", "attempt": 0, "step": step, "rank": r, "seq": gseq,
+                             "group_seq": gseq, "op": "all_reduce", "axis": axis, "group_id": gid, "peer": -1,
+                             "start_ts": t_rank[r], "duration_s": end - t_rank[r], "wait_s": end - t_rank[r],
+                             "bytes": nbytes})
+                t_rank[r] = end
+
+        for _ in range(8):  # forward and backward: a compute slice, then each TP group's all-reduce
+            for r in range(4):
+                slice_of(r, 0.1 / 9)
+            for gid, members in TP_GROUPS.items():
+                op("tp", gid, members, MiB, 0.001)
+        for r in range(4):
+            slice_of(r, 0.1 / 9)
+        for gid, members in DP_GROUPS.items():
+            op("dp", gid, members, 4 * MiB, 0.004)
+        end = max(t_rank.values())
+        steps_rows = [{"run_id": "run-1", "attempt": 0, "step": step, "rank": r, "ts": end, "loss": 2.0,
+                       "grad_norm": 1.0, "loss_scale": 1.0, "step_s": end - t, "fwd_s": 0.3 * compute[r],
+                       "bwd_s": 0.6 * compute[r], "opt_s": 0.1 * compute[r], "node": NODES[r]} for r in range(4)]
+        frames = Frames(steps=pl.DataFrame(steps_rows), collectives=collectives_frame(coll))
+        if step == 1:
+            frames.runs = pl.DataFrame({"run_id": ["run-1"], "world_size": [4], "status": ["running"],
+                                        "config": [json.dumps({})], "mesh": [json.dumps({"dp": 2, "tp": 2, "pp": 1})],
+                                        "node_map": [json.dumps({str(r): n for r, n in NODES.items()})]})
+            frames.ranks = pl.DataFrame({"run_id": ["run-1"] * 4, "rank": [0, 1, 2, 3],
+                                         "node": [NODES[r] for r in range(4)], "dp": [0, 0, 1, 1],
+                                         "tp": [0, 1, 0, 1], "pp": [0, 0, 0, 0]})
+        t = end + 0.002
+        commits.append((end + 0.01, frames))
+    return commits
+
+
+def run_all(commits):
+    a = Analyzer()
+    out = []
+    for now, frames in commits:
+        out.extend(a.feed(frames, now=now))
+    return out
+
+
+@pytest.mark.parametrize("rank, axis, factor", [(3, "tp", 4.0), (1, "dp", 3.0), (0, "tp", 2.0)])
+def test_slow_link_named_with_its_rank_node_and_cost(rank, axis, factor):
+    onset = 30
+    findings = run_all(synthetic_run(slow_link=(rank, axis, onset, factor), seed=rank))
+    first = opened(findings)
+    assert [f.kind for f in first.values()] == ["slow_link"], [f.summary() for f in first.values()]
+    f = next(iter(first.values()))
+    assert (f.rank, f.node) == (rank, NODES[rank])
+    assert f.evidence["axis"] == axis
+    assert onset <= f.evidence["fired_at_step"] < onset + 8
+    assert f.step_from >= onset
+    last = last_of(findings)[f.key].evidence
+    assert last["busbw_vs_baseline"] < 1 / 1.5 and last["busbw_vs_peer_groups"] < 1 / 1.5
+    assert last["link_ratio"] == pytest.approx(factor, rel=0.15)
+    # the cost: (factor - 1) x the transfer time of the axis's ops in a step (8 x 1 ms on tp, 4 ms on dp)
+    expected = (factor - 1) * (0.008 if axis == "tp" else 0.004)
+    assert 0.7 * expected < last["cost_s_per_step"] < 1.3 * expected
+    assert 0 < last["share_of_step"] < 1
+    assert last["compute_ratio"] < 1.1
+
+
+def test_silent_on_a_clean_run():
+    assert run_all(synthetic_run(steps=80, seed=7)) == []
+
+
+def test_a_compute_straggler_is_not_a_slow_link():
+    findings = run_all(synthetic_run(steps=80, straggler=(2, 30, 1.5), seed=2))
+    assert {f.kind for f in findings} == {"straggler"}
+    assert {f.rank for f in findings} == {2}
+
+
+def test_a_slow_link_is_not_a_straggler():
+    findings = run_all(synthetic_run(steps=80, slow_link=(2, "tp", 30, 4.0), seed=3))
+    assert {f.kind for f in findings} == {"slow_link"}
+
+
+def test_it_resolves_when_the_link_recovers():
+    commits = synthetic_run(steps=70, slow_link=(3, "tp", 20, 4.0), seed=5)
+    healthy = synthetic_run(steps=70, seed=5)
+    findings = run_all(commits[:40] + healthy[40:])
+    [key] = opened(findings, "slow_link")
+    assert last_of(findings)[key].resolved
+
+
+# -- the policy ------------------------------------------------------------------------
+
+def _incident(cost: float, share: float = 0.2) -> dict:
+    return {"id": 9, "kind": "slow_link", "rank": 3, "node": "node1", "status": "open", "step_from": 30,
+            "evidence": {"axis": "tp", "cost_s_per_step": cost, "share_of_step": share}}
+
+
+def test_a_costly_slow_link_isolates_its_node_once_it_persists():
+    p, st = Policy(rules_from_dict()), RunPolicy(run_id="run-1", nodes=["node0", "node1"])
+    assert p.on_incident(st, _incident(0.05), now=0.0) == []
+    assert p.on_incident(st, _incident(0.05), now=3.9) == []
+    [d] = p.on_incident(st, _incident(0.05), now=4.0)
+    assert (d.kind, d.node, d.rank, d.incident_id) == (ISOLATE, "node1", 3, 9)
+    assert d.reason.startswith("slow tp link: rank 3 costs 0.05 s/step")
+
+
+def test_a_cheap_slow_link_is_left_alone():
+    p, st = Policy(rules_from_dict({"policy": {"slow_link_cost_s": 0.02}})), RunPolicy(run_id="run-1")
+    assert p.on_incident(st, _incident(0.01), now=0.0) == []
+    assert p.on_incident(st, _incident(0.01), now=100.0) == []
+    assert p.on_incident(st, _incident(0.05, share=0.01), now=200.0) == []  # a small share of its step
+    assert p.on_incident(st, _incident(0.05, share=0.01), now=300.0) == []
