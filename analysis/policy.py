@@ -35,7 +35,9 @@ What calls for what (DESIGN.md section 7, the keys are `[policy]` in rules.toml)
   trainer/control.py); otherwise (dp = 2: no majority; or caught late) **rollback**
   to the newest verified checkpoint before the last agreeing step, without a
   rerun. Either way the fault counts against the suspect node(s) as a transient
-  verdict does: `transient_limit` within `transient_window_s` isolate it.
+  verdict does (the action's `faults`: node -> count): `transient_limit` within
+  `transient_window_s` isolate it. One held back by the cooldown is asked again
+  while it stays open (`waiting`).
 
 Guard rails: a `cooldown_s` between two actions of one kind in a run (the next
 one waits for it: `waiting`, and the runner asks again); and, each a `refused`
@@ -69,11 +71,14 @@ class Decision:
     rank: int | None = None
     mode: str = "auto"  # auto | shadow
     refused: str | None = None  # a guard rail said no: why
+    faults: dict[str, int] = field(default_factory=dict)  # node -> device faults counted within the window
 
     def detail(self) -> dict[str, Any]:
         out: dict[str, Any] = {"reason": self.reason, "args": self.args}
         if self.refused:
             out["refused"] = self.refused
+        if self.faults:
+            out["faults"] = self.faults
         return out
 
 
@@ -143,14 +148,13 @@ class Policy:
     def _divergence(self, st: RunPolicy, inc: dict[str, Any], now: float) -> list[Decision]:
         """Repair in place when a majority holds the healthy bits and the corruption was
         caught at the first checksum after the last agreeing one; else roll back (no
-        rerun: a memory fault is not in the data). Then count it against the node(s)."""
+        rerun: a memory fault is not in the data). Then count it against the node(s):
+        the action's `faults` say how many each has within the window."""
         ev = inc.get("evidence") or {}
-        within, every = _number(ev.get("caught_within_steps")), _number(ev.get("checksum_every"))
-        shard = ev.get("shard")
-        if (self.cfg.replica_repair and ev.get("majority") and ev.get("src_dp") is not None
-                and within is not None and every is not None and within <= every):
-            reason = (f"replica_divergence of shard {shard}: rank(s) {ev.get('divergent_ranks')} differ from the "
-                      f"majority at step {ev.get('first_disagreeing_step')} (caught within {within:g} steps)")
+        if self._divergence_action(inc) == REPAIR:
+            within = _number(ev.get("caught_within_steps"))
+            reason = (f"replica_divergence of shard {ev.get('shard')}: rank(s) {ev.get('divergent_ranks')} differ from "
+                      f"the majority at step {ev.get('first_disagreeing_step')} (caught within {within:g} steps)")
             out = self._decision(st, REPAIR, inc, reason, now, node=inc.get("node"),
                                  args={"src_dp": int(ev["src_dp"]), "ranks": list(ev.get("divergent_ranks") or []),
                                        "incident_id": inc.get("id"), "step": inc.get("step_to")})
@@ -158,9 +162,23 @@ class Policy:
             out = [replace(d, args={**d.args, "diagnose": False}) if d.kind == ROLLBACK else d
                    for d in self._rollback(st, inc, now)]
         if out and out[0].refused is None:
+            faults, isolations = {}, []
             for node in ev.get("suspect_nodes") or ([inc["node"]] if inc.get("node") else []):
-                out += self._count_fault(st, inc, node, now)
+                isolations += self._count_fault(st, inc, node, now)
+                faults[node] = len(st.transients[node])
+            out = [replace(out[0], faults=faults), *out[1:], *isolations]
         return out
+
+    def _divergence_action(self, inc: dict[str, Any]) -> str:
+        """What a `replica_divergence` calls for: REPAIR with a majority (a healthy
+        `src_dp`) caught within `checksum_every` steps of the last agreeing checksum
+        (and `replica_repair`), else ROLLBACK."""
+        ev = inc.get("evidence") or {}
+        within, every = _number(ev.get("caught_within_steps")), _number(ev.get("checksum_every"))
+        if (self.cfg.replica_repair and ev.get("majority") and ev.get("src_dp") is not None
+                and within is not None and every is not None and within <= every):
+            return REPAIR
+        return ROLLBACK
 
     def _count_fault(self, st: RunPolicy, inc: dict[str, Any], node: str, now: float) -> list[Decision]:
         """A fault of `node`'s device that was healed (a transient verdict's counter):
@@ -217,8 +235,17 @@ class Policy:
 
     def waiting(self, st: RunPolicy, inc: dict[str, Any], now: float) -> bool:
         """An incident the policy has not decided on yet, and will when asked again: a
-        NaN settling for its culprit, or a rollback waiting out the cooldown."""
-        if st.finished or inc.get("id") in st.acted or inc.get("kind") not in self.cfg.rollback_on:
+        NaN settling for its culprit, or a rollback (or an open replica_divergence's
+        repair or rollback) waiting out the cooldown."""
+        if st.finished or inc.get("id") in st.acted:
+            return False
+        kind = inc.get("kind")
+        if kind == "replica_divergence":
+            action = self._divergence_action(inc)
+            if inc.get("status", "open") != "open" or (action == ROLLBACK and inc.get("node") in st.isolated):
+                return False
+            return self.mode_of(action) != "off" and self.cooling(st, action, now)
+        if kind not in self.cfg.rollback_on:
             return False
         return self.settling(inc, now) or (self.mode_of(ROLLBACK) != "off" and self.cooling(st, ROLLBACK, now))
 

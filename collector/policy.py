@@ -146,7 +146,7 @@ class PolicyRunner:
         self._reached: dict[str, dict[int, int]] = {}  # run -> attempt -> highest step seen
         self._world: dict[str, int] = {}
         self._node_map: dict[str, dict[int, str]] = {}
-        self._deferred: dict[int, dict[str, Any]] = {}  # incidents the policy will decide on later (settling)
+        self._deferred: dict[int, dict[str, Any]] = {}  # incidents the policy will decide on later (waiting)
         self._thread = threading.Thread(target=self._run, name="llmwatch-policy", daemon=True)
         watch.on_change = self._offer
 
@@ -181,13 +181,19 @@ class PolicyRunner:
                 now = self.clock()
                 if now - last_tick >= _TICK_S:
                     last_tick = now
-                    for row in self._watch.open_rows():
-                        if row.get("kind") in ("straggler", "slow_link", "data_stall"):  # persist timers
-                            self._incident(row)
-                    for row in list(self._deferred.values()):
-                        self._incident(row)
+                    self._tick()
             except Exception:  # noqa: BLE001 - the policy must outlive one bad input
                 log.exception("policy pass failed")
+
+    def _tick(self) -> None:
+        """Without news: the open stragglers' persist timers, and the incidents the policy
+        is waiting to decide on (`Policy.waiting`: a NaN settling for its culprit, an
+        action held back by the cooldown, a replica_divergence's repair among them)."""
+        for row in self._watch.open_rows():
+            if row.get("kind") in ("straggler", "slow_link", "data_stall"):  # persist timers
+                self._incident(row)
+        for row in list(self._deferred.values()):
+            self._incident(row)
 
     # -- inputs ------------------------------------------------------------------
     def _state(self, run_id: str) -> RunPolicy:

@@ -19,11 +19,16 @@ compared:
 The evidence carries what the policy needs to choose between a repair in place
 and a rollback (analysis/policy.py): `majority`, `src_dp` (a healthy replica),
 `caught_within_steps` (first disagreeing - last agreeing step) and
-`checksum_every` (the interval the shard's checksums came at: the largest gap
-between two consecutive ones). Groups are judged in (attempt, step) order; a
-group of an older attempt than one already judged is stale (a rollback replaced
-that lineage) and is dropped. At most `max_pending_groups` incomplete groups are
-held (a rank that stopped reporting cannot make the state grow).
+`checksum_every` (the interval the shard's checksums come at: the smallest gap
+between two consecutive ones of an attempt, leaving out the extra check the
+step after a repair and the one after it; a lost checksum only widens a gap, so
+it cannot make a late catch look like a timely one). Groups are judged in
+(attempt, step) order; a group of an older attempt than one already judged is
+stale (a rollback replaced that lineage) and is dropped. An incomplete group is
+given up once a later group of its shard is complete (each rank ships its rows in
+order: the missing checksum was lost, and waiting for it would hold back every
+later verdict); at most `max_pending_groups` incomplete groups are held (a rank
+that stopped reporting cannot make the state grow).
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ class _State:
         self.attempt = -1  # newest attempt judged
         self.last_agree: dict[str, tuple[int, int]] = {}  # shard -> (attempt, step) of its last agreeing checksum
         self.last_seen: dict[str, tuple[int, int]] = {}  # shard -> (attempt, step) of its last judged checksum
-        self.every: dict[str, int] = {}  # shard -> largest gap between consecutive checksum steps
+        self.every: dict[str, int] = {}  # shard -> smallest gap between consecutive regular checksum steps
         self.open: dict[str, str] = {}  # shard -> open incident key
 
     def footprint(self) -> dict[str, int]:
@@ -79,9 +84,13 @@ class ReplicaDivergenceDetector:
         if dp < 2:
             st.pending.clear()  # one replica (or no mesh yet): nothing to compare
             return
+        complete = [k for k, g in st.pending.items() if len(g) >= dp]
         for key in sorted(st.pending):
             group = st.pending[key]
             if len(group) < dp:
+                if any(k[2] == key[2] and k[:2] > key[:2] for k in complete):
+                    del st.pending[key]  # every replica reported a later checksum: this one was lost
+                    continue
                 if len(st.pending) <= self.cfg.max_pending_groups:
                     break  # judged in order: wait for the missing replicas
                 del st.pending[key]  # too many held: the oldest incomplete one is given up
@@ -93,13 +102,16 @@ class ReplicaDivergenceDetector:
     def _judge(self, p, st: _State, attempt: int, step: int, shard: str, group: dict[int, int]) -> None:
         st.attempt = max(st.attempt, attempt)
         prev = st.last_seen.get(shard)
-        if prev is not None and prev[0] == attempt and step > prev[1]:
-            st.every[shard] = max(st.every.get(shard, 0), step - prev[1])
+        key = st.open.get(shard)
+        if prev is not None and prev[0] == attempt and step > prev[1] and key is None:
+            gap = step - prev[1]
+            st.every[shard] = min(st.every.get(shard, gap), gap)
         st.last_seen[shard] = (attempt, step)
         values = set(group.values())
-        key = st.open.get(shard)
         if len(values) == 1:
             st.last_agree[shard] = (attempt, step)
+            if key is not None:
+                st.last_seen.pop(shard)  # a repair's extra check, off the interval: no gap to the next one
             if key is not None and p.book.is_open(key):
                 f = p.book.get(key)
                 p.resolve(key, evidence={**f.evidence, "agreeing_again_step": step, "agreeing_again_attempt": attempt,

@@ -142,3 +142,69 @@ def test_repeated_corruption_on_a_node_isolates_it():
     assert [d.kind for d in pol.on_incident(st, _inc(), now=100.0)] == [REPAIR]
     out = pol.on_incident(st, {**_inc(), "id": 8}, now=200.0)
     assert [d.kind for d in out] == [REPAIR, ISOLATE] and out[1].node == "node1"
+
+
+def test_policy_waits_out_the_cooldown_for_an_open_divergence_then_decides():
+    pol = Policy(rules_from_dict({"policy": {"cooldown_s": 5.0}}))
+    st = RunPolicy(run_id="r", nodes=["node0", "node1", "node2"])
+    assert [d.kind for d in pol.on_incident(st, _inc(), now=100.0)] == [REPAIR]
+    late = {**_inc(), "id": 8}
+    assert pol.on_incident(st, late, now=101.0) == [] and pol.waiting(st, late, now=101.0)
+    assert not pol.waiting(st, {**late, "status": "closed"}, now=101.0)  # healed meanwhile: nothing to wait for
+    (d,) = [d for d in pol.on_incident(st, late, now=105.5) if d.kind == REPAIR]
+    assert d.incident_id == 8 and not pol.waiting(st, late, now=105.5)
+    # a rollback's cooldown holds a dp = 2 divergence the same way; a repair's does not
+    assert "node1" in st.isolated  # its second fault within the window
+    dp2 = {**_inc(majority=False, src_dp=None, suspect_nodes=["node0", "node2"]), "id": 9, "rank": None,
+           "node": None}
+    assert pol.waiting(st, dp2, now=106.0) is False  # no rollback issued yet: decided at once
+    assert [d.kind for d in pol.on_incident(st, dp2, now=106.0)] == [ROLLBACK]
+    other = {**dp2, "id": 10}
+    assert pol.waiting(st, other, now=107.0) and pol.on_incident(st, other, now=107.0) == []
+
+
+def test_policy_counts_the_fault_in_the_actions_detail():
+    pol = Policy(rules_from_dict())
+    st = RunPolicy(run_id="r", nodes=["node0", "node1", "node2"])
+    (d,) = pol.on_incident(st, _inc(majority=False, src_dp=None, suspect_nodes=["node0", "node1"]), now=100.0)
+    assert d.kind == ROLLBACK and d.faults == {"node0": 1, "node1": 1} and d.detail()["faults"] == d.faults
+
+
+def test_a_lost_checksum_makes_a_late_catch_and_the_policy_rolls_back():
+    """The flip after step 23; rank 2's checksum of step 30 never arrives: the divergence is
+    first seen at step 40, 20 steps after the last agreeing one. The lost checksum does not
+    hold back the verdict (every replica reported step 40), does not widen the interval
+    (still 10), and a catch later than the interval is rolled back, not repaired."""
+    commits, nodes = synthetic(3, flip=(2, 23))
+    now, frames = commits[2]  # step 30
+    commits[2] = (now, Frames(scalars=frames.scalars.filter(pl.col("rank") != 2)))
+    found = [f for f in run(commits) if f.kind == "replica_divergence"]
+    assert len(found) == 1
+    f = found[0]
+    assert (f.rank, f.node, f.step_from, f.step_to) == (2, nodes[2], 20, 40)
+    assert (f.evidence["caught_within_steps"], f.evidence["checksum_every"]) == (20, 10)
+    inc = {"id": 3, "run_id": "r", "kind": f.kind, "status": "open", "rank": f.rank, "node": f.node,
+           "step_from": f.step_from, "step_to": f.step_to, "evidence": f.evidence}
+    st = RunPolicy(run_id="r", nodes=sorted(set(nodes.values())))
+    out = Policy(rules_from_dict()).on_incident(st, inc, now=100.0)
+    assert out[0].kind == ROLLBACK and out[0].args["step"] == 20 and out[0].args["diagnose"] is False
+    assert out[0].faults == {nodes[2]: 1}
+
+
+def test_the_interval_leaves_out_a_repairs_extra_check():
+    """A repair's check the step after it (31) is not the interval: a second flip caught at
+    the next regular checksum is still within it (a repair, not a rollback)."""
+    world, nodes, runs, ranks = _layout(3, 1)
+    bad = {30: 2, 50: 1}  # step -> the rank whose checksum differs (31: repaired, 40 agrees)
+    commits = []
+    for i, step in enumerate((10, 20, 30, 31, 40, 50)):
+        rows = [{"run_id": "r", "attempt": 0, "step": step, "rank": r, "name": "checksum/pp00-tp00",
+                 "value": float(1_000 + step + (1 << 22 if bad.get(step) == r else 0))} for r in range(world)]
+        frames = Frames(scalars=scalars_frame(rows))
+        if i == 0:
+            frames.runs, frames.ranks = runs, ranks
+        commits.append((1000.0 + step, frames))
+    found = [f for f in run(commits) if f.kind == "replica_divergence"]
+    assert [(f.resolved, f.step_to) for f in found] == [(False, 30), (True, 30), (False, 50)]
+    assert (found[2].evidence["caught_within_steps"], found[2].evidence["checksum_every"]) == (10, 10)
+    assert found[2].rank == 1 and found[2].evidence["last_agreeing_step"] == 40

@@ -88,3 +88,67 @@ def test_a_rollback_carried_out_before_any_restart_is_done_at_its_attempt():
     assert storage.issued == []
     done = [f for _, f in storage.updates if f.get("status") == "done"]
     assert len(done) == 1 and done[0]["attempt"] == 1
+
+
+class ActingStorage(FakeStorage):
+    """FakeStorage that also records actions (each gets the next id), for decisions carried out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.actions: list[tuple[str, str, dict]] = []
+
+    def record_action(self, run_id, kind, status, *, done=None, **fields):
+        self.actions.append((kind, status, fields))
+        if done is not None:
+            done(len(self.actions), None)
+
+
+def _divergence(iid: int, opened_ts: float, **ev) -> dict:
+    evidence = {"shard": "pp00-tp00", "majority": True, "src_dp": 0, "divergent_ranks": [1],
+                "caught_within_steps": 10, "checksum_every": 10, "suspect_nodes": ["node0"],
+                "first_disagreeing_step": 30, **ev}
+    return {"id": iid, "run_id": RUN, "kind": "replica_divergence", "status": "open", "rank": 1, "node": "node0",
+            "step_from": 20, "step_to": 30, "opened_ts": opened_ts, "evidence": evidence}
+
+
+def test_a_repair_held_back_by_the_cooldown_is_asked_again_on_the_tick():
+    now = [100.0]
+    storage = ActingStorage()
+    runner = PolicyRunner(storage, Policy(load_rules()), subscription=None, watch=FakeWatch(), clock=lambda: now[0])
+    cooldown = runner.policy.cfg.cooldown_s
+    runner._incident(_divergence(1, 100.0))  # repaired at once
+    assert [k for k, _ in storage.issued] == ["repair"]
+    now[0] = 101.0
+    second = _divergence(2, 101.0, shard="pp00-tp01")  # another replica corrupted: within the cooldown
+    runner._incident(second)
+    assert [k for k, _ in storage.issued] == ["repair"] and 2 in runner._deferred
+    now[0] = 100.0 + cooldown / 2
+    runner._tick()
+    assert [k for k, _ in storage.issued] == ["repair"]  # still cooling: waits
+    now[0] = 100.0 + cooldown + 0.1
+    runner._tick()
+    assert [k for k, _ in storage.issued] == ["repair", "repair"]
+    assert storage.issued[1][1]["incident_id"] == 2 and 2 not in runner._deferred
+    now[0] += 60.0
+    runner._tick()  # decided once
+    assert len(storage.issued) == 2
+    # each counted against node0: the second reaches transient_limit, and its isolation is
+    # refused here (node1 is isolated already: min_nodes)
+    assert [(k, s, f["detail"].get("faults")) for k, s, f in storage.actions] == [
+        ("repair", "issued", {"node0": 1}), ("repair", "issued", {"node0": 2}), ("isolate", "refused", None)]
+
+
+def test_a_deferred_divergence_that_closed_is_dropped():
+    now = [100.0]
+    storage = ActingStorage()
+    runner = PolicyRunner(storage, Policy(load_rules()), subscription=None, watch=FakeWatch(), clock=lambda: now[0])
+    runner._incident(_divergence(1, 100.0, majority=False, src_dp=None, suspect_nodes=["node0", "node1"]))
+    assert [k for k, _ in storage.issued] == ["rollback"]
+    now[0] = 101.0
+    runner._incident(_divergence(2, 101.0, shard="pp00-tp01", majority=False, src_dp=None))
+    assert 2 in runner._deferred  # a rollback waiting out the cooldown
+    runner._incident({**_divergence(2, 101.0, shard="pp00-tp01"), "status": "closed"})
+    assert 2 not in runner._deferred
+    now[0] = 200.0
+    runner._tick()
+    assert [k for k, _ in storage.issued] == ["rollback"]

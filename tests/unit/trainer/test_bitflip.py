@@ -93,3 +93,19 @@ def test_bitflip_spec_is_validated():
         parse_injection("bitflip@rank=1,step=5,target=grads")
     with pytest.raises(ConfigError, match="missing"):
         parse_injection("bitflip@rank=1")
+
+
+def test_an_optimizer_state_flip_reaches_the_parameter_checksum_at_the_next_update():
+    """`target=optim`: the checksum reads parameters only, so a flipped moment is invisible
+    until the update that uses it has moved the replica's parameters: the checksum of the
+    step after that update differs."""
+    healthy, hit = engine(), engine()
+    mbs = batches()
+    for e in (healthy, hit):
+        e.train_step(1, mbs, tokens_of(mbs))
+    name, t = next((n, t) for n, t in named_tensors(hit, "optim") if n.endswith(".exp_avg"))
+    flip_bit(t, 0)
+    r_healthy, r_hit = (e.train_step(2, mbs, tokens_of(mbs), checksum=True) for e in (healthy, hit))
+    assert r_healthy.checksum == r_hit.checksum  # as step 2 began: the parameters still agree
+    r_healthy, r_hit = (e.train_step(3, mbs, tokens_of(mbs), checksum=True) for e in (healthy, hit))
+    assert r_healthy.checksum != r_hit.checksum, name  # step 2's update used the flipped moment
