@@ -217,11 +217,18 @@ class Checkpointer:
     `slow_write(step)` (fault injection, trainer/faults.py `slowio` what=ckpt) is how
     many times as long this rank's shard writes of that step take: the writer thread
     really waits (F - 1) x each shard's measured write, and its `write_s` shows it.
+    `keep_older_than` (steps; 0: off): pruning to `cfg.keep` also keeps every checkpoint
+    of the last that many steps and the newest one before them. The replicas' checksums
+    (every `checksum_every` steps) vouch for a checkpoint only once a later checksum
+    agreed, and a divergence caught at the next checksum rolls back to before the last
+    agreeing one: with checkpoints more frequent than checksums the newest `keep` can
+    all be too recent (the trainer passes 2 x checksum_every).
     """
 
     def __init__(self, cfg: CheckpointConfig, *, dims: ParallelDims, comm: Comm, log: Callable[[str], None] = print,
                  clock: Callable[[], float] = time.time, serialize: Callable[[Any, BinaryIO], None] = torch.save,
-                 finalize_timeout_s: float = 600.0, slow_write: Callable[[int], float] | None = None) -> None:
+                 finalize_timeout_s: float = 600.0, slow_write: Callable[[int], float] | None = None,
+                 keep_older_than: int = 0) -> None:
         if not cfg.dir:
             raise ValueError("CheckpointConfig.dir is required")
         self.cfg = cfg
@@ -233,6 +240,7 @@ class Checkpointer:
         self.persist_dir = Path(cfg.persist_dir) if cfg.persist_dir else None
         self._serialize = serialize
         self._slow_write = slow_write
+        self._keep_older_than = keep_older_than
         self._finalize_timeout_s = finalize_timeout_s
         self.dir.mkdir(parents=True, exist_ok=True)
         token = torch.tensor([secrets.randbits(62)], dtype=torch.int64, device=comm.device)
@@ -494,6 +502,12 @@ class Checkpointer:
                 self.log(f"checkpoints {', '.join(step_dirname(s) for s in newer)} under {root}: removed, newer than "
                          f"step {newest_step} just saved (abandoned by a rollback, or left by an earlier run)")
             if self.cfg.keep > 0:
+                if self._keep_older_than > 0:  # the window, and the newest one a later checksum vouches for
+                    edge = newest_step - self._keep_older_than
+                    old_enough = [s for s, _ in finals if s <= edge]
+                    pinned.update(s for s, _ in finals if s > edge)
+                    if old_enough:
+                        pinned.add(old_enough[-1])
                 for step, path in finals[:-self.cfg.keep]:
                     if step not in pinned:
                         _remove_checkpoint(path)

@@ -207,7 +207,10 @@ def run_worker(cfg: JobConfig, *, token: str | None = None) -> int:
 
             checkpointer = Checkpointer(cfg.ckpt, dims=dims, comm=comm,
                                         log=(lambda m: print(f"[rank {rank}] {m}", flush=True)),
-                                        slow_write=lambda step: injector.slowio_factor("ckpt", step))
+                                        slow_write=lambda step: injector.slowio_factor("ckpt", step),
+                                        # a divergence rolls back before the last agreeing checksum
+                                        keep_older_than=2 * cfg.telemetry.checksum_every
+                                        if cfg.telemetry.enabled and dims.dp > 1 else 0)
         # Injections name ranks of the job's first layout: after an elastic restart with fewer
         # nodes a fault stays with its hardware (the launcher's LLMWATCH_HW_RANK), not its number.
         hw_rank = hardware_rank(os.environ, rank, dims.ranks_per_node)

@@ -276,6 +276,21 @@ def test_keep_k_and_stale_tmp_cleanup(tmp_path, logs):
     ck.close()
 
 
+def test_keep_older_than_holds_the_newest_checkpoint_a_later_checksum_vouches_for(tmp_path, logs):
+    """Checkpoints every 5 steps, checksums every 10: a divergence caught at step 60
+    rolls back to before step 50 (the last agreeing checksum), so a checkpoint at least
+    2 x 10 steps older than the newest survives pruning to keep=3: the last 20 steps'
+    checkpoints are held, and the newest before them."""
+    ck = make(tmp_path, logs, keep=3, keep_older_than=20)
+    for step in range(5, 65, 5):
+        save(ck, step)
+        assert ck.wait(10)
+    root = tmp_path / "ckpt"
+    assert sorted(p.name for p in root.iterdir()) == [step_dirname(s) for s in (40, 45, 50, 55, 60)]
+    assert ck.load_latest(before_step=50).step == 45
+    ck.close()
+
+
 def test_saving_an_older_step_replaces_it_and_drops_the_abandoned_newer_ones(tmp_path, logs):
     ck = make(tmp_path, logs, keep=5)
     for step in (1, 2, 3):
