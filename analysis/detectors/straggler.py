@@ -28,7 +28,11 @@ Excluded steps (start, checkpoint, eval: analysis/marks.py) neither add nor
 reset.
 
 A rank fires when its sum is over the threshold, enough recent steps were slow,
-its smoothed ratio is at least `min_ratio`, and it is not a *waiter*: the
+its smoothed ratio is at least `min_ratio`, its smoothed excess compute is at
+least `min_share` of the step time (on an oversubscribed host a slow link's rank
+and its partner compute a little slower too, ~1.2x of a compute that is a sliver
+of a step spent in slow transfers: that costs the job nothing and is the
+`slow_link` detector's), and it is not a *waiter*: the
 rank everyone waits for is the culprit, and a rank that, net, waits for another
 slow rank (`waiter_share` of its own excess compute or more, from the waits
 matched by `group_seq` in analysis/attribution.py) is held back by it, even when
@@ -254,8 +258,9 @@ class StragglerDetector:
         _, h = st.kh
         step = st.last_judged[1]
         known = len(st.noise) >= _MIN_NOISE_SAMPLES and st.num_steps_judged >= _MIN_JUDGED_STEPS
+        costly = st.excess >= cfg.min_share * st.step_s  # a few ms of a long step is contention, not a fault
         firing = np.flatnonzero((st.cusum >= h) & (popcount(st.mask & self.full) >= cfg.min_slow_steps)
-                                & (st.ratio >= cfg.min_ratio)) if known else np.zeros(0, np.int64)
+                                & (st.ratio >= cfg.min_ratio) & costly) if known else np.zeros(0, np.int64)
         # culprits: the firing ranks and the open incidents' members; a culprit that waits for
         # another culprit is held back by it (the rank everyone waits for is the culprit)
         culprits = set(firing.tolist()) | {r for ep in st.episodes.values() for r in ep.members}

@@ -1,9 +1,13 @@
 """Stragglers: named within the goal (1.5x in 5 steps, 1.25x in 10), right rank and node, nobody else."""
 
+from dataclasses import replace
+
+import polars as pl
 import pytest
 
 from analysis import Analyzer, score, truths_from_rows
-from tests.unit.analysis.sim import Layout, Sim, Straggler, feed, last_of, opened
+from analysis.rules import load_rules
+from tests.unit.analysis.sim import Contention, Layout, Sim, Straggler, feed, last_of, opened
 
 CASES = [  # layout, rank, factor, goal (steps from onset)
     ("dp2xtp2", Layout(dp=2, tp=2, nodes=2), 3, 1.5, 5),
@@ -133,3 +137,41 @@ def test_a_member_that_calms_down_leaves_the_node_incident():
     late = [f for f in findings if f.step_to >= 106]
     assert late and all(f.rank == 3 and f.evidence["ranks"] == [3] for f in late), [f.summary() for f in late]
     _never_under_min_ratio(findings)
+
+
+def _long_steps(commits, times: float):
+    """The same commits with every step `times` as long, the rest spent in communication (a slow
+    link's run): the compute, its ratios and the collective waits are unchanged."""
+    out = []
+    for now, frames in commits:
+        if frames.steps is not None:
+            frames = replace(frames, steps=frames.steps.with_columns(
+                (pl.col("step_s") * times).alias("step_s"),
+                (pl.col("step_s") * times - pl.col("fwd_s") - pl.col("bwd_s") - pl.col("opt_s"))
+                .alias("comm_exposed_s")))
+        out.append((now, frames))
+    return out
+
+
+@pytest.mark.parametrize("times, min_share, fires", [(1, None, True), (40, None, False), (40, 0.0, True)],
+                         ids=["compute-bound", "a-sliver-of-a-long-step", "min_share-0"])
+def test_a_slow_compute_that_is_a_sliver_of_the_step_is_not_a_straggler(tmp_path, times, min_share, fires):
+    """A slow link on an oversubscribed host: the slow rank computes 1.2x slower (its partner spins
+    while it computes), but its steps are spent in slow transfers, and its compute's excess is ~0.5%
+    of the step. Under `min_share` that opens nothing; the same slowdown of a compute-bound step
+    (~16% of it) is a straggler, and so is the long step's with the gate at 0."""
+    rules = None
+    if min_share is not None:
+        path = tmp_path / "rules.toml"
+        path.write_text(f"[straggler]\nmin_share = {min_share}\n")
+        rules = load_rules(path)
+    sim = Sim(layout=Layout(dp=2, tp=2, nodes=2), steps=160, seed=11, faults=(Contention(rank=3, start=60, factor=1.2),))
+    findings = feed(Analyzer(rules), _long_steps(sim.build(), times))
+    first = opened(findings)
+    if not fires:
+        assert not first, [f.summary() for f in first.values()]
+        return
+    assert [(f.kind, f.rank, f.node) for f in first.values()] == [("straggler", 3, "node1")], \
+        [f.summary() for f in first.values()]
+    share = last_of(findings)[next(iter(first))].evidence["share_of_step"]
+    assert (share < 0.02) if times > 1 else (share > 0.1), share
