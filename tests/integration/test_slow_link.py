@@ -16,7 +16,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.e2e]
 RANK, NODE, FROM, FACTOR = 3, "node1", 20, 4
 
 
-@pytest.mark.parametrize("axis", ["dp", "tp"])
+# dp only: a slow tp link on 2 oversubscribed CPU cores also slows its tp partner's compute
+# (one spins while the other computes), and 2 runs in 10 then opened a straggler at ~1.13x
+# too, or closed and reopened the slow link; tests/unit/analysis/test_slow_link.py covers tp
+@pytest.mark.parametrize("axis", ["dp"])
 def test_a_slow_link_is_named_for_what_it_is(tmp_path, axis):
     r = run_trainer(tmp_path / "run", "--telemetry", "--dp", "2", "--tp", "2", "--nodes", "2", "--steps", "45",
                     "--micro-batches", "2", "--policy", "off",
