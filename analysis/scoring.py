@@ -6,27 +6,44 @@
 
 The ground truth is what trainer/faults.py writes to `injections.jsonl`: one row
 per (fault, rank that fired it), with `kind` (nan, spike, straggler, hang,
-crash, overflow: an fp16 overflow that the loss-scale collapse must find),
-`rank` (-1: every rank), `node`, `step`, `attempt`, `ts`. Rows of one fault
-fired on several ranks (a spike on every rank) are one truth. Background
-conditions (`jitter`, `BACKGROUND_KINDS`) are recorded there too but are no
-fault: they are left out of the truths. Only `collector replay`, the bench and
-tests read that file; this module takes its rows.
+crash, overflow: an fp16 overflow that the loss-scale collapse must find;
+slowlink, slowio, bitflip), `rank` (-1: every rank), `node`, `step`, `attempt`,
+`ts` (slowio also `what`: data | ckpt). Rows of one fault fired on several
+ranks (a spike on every rank) are one truth. Background conditions (`jitter`,
+`BACKGROUND_KINDS`) are recorded there too but are no fault: they are left out
+of the truths. Only `collector replay`, the bench and tests read that file; this
+module takes its rows.
+
+A truth is scored under its `label`: its kind, or for a slowio `slowio:data` (found
+as a `data_stall`) and `slowio:ckpt` (a `checkpoint_slow`), two faults the
+detectors tell apart. `TRUTH_KINDS` and `WINDOWS` are by label. A
+`device_health` incident has no injection: it only ever counts as an incident.
 
 Findings are first collapsed into incidents (one per key: first open, widest
 step range, last culprit named). An incident matches a truth when its kind is
-the truth's (spike: `loss_spike` or `grad_spike`) and its step range meets the
-truth's step window (`WINDOWS`: a straggler is found some steps after onset, a
-crash's last reported step is before the one it died in). Matching is one to
-one, nearest first; an incident matching no truth is a false positive (a second
-incident for one fault too).
+the truth's (spike: `loss_spike` or `grad_spike`; slowlink: `slow_link`; bitflip:
+`replica_divergence`) and its step range meets the truth's step window
+(`WINDOWS`: a straggler, a slow link or a data stall is found some steps after
+onset, a crash's last reported step is before the one it died in, a slow
+checkpoint at the first checkpoint after onset, a bit flip's range runs from the
+last agreeing checksum before it to the first disagreeing one after it).
+Matching is one to one, nearest first; an incident matching no truth is a false
+positive (a second incident for one fault too).
 
 - precision = matched incidents / incidents, recall = matched truths / truths;
 - latency: seconds from the truth's `ts` to the incident's first finding `ts`
   (when the truth has a `ts`), and steps from the truth's step to the newest step
-  the run had reported then (`detected_step`, or the straggler's `fired_at_step`);
+  the run had reported then (`detected_step`, or, for the kinds of
+  `FIRED_AT_KINDS`, the `fired_at_step` of their evidence);
 - culprit accuracy, over matched truths that name a rank: the incident names the
-  same rank, or (a node incident, rank not named) the same node.
+  same rank, or (a node incident, rank not named) the same node, or (an incident
+  that names no single rank but its suspects: a `replica_divergence` without a
+  majority, dp = 2, whose evidence lists `divergent_ranks`) the rank is among its
+  suspects. Two checksums that differ cannot say which replica is corrupted: the
+  detector names both and says why, and that is the most it can be right about.
+  Those are counted apart too (`num_culprit_among_suspects`), so that a figure of
+  1.0 made of them is visible as such; a bench that wants the one rank named
+  draws dp >= 3.
 """
 
 from __future__ import annotations
@@ -37,12 +54,22 @@ from dataclasses import dataclass, field
 
 from analysis.findings import Finding
 
+# truth label -> the incident kinds that find it (a label not here: the incident kind of its name)
 TRUTH_KINDS = {"nan": ("nan",), "spike": ("loss_spike", "grad_spike"), "straggler": ("straggler",),
                "hang": ("hang",), "crash": ("crash",), "loss_scale_collapse": ("loss_scale_collapse",),
-               "overflow": ("loss_scale_collapse",), "loss_spike": ("loss_spike",), "grad_spike": ("grad_spike",)}
-# steps around a truth's step an incident's range may start: (before, after)
+               "overflow": ("loss_scale_collapse",), "loss_spike": ("loss_spike",), "grad_spike": ("grad_spike",),
+               "slowlink": ("slow_link",), "slowio:data": ("data_stall",), "slowio:ckpt": ("checkpoint_slow",),
+               "slowio": ("data_stall", "checkpoint_slow"), "bitflip": ("replica_divergence",)}
+# steps around a truth's step an incident's range may meet: (before, after). A slow checkpoint opens at
+# the first checkpoint after onset (--ckpt-every steps later at most); a bit flip's range starts at the
+# last agreeing checksum (before the flip) and ends at the first disagreeing one (--checksum-every after)
 WINDOWS = {"nan": (0, 2), "spike": (0, 2), "straggler": (-1, 12), "hang": (-2, 2), "crash": (-6, 2),
-           "loss_scale_collapse": (-60, 60), "overflow": (-1, 6), "loss_spike": (0, 2), "grad_spike": (0, 2)}
+           "loss_scale_collapse": (-60, 60), "overflow": (-1, 6), "loss_spike": (0, 2), "grad_spike": (0, 2),
+           "slowlink": (-1, 12), "slowio:data": (-1, 12), "slowio:ckpt": (-1, 25), "slowio": (-1, 25),
+           "bitflip": (0, 25)}
+# incident kinds whose latency in steps counts from the step they fired at (their evidence's
+# `fired_at_step`): they judge a window of steps, and report some passes later
+FIRED_AT_KINDS = frozenset({"straggler", "slow_link"})
 # background conditions an injection may set (trainer/faults.py `jitter`): in the ground truth
 # file for the record, nothing to detect; truths_from_rows leaves them out
 BACKGROUND_KINDS = frozenset({"jitter"})
@@ -58,6 +85,12 @@ class Truth:
     ts: float | None = None
     run_id: str | None = None  # None: matches an incident of any run
     mode: str | None = None  # a nan's data | transient | device
+    what: str | None = None  # a slowio's data | ckpt
+
+    @property
+    def label(self) -> str:
+        """The kind it is scored under (TRUTH_KINDS, WINDOWS, Score.by_kind)."""
+        return f"{self.kind}:{self.what}" if self.kind == "slowio" and self.what else self.kind
 
 
 @dataclass(slots=True)
@@ -72,6 +105,7 @@ class Incident:
     opened_ts: float
     opened_step: int | None
     closed_ts: float | None = None
+    suspects: tuple[int, ...] = ()  # named no single rank: the ranks it suspects (suspects_of)
 
 
 @dataclass(slots=True)
@@ -82,6 +116,7 @@ class KindScore:
     num_matched: int = 0  # truths matched (= incidents matched)
     num_culprit_checked: int = 0
     num_culprit_right: int = 0
+    num_culprit_among_suspects: int = 0  # right as one of the several ranks an incident suspects
     latency_s: list[float] = field(default_factory=list)
     latency_steps: list[int] = field(default_factory=list)
 
@@ -129,6 +164,20 @@ def _node(x) -> str | None:
     return s[4:] if s.startswith("node") and s[4:].isdigit() else s
 
 
+def suspects_of(kind: str, rank: int | None, evidence: Mapping | None) -> tuple[int, ...]:
+    """The ranks an incident that names no single rank suspects: a replica_divergence
+    without a majority lists its `divergent_ranks` (dp = 2: both replicas)."""
+    if rank is not None or not evidence or kind != "replica_divergence":
+        return ()
+    return tuple(int(r) for r in evidence.get("divergent_ranks") or ())
+
+
+def opened_step_of(kind: str, evidence: Mapping | None, detected_step: int | None) -> int | None:
+    """The step an incident's latency in steps counts to: `fired_at_step` for FIRED_AT_KINDS."""
+    fired = (evidence or {}).get("fired_at_step") if kind in FIRED_AT_KINDS else None
+    return int(fired) if fired is not None else detected_step
+
+
 def truths_from_rows(rows: Iterable[Mapping], run_id: str | None = None) -> list[Truth]:
     """injections.jsonl rows -> truths, one per fault occurrence (kind, step, attempt,
     and rank unless it fired everywhere). `run_id`: the run they belong to (the file
@@ -139,7 +188,7 @@ def truths_from_rows(rows: Iterable[Mapping], run_id: str | None = None) -> list
         if kind in BACKGROUND_KINDS or r.get("probe"):
             continue  # a fault firing again in a rollback's rerun of its step: the diagnosis, not a fault
         rank = int(r.get("rank", -1) if r.get("rank") is not None else -1)
-        key = (kind, int(r.get("step", -1)), int(r.get("attempt", 0) or 0), rank, run_id)
+        key = (kind, int(r.get("step", -1)), int(r.get("attempt", 0) or 0), rank, run_id, r.get("what"))
         if kind == "nan" and r.get("mode") == "device":
             key = (kind, "device", rank, run_id)  # one fault of one device, whatever the attempts it spans
         if key in seen:
@@ -149,7 +198,8 @@ def truths_from_rows(rows: Iterable[Mapping], run_id: str | None = None) -> list
         seen[key] = Truth(kind=kind, rank=rank, node=None if node is None or rank < 0 else str(node),
                           step=int(r.get("step", -1)), attempt=int(r.get("attempt", 0) or 0),
                           ts=float(ts) if ts is not None else None, run_id=run_id,
-                          mode=str(r["mode"]) if r.get("mode") is not None else None)
+                          mode=str(r["mode"]) if r.get("mode") is not None else None,
+                          what=str(r["what"]) if r.get("what") is not None else None)
     return list(seen.values())
 
 
@@ -160,11 +210,12 @@ def incidents(findings: Iterable[Finding]) -> list[Incident]:
     for f in findings:
         key = f"{f.run_id}/{f.key}"
         inc = out.get(key)
-        opened_step = f.evidence.get("fired_at_step", f.detected_step) if f.kind == "straggler" else f.detected_step
         if inc is None:
             out[key] = Incident(kind=f.kind, key=key, run_id=f.run_id, rank=f.rank, node=f.node, step_from=f.step_from,
-                                step_to=f.step_to, opened_ts=f.ts, opened_step=opened_step,
-                                closed_ts=f.ts if f.resolved else None)
+                                step_to=f.step_to, opened_ts=f.ts,
+                                opened_step=opened_step_of(f.kind, f.evidence, f.detected_step),
+                                closed_ts=f.ts if f.resolved else None,
+                                suspects=suspects_of(f.kind, f.rank, f.evidence))
             continue
         if f.step_from is not None:
             inc.step_from = f.step_from if inc.step_from is None else min(inc.step_from, f.step_from)
@@ -172,13 +223,14 @@ def incidents(findings: Iterable[Finding]) -> list[Incident]:
             inc.step_to = f.step_to if inc.step_to is None else max(inc.step_to, f.step_to)
         if not f.resolved:
             inc.rank, inc.node = f.rank, f.node
+            inc.suspects = suspects_of(f.kind, f.rank, f.evidence)
         else:
             inc.closed_ts = f.ts
     return list(out.values())
 
 
 def _distance(t: Truth, inc: Incident) -> int | None:
-    before, after = WINDOWS.get(t.kind, (0, 2))
+    before, after = WINDOWS.get(t.label, (0, 2))
     lo, hi = t.step + before, t.step + after
     a = inc.step_from if inc.step_from is not None else inc.step_to
     b = inc.step_to if inc.step_to is not None else a
@@ -198,18 +250,18 @@ def score(findings_or_incidents: Iterable[Finding | Incident], truths: Iterable[
     def ks(kind: str) -> KindScore:
         return by_kind.setdefault(kind, KindScore(kind))
 
+    labels = {t.label for t in truths}
     for t in truths:
-        ks(t.kind).num_truths += 1
+        ks(t.label).num_truths += 1
     truth_kind_of = {}
     for inc in incs:
-        tk = next((k for k, kinds in TRUTH_KINDS.items() if inc.kind in kinds and k in {t.kind for t in truths}),
-                  inc.kind)
+        tk = next((k for k, kinds in TRUTH_KINDS.items() if inc.kind in kinds and k in labels), inc.kind)
         truth_kind_of[inc.key] = tk
         ks(tk).num_incidents += 1
     pairs = []
     for ti, t in enumerate(truths):
         for ii, inc in enumerate(incs):
-            if inc.kind in TRUTH_KINDS.get(t.kind, (t.kind,)) and (t.run_id is None or t.run_id == inc.run_id):
+            if inc.kind in TRUTH_KINDS.get(t.label, (t.label,)) and (t.run_id is None or t.run_id == inc.run_id):
                 d = _distance(t, inc)
                 if d is not None:
                     pairs.append((d, ti, ii))
@@ -222,7 +274,7 @@ def score(findings_or_incidents: Iterable[Finding | Incident], truths: Iterable[
         used_i.add(ii)
         t, inc = truths[ti], incs[ii]
         matches.append((t, inc))
-        s = ks(t.kind)
+        s = ks(t.label)
         s.num_matched += 1
         if t.ts is not None:
             s.latency_s.append(inc.opened_ts - t.ts)
@@ -232,7 +284,9 @@ def score(findings_or_incidents: Iterable[Finding | Incident], truths: Iterable[
             s.num_culprit_checked += 1
             right = inc.rank == t.rank or (inc.rank is None and inc.node is not None
                                            and _node(inc.node) == _node(t.node))
-            s.num_culprit_right += bool(right)
+            among = not right and inc.rank is None and t.rank in inc.suspects
+            s.num_culprit_right += bool(right or among)
+            s.num_culprit_among_suspects += among
     return Score(by_kind=by_kind, matches=matches,
                  false_positives=[inc for ii, inc in enumerate(incs) if ii not in used_i],
                  missed=[t for ti, t in enumerate(truths) if ti not in used_t])

@@ -4,7 +4,17 @@ Each scenario is a real `trainer --telemetry` run (embedded collector, tiny mode
 with one random fault (kind, rank, step, factor) on a random layout among dp2,
 dp2 x tp2 and dp2 x pp2, or none (a clean run), and background jitter on every
 run (`jitter@pct=10`: every rank's compute stretched by a random 0-10% each
-step, which is noise, not a fault). The incidents the live collector wrote are
+step, which is noise, not a fault). Some kinds need a layout of their own
+(`KIND_LAYOUTS`): a slow link is drawn on the dp axis of dp2 x tp2 or dp2 x pp2
+(a slow_link needs two groups of its axis to compare; tp's tiny transfers on two
+cores are noise), a bit flip on dp3 (three replicas: the one that differs is
+named; with dp2 neither can be), a slow checkpoint on dp2 x tp2 or dp2 x pp2, on a
+run that checkpoints every 5 steps (checkpoint_slow compares a rank's writes with
+those of the ranks that wrote as many shards: on dp2 the one model-shard writer
+has none, and is not judged). The kinds: spike, straggler, nan_data, nan_transient, overflow,
+crash, hang, slowlink (x3-x4 on that rank's dp ops), slowio_data (its data
+loader x3-x5), slowio_ckpt (its shard writes x20-x30), bitflip (one mantissa bit
+of one parameter, checksums every 10 steps). The incidents the live collector wrote are
 scored against the run's injections.jsonl with analysis/scoring.py:
 
 - precision, recall, culprit accuracy by kind;
@@ -46,14 +56,21 @@ import duckdb
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from analysis.scoring import Incident, score, truths_from_rows  # noqa: E402
+from analysis.scoring import Incident, opened_step_of, score, suspects_of, truths_from_rows  # noqa: E402
 
 TINY = ["--layers", "4", "--d-model", "64", "--heads", "4", "--seq-len", "32", "--micro-batch-size", "2",
         "--micro-batches", "2", "--no-progress"]
 LAYOUTS = {"dp2": ["--dp", "2", "--nodes", "2"], "dp2xtp2": ["--dp", "2", "--tp", "2", "--nodes", "2"],
-           "dp2xpp2": ["--dp", "2", "--pp", "2", "--nodes", "2"]}
-WORLD = {"dp2": 2, "dp2xtp2": 4, "dp2xpp2": 4}
-KINDS = ("clean", "spike", "straggler", "nan_data", "nan_transient", "overflow", "crash", "hang")
+           "dp2xpp2": ["--dp", "2", "--pp", "2", "--nodes", "2"], "dp3": ["--dp", "3", "--nodes", "3"]}
+WORLD = {"dp2": 2, "dp2xtp2": 4, "dp2xpp2": 4, "dp3": 3}
+KINDS = ("clean", "spike", "straggler", "nan_data", "nan_transient", "overflow", "crash", "hang",
+         "slowlink", "slowio_data", "slowio_ckpt", "bitflip")
+DEFAULT_LAYOUTS = ("dp2", "dp2xtp2", "dp2xpp2")
+KIND_LAYOUTS = {"slowlink": ("dp2xtp2", "dp2xpp2"), "slowio_ckpt": ("dp2xtp2", "dp2xpp2"),
+                "bitflip": ("dp3",)}  # the rest: DEFAULT_LAYOUTS
+FACTORS = {"straggler": (1.5, 1.75, 2.0), "slowlink": (3.0, 4.0), "slowio_data": (3.0, 4.0, 5.0),
+           "slowio_ckpt": (20.0, 30.0)}
+CKPT_EVERY = 5  # slowio_ckpt runs checkpoint this often
 
 
 @dataclass
@@ -77,8 +94,12 @@ class Scenario:
             out.append(f"nan@step={self.step},rank={self.rank},mode={self.kind[4:]}")
         elif self.kind == "overflow":
             out.append(f"overflow@rank={self.rank},from={self.step},to={self.step + 6}")
-        elif self.kind in ("crash", "hang"):
+        elif self.kind in ("crash", "hang", "bitflip"):
             out.append(f"{self.kind}@rank={self.rank},step={self.step}")
+        elif self.kind == "slowlink":
+            out.append(f"slowlink@rank={self.rank},axis=dp,from={self.step},factor={self.factor:g}")
+        elif self.kind in ("slowio_data", "slowio_ckpt"):
+            out.append(f"slowio@rank={self.rank},from={self.step},factor={self.factor:g},what={self.kind[7:]}")
         return out
 
     def argv(self, run_dir: Path) -> list[str]:
@@ -86,27 +107,31 @@ class Scenario:
         argv = [sys.executable, "-m", "trainer", "--telemetry", "--policy", "off", "--run-dir", str(run_dir),
                 "--run-id", run_dir.name, *TINY, *LAYOUTS[self.layout], "--steps", str(self.steps if self.kind != "hang" else 1000),
                 "--precision", "fp16" if self.kind == "overflow" else "fp32"]
+        if self.kind == "slowio_ckpt":
+            argv += ["--ckpt-dir", str(run_dir / "ckpt"), "--ckpt-every", str(CKPT_EVERY)]
         for spec in self.injections():
             argv += ["--inject", spec]
         return argv
 
     def describe(self) -> str:
         what = self.kind if self.kind == "clean" else f"{self.kind} rank {self.rank} step {self.step}"
-        if self.kind == "straggler":
+        if self.kind in FACTORS:
             what += f" x{self.factor:g}"
         return f"#{self.index:<3} {self.layout:<8} {what}"
 
 
 def draw(rng: random.Random, index: int, steps: int, kinds: tuple[str, ...] = KINDS) -> Scenario:
-    layout = rng.choice(list(LAYOUTS))
     kind = rng.choice(kinds)
+    layout = rng.choice(KIND_LAYOUTS.get(kind, DEFAULT_LAYOUTS))
     sc = Scenario(index=index, layout=layout, kind=kind, steps=steps, jitter_seed=rng.randrange(1 << 16))
     if kind == "clean":
         return sc
     sc.rank = rng.randrange(WORLD[layout])
-    sc.step = rng.randrange(30, steps - 25)  # after the warm-ups (spike baseline, straggler noise)
-    if kind == "straggler":
-        sc.factor = rng.choice((1.5, 1.75, 2.0))
+    # after the warm-ups (spike baseline, straggler noise, slow_link's baseline); a slow checkpoint
+    # opens at the first or second checkpoint after onset, a bit flip at the next checksum
+    sc.step = rng.randrange(30, steps - 25)
+    if kind in FACTORS:
+        sc.factor = rng.choice(FACTORS[kind])
     return sc
 
 
@@ -160,13 +185,12 @@ def run_one(sc: Scenario, run_dir: Path, *, hang_wait_s: float) -> Result:
     res.num_steps = len(ends)
     for kind, key, rank, node, lo, hi, opened, closed, evidence in rows:
         ev = json.loads(evidence) if isinstance(evidence, str) else (evidence or {})
-        if kind == "straggler" and ev.get("fired_at_step") is not None:
-            opened_step = int(ev["fired_at_step"])
-        else:  # the newest step whose rows were in when it opened (the ranks share this host's clock)
-            opened_step = max((s for s, ts in ends if ts <= opened), default=None)
+        # a straggler's or a slow link's from the step it fired at; else the newest step whose rows
+        # were in when it opened (the ranks share this host's clock)
+        opened_step = opened_step_of(kind, ev, max((s for s, ts in ends if ts <= opened), default=None))
         res.incidents.append(Incident(kind=kind, key=f"{run_dir.name}/{key}", run_id=run_dir.name, rank=rank,
                                       node=node, step_from=lo, step_to=hi, opened_ts=opened, opened_step=opened_step,
-                                      closed_ts=closed))
+                                      closed_ts=closed, suspects=suspects_of(kind, rank, ev)))
     inj = run_dir / "injections.jsonl"
     rows = [json.loads(x) for x in inj.read_text().splitlines() if x.strip()] if inj.exists() else []
     res.truths = truths_from_rows(rows, run_id=run_dir.name)
@@ -233,22 +257,26 @@ def main() -> int:
                      f"{f(median(v.latency_steps), '{:.0f}'):>15}{f(max(v.latency_steps, default=None), '{:.0f}'):>5}")
         out["by_kind"][k] = {"truths": v.num_truths, "incidents": v.num_incidents, "matched": v.num_matched,
                              "precision": v.precision, "recall": v.recall, "culprit_accuracy": v.culprit_accuracy,
-                             "latency_s": v.latency_s, "latency_steps": v.latency_steps}
+                             "culprit_among_suspects": v.num_culprit_among_suspects, "latency_s": v.latency_s,
+                             "latency_steps": v.latency_steps}
     n_inc, n_match = len(s.matches) + len(s.false_positives), len(s.matches)
     overall_p = n_match / n_inc if n_inc else None
     overall_r = n_match / len(truths) if truths else None
     checked = sum(v.num_culprit_checked for v in s.by_kind.values())
     right = sum(v.num_culprit_right for v in s.by_kind.values())
     print("\n".join(lines))
+    among = sum(v.num_culprit_among_suspects for v in s.by_kind.values())
     print(f"\noverall: precision {f(overall_p)}, recall {f(overall_r)}, culprit accuracy "
-          f"{f(right / checked if checked else None)} ({right}/{checked})")
+          f"{f(right / checked if checked else None)} ({right}/{checked}"
+          + (f", {among} only as one of an incident's suspects" if among else "") + ")")
     print(f"false incidents per 1,000 clean steps: {f(per_1000, '{:.2f}')} ({len(false_clean)} in {clean_steps} steps)")
     for i in s.false_positives:
         print(f"  false: {i.run_id} {i.kind} rank {i.rank} node {i.node} steps {i.step_from}-{i.step_to}")
     for t in s.missed:
-        print(f"  missed: {t.run_id} {t.kind} rank {t.rank} step {t.step}")
+        print(f"  missed: {t.run_id} {t.label} rank {t.rank} step {t.step}")
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
     out.update(precision=overall_p, recall=overall_r, culprit_accuracy=right / checked if checked else None,
+               culprit_among_suspects=among,
                false_per_1000_clean_steps=per_1000, clean_steps=clean_steps,
                false_positives=[asdict(i) for i in s.false_positives], missed=[asdict(t) for t in s.missed])
     if args.json:

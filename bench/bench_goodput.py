@@ -31,6 +31,17 @@ global batch of 24 samples kept). The schedule holds 4 rollbacks within 10
 minutes; the default guard rail (`max_rollbacks = 3` per `rollback_window_s` 600)
 would stop the run at the 4th, so every run here gets `--rules` raising it to 8.
 
+`--mix llama3 [--faults N --seed K]`: instead of the fixed schedule, N faults
+drawn in the proportions Llama 3 reported for its 419 unexpected interruptions in
+54 days on 16,384 GPUs (`LLAMA3`): a faulty GPU (30.1%) is a device NaN or a
+crash, HBM3 memory (17.2%) a bit flip, a software bug (12.9%) a crash, the network
+(8.4%) a slow dp link or a hang, and the rest (31.4%) is spread over a straggler,
+a loss spike, a data or transient NaN, a slow data loader and slow checkpoint
+writes. Ranks are drawn among those auto has not isolated yet by the faults before
+(a fault on a node auto already took out would never fire in auto, and off would
+pay for it alone); the last one left takes what remains. The gap after each fault
+follows what it ends in (`AFTER_UNITS`), as in the fixed schedule.
+
 Figures per run: wall s and productive s (collector/postmortem.py's goodput: the
 step time of the final effective lineage, not skipped, over the run's span), the
 final step, and productive steps per wall second relative to the clean run (what
@@ -41,6 +52,7 @@ ratio between runs of this invocation; on a shared 2-core machine absolute secon
 are noise.
 
     python bench/bench_goodput.py --quick
+    python bench/bench_goodput.py --mix llama3 --faults 8 --seed 1
     python bench/bench_goodput.py --out-json goodput.json --keep     # ~15 min on 2 cores
 """
 
@@ -81,10 +93,55 @@ FULL = [("spike@step={s}", 1.0), ("nan@step={s},rank=1,mode=data", 1.0),
 QUICK = [("spike@step={s}", 1.0), ("straggler@rank=2,from={s},factor=3", 1.0), ("crash@rank=3,step={s}", 4.0)]
 TAIL_UNITS = {"full": 1.5, "quick": 2.0}  # after the last fault: its recovery, then steps that count
 
+# --mix llama3: Llama 3's 419 unexpected interruptions in 54 days (The Llama 3 Herd of Models, 2024, table 5)
+# by cause (share, %), and the faults that stand for each, drawn evenly within a cause
+LLAMA3 = (("faulty GPU", 30.1, ("nan_device", "crash")), ("HBM3 memory", 17.2, ("bitflip",)),
+          ("software bug", 12.9, ("crash",)), ("network", 8.4, ("slowlink", "hang")),
+          ("other", 31.4, ("straggler", "spike", "nan_data", "nan_transient", "slowio_data", "slowio_ckpt")))
+MIXES = {"llama3": LLAMA3}
+SPECS = {"nan_device": "nan@step={s},rank={r},mode=device", "crash": "crash@rank={r},step={s}",
+         "bitflip": "bitflip@rank={r},step={s}", "slowlink": "slowlink@rank={r},axis=dp,from={s},factor=4",
+         "hang": "hang@rank={r},step={s}", "straggler": "straggler@rank={r},from={s},factor=3",
+         "spike": "spike@step={s}", "nan_data": "nan@step={s},rank={r},mode=data",
+         "nan_transient": "nan@step={s},rank={r},mode=transient",
+         "slowio_data": "slowio@rank={r},from={s},factor=4,what=data",
+         "slowio_ckpt": "slowio@rank={r},from={s},factor=10,what=ckpt"}
+# units of gap after a fault: 1 after one auto handles in place (a rollback, a repair, an alert), 2-2.5
+# after one it ends in a restart or an isolation (a persisting cost first: the straggler's 4 s)
+AFTER_UNITS = {"nan_device": 2.5, "crash": 2.0, "bitflip": 1.0, "slowlink": 2.5, "hang": 2.5, "straggler": 2.5,
+               "spike": 1.0, "nan_data": 1.0, "nan_transient": 1.0, "slowio_data": 2.5, "slowio_ckpt": 1.0}
+ISOLATING = frozenset({"nan_device", "slowlink", "hang", "straggler", "slowio_data"})  # auto isolates the node
+WORLD = 4  # LAYOUT's ranks, one a node
 
-def schedule(quick: bool, *, steps: int | None = None, unit_steps: int | None = None) -> tuple[int, list[str]]:
-    """(steps, injections): faults `unit_steps` apart (times their gaps), or spread over `steps`."""
-    plan, tail = (QUICK, TAIL_UNITS["quick"]) if quick else (FULL, TAIL_UNITS["full"])
+
+def mix_plan(mix: str, num_faults: int, seed: int, *, crashes_to_isolate: int = 2) -> list[tuple[str, str, float]]:
+    """(cause, kind, spec template with {s}) x num_faults drawn from MIXES[mix], with the gap
+    before each (units). Ranks are drawn among those auto still runs on (see the module doc)."""
+    import random
+
+    rng = random.Random(seed)
+    causes = MIXES[mix]
+    alive, crashes = list(range(WORLD)), [0] * WORLD
+    out, gap = [], 1.0
+    for _ in range(num_faults):
+        cause, _, kinds = rng.choices(causes, weights=[w for _, w, _ in causes])[0]
+        kind = rng.choice(kinds)
+        r = rng.choice(alive)
+        if kind == "crash":
+            crashes[r] += 1
+        if len(alive) > 1 and (kind in ISOLATING or (kind == "crash" and crashes[r] >= crashes_to_isolate)):
+            alive.remove(r)
+        out.append((cause, kind, SPECS[kind].replace("{r}", str(r)), gap))
+        gap = AFTER_UNITS[kind]
+    return out
+
+
+def schedule(quick: bool, *, steps: int | None = None, unit_steps: int | None = None,
+             plan: list[tuple[str, float]] | None = None, tail: float | None = None) -> tuple[int, list[str]]:
+    """(steps, injections): faults `unit_steps` apart (times their gaps), or spread over `steps`.
+    `plan`: (spec template, gap before it) instead of the fixed schedule, `tail` units after it."""
+    if plan is None:
+        plan, tail = (QUICK, TAIL_UNITS["quick"]) if quick else (FULL, TAIL_UNITS["full"])
     units = sum(g for _, g in plan) + tail
     unit = unit_steps if unit_steps is not None else steps / units
     out, at = [], 0.0
@@ -374,6 +431,10 @@ def main() -> int:
                    help="without --steps: seconds of clean steps per unit of gap between faults (the policy's "
                         "cooldown is 5 s)")
     p.add_argument("--quick", action="store_true", help="a shorter schedule (spike, straggler, crash) for a smoke run")
+    p.add_argument("--mix", choices=sorted(MIXES), help="draw the faults in a reported mix's proportions instead "
+                   "of the fixed schedule (llama3: its 419 unexpected interruptions)")
+    p.add_argument("--faults", type=int, default=8, help="--mix: how many faults to draw")
+    p.add_argument("--seed", type=int, default=0, help="--mix: the draw's seed")
     p.add_argument("--keep", action="store_true", help="keep the run directories (the path is printed)")
     p.add_argument("--out-json", metavar="PATH", help="also write the figures as JSON")
     p.add_argument("--timeout-s", type=float, default=1200.0, help="per launcher process")
@@ -382,6 +443,11 @@ def main() -> int:
                    help="off: how long a hang lasts before the job errors out (the trainer's parallel.timeout_s)")
     p.add_argument("--stall-s", type=float, default=20.0, help="off: no new step for this long is a hang")
     a = p.parse_args()
+    if a.mix and a.quick:
+        p.error("--mix and --quick are two schedules: choose one")
+    drawn = mix_plan(a.mix, a.faults, a.seed) if a.mix else None
+    plan = [(spec, gap) for _, _, spec, gap in drawn] if drawn else None
+    tail = max(TAIL_UNITS["full"], AFTER_UNITS[drawn[-1][1]]) if drawn else None
     base = Path(tempfile.mkdtemp(prefix="bench_goodput_"))
     rules = base / "rules.toml"
     rules.write_text(RULES)
@@ -389,14 +455,23 @@ def main() -> int:
           f"shows up in every figure)")
     step_s = None
     if a.steps or a.quick:
-        steps, inject = schedule(a.quick, steps=a.steps or 240)
+        steps, inject = schedule(a.quick, steps=a.steps or 240, plan=plan, tail=tail)
     else:
         step_s = calibrate(base, rules, timeout_s=a.timeout_s)
         unit = max(40, int(a.gap_s / step_s + 0.5))
-        steps, inject = schedule(a.quick, unit_steps=unit)
+        steps, inject = schedule(a.quick, unit_steps=unit, plan=plan, tail=tail)
         print(f"calibration: {1e3 * step_s:.0f} ms per step: {unit} steps per {a.gap_s:g} s unit")
+    if drawn:
+        counts: dict[str, int] = {}
+        for cause, _, _, _ in drawn:
+            counts[cause] = counts.get(cause, 0) + 1
+        print(f"mix {a.mix}, seed {a.seed}: {a.faults} faults: "
+              + ", ".join(f"{c} {counts.get(c, 0)} ({w:g}%)" for c, w, _ in MIXES[a.mix]))
+        print("  " + "; ".join(f"{cause}: {kind}" for cause, kind, _, _ in drawn))
     print(f"{steps} steps, dp4 over 4 nodes; schedule: {' '.join(inject)}")
     res = {"steps": steps, "quick": a.quick, "calibrated_step_s": step_s, "schedule": inject,
+           "mix": a.mix, "mix_seed": a.seed if a.mix else None,
+           "drawn": [{"cause": c, "kind": k} for c, k, _, _ in drawn] if drawn else None,
            "model": MODEL + LAYOUT, "rules": RULES,
            "off_model": {"human_delay_s": a.human_delay_s, "hang_timeout_s": a.hang_timeout_s,
                          "stall_s": a.stall_s}, "runs": {}}

@@ -37,6 +37,11 @@ _HIGHLIGHTS = {  # evidence keys worth a column, by incident kind (the rest stay
     "loss_scale_collapse": ("num_backoffs", "scale", "peak_scale"),
     "hang": ("op", "axis", "group_seq", "stuck_s", "waiting"),
     "crash": ("exit_code", "signal", "silent_for_s", "silent_ranks"),
+    "slow_link": ("axis", "link_ratio", "busbw_vs_baseline", "cost_s_per_step", "share_of_step"),
+    "data_stall": ("data_share", "cost_s_per_step", "share_of_step", "onset_step", "ranks"),
+    "checkpoint_slow": ("checkpoint_step", "write_s", "ratio_vs_peers", "ratio_vs_history", "cost_s_per_checkpoint"),
+    "replica_divergence": ("shard", "divergent_ranks", "majority", "caught_within_steps", "why"),
+    "device_health": ("cause", "new_errors", "lasted_s", "ecc_uncorrectable", "window_s"),
 }
 
 

@@ -36,6 +36,7 @@ from analysis import Analyzer, Frames, Rules, Score, load_rules, replay_commits,
 from analysis.judging import Judgement, judge, summary
 from analysis.policy import Policy, RunPolicy
 from analysis.scoring import Incident as ScoredIncident
+from analysis.scoring import opened_step_of, suspects_of
 from collector import read
 from collector.incidents import IncidentBook, RecordFindings, as_finding
 
@@ -79,13 +80,20 @@ class IncidentLedger:
         self._next_id = plan.next_id
 
 
+# the kinds the policy looks at again while they last (their cost must persist past the rules'
+# `<kind>_persist_s`: analysis/policy.py), as the live runner does with open ones (collector/policy.py)
+PERSIST_KINDS = ("straggler", "slow_link", "data_stall")
+
+
 def _opened_step(f) -> int | None:
-    """The newest step the run had reported when the incident opened (a straggler's
-    counts from the step it fired at): scoring's latency in steps."""
-    evidence = getattr(f, "evidence", None) or {}
-    if getattr(f, "kind", None) == "straggler" and evidence.get("fired_at_step") is not None:
-        return int(evidence["fired_at_step"])
-    return getattr(f, "detected_step", None)
+    """The newest step the run had reported when the incident opened (a straggler's or a
+    slow link's counts from the step it fired at): scoring's latency in steps."""
+    return opened_step_of(getattr(f, "kind", ""), getattr(f, "evidence", None), getattr(f, "detected_step", None))
+
+
+def _evidence(row: dict[str, Any]) -> dict[str, Any]:
+    ev = row.get("evidence")
+    return (json.loads(ev) if isinstance(ev, str) else ev) or {}
 
 
 def replay_run(cur: read.Cursor, run_id: str, *, rules: Rules | None = None, window_s: float = 1.0,
@@ -112,7 +120,8 @@ def scored_incidents(replays: Iterable[RunReplay]) -> list[ScoredIncident]:
     return [ScoredIncident(kind=row["kind"], key=f"{r.run_id}/{row['cause_key']}", run_id=r.run_id,
                            rank=row["rank"], node=row["node"], step_from=row["step_from"], step_to=row["step_to"],
                            opened_ts=row["opened_ts"], opened_step=r.opened_step.get(row["id"]),
-                           closed_ts=row.get("closed_ts"))
+                           closed_ts=row.get("closed_ts"),
+                           suspects=suspects_of(row["kind"], row["rank"], _evidence(row)))
             for r in replays for row in r.incidents]
 
 
@@ -126,25 +135,26 @@ def stored_incidents(cur: read.Cursor, run_ids: Iterable[str]) -> tuple[list[Sco
             scored.append(ScoredIncident(kind=row["kind"], key=key, run_id=run_id, rank=row["rank"], node=row["node"],
                                          step_from=row["step_from"], step_to=row["step_to"],
                                          opened_ts=row["opened_ts"], opened_step=None,
-                                         closed_ts=row.get("closed_ts")))
+                                         closed_ts=row.get("closed_ts"),
+                                         suspects=suspects_of(row["kind"], row["rank"], _evidence(row))))
     return scored, rows
 
 
 def policy_decisions(replays: Iterable[RunReplay], rules: Rules, mode: str | None) -> dict[str, list[str]]:
     """What the policy decides on each replayed incident (by scoring key), fed in the
-    order they opened: a straggler is looked at again when it closed (or at its last
-    update), as the live runner looks at open stragglers while they last."""
+    order they opened: a straggler, a slow link or a data stall (PERSIST_KINDS) is looked
+    at again when it closed (or at its last update), as the live runner looks at open
+    ones while they last."""
     policy = Policy(rules, mode=mode if mode and mode != "off" else "shadow")
     out: dict[str, list[str]] = {}
     for r in replays:
         st = RunPolicy(run_id=r.run_id, nodes=sorted({row["node"] for row in r.incidents if row.get("node")}))
         for row in sorted(r.incidents, key=lambda x: (x["opened_ts"], x["id"])):
             key = f"{r.run_id}/{row['cause_key']}"
-            ev = row.get("evidence")
-            inc = {**row, "evidence": json.loads(ev) if isinstance(ev, str) else ev, "status": "open"}
+            inc = {**row, "evidence": _evidence(row), "status": "open"}
             decided = policy.on_incident(st, inc, row["opened_ts"])
             end = row.get("closed_ts") or row.get("updated_ts")
-            if not decided and row["kind"] == "straggler" and end is not None:
+            if not decided and row["kind"] in PERSIST_KINDS and end is not None:
                 decided = policy.on_incident(st, inc, end)
             out[key] = [d.kind for d in decided if d.refused is None]
     return out
@@ -157,7 +167,7 @@ def action_lines(judgements: list[Judgement]) -> list[str]:
     lines = []
     for j in judgements:
         t = j.truth
-        what = f"{t.kind}({t.mode})" if t.mode else t.kind
+        what = f"{t.kind}({t.mode or t.what})" if t.mode or t.what else t.kind
         exp = ", then ".join(j.expected.actions) or "no action"
         if j.expected.verdict:
             exp += f", verdict {j.expected.verdict}"
@@ -197,13 +207,15 @@ def score_json(s: Score) -> dict[str, Any]:
         "by_kind": {k: {"truths": v.num_truths, "incidents": v.num_incidents, "matched": v.num_matched,
                         "precision": v.precision, "recall": v.recall, "culprit_accuracy": v.culprit_accuracy,
                         "latency_s_p50": median(v.latency_s), "latency_steps_p50": median(v.latency_steps),
+                        "culprit_among_suspects": v.num_culprit_among_suspects,
                         "latency_s": v.latency_s, "latency_steps": v.latency_steps}
                     for k, v in sorted(s.by_kind.items())},
-        "missed": [{"kind": t.kind, "rank": t.rank, "step": t.step} for t in s.missed],
+        "missed": [{"kind": t.label, "rank": t.rank, "step": t.step} for t in s.missed],
         "false_positives": [{"kind": i.kind, "rank": i.rank, "node": i.node, "step_from": i.step_from}
                             for i in s.false_positives],
-        "matches": [{"truth": {"kind": t.kind, "rank": t.rank, "node": t.node, "step": t.step},
-                     "incident": {"kind": i.kind, "rank": i.rank, "node": i.node, "step_from": i.step_from}}
+        "matches": [{"truth": {"kind": t.label, "rank": t.rank, "node": t.node, "step": t.step},
+                     "incident": {"kind": i.kind, "rank": i.rank, "node": i.node, "step_from": i.step_from,
+                                  "suspects": list(i.suspects)}}
                     for t, i in s.matches],
     }
 
@@ -275,10 +287,11 @@ def main(args: argparse.Namespace) -> int:
         print()
         print(s.table())
         for t, i in s.matches:
-            print(f"matched: {t.kind} at step {t.step} on rank {t.rank} (node {_dash(t.node)}) -> {i.kind} steps "
-                  f"{i.step_from}-{i.step_to}, culprit rank {_dash(i.rank)} node {_dash(i.node)}")
+            among = f" (suspects {', '.join(map(str, i.suspects))})" if i.suspects else ""
+            print(f"matched: {t.label} at step {t.step} on rank {t.rank} (node {_dash(t.node)}) -> {i.kind} steps "
+                  f"{i.step_from}-{i.step_to}, culprit rank {_dash(i.rank)} node {_dash(i.node)}{among}")
         for t in s.missed:
-            print(f"missed: {t.kind} at step {t.step} on rank {t.rank}")
+            print(f"missed: {t.label} at step {t.step} on rank {t.rank}")
         for i in s.false_positives:
             print(f"false positive: {i.kind} steps {i.step_from}-{i.step_to}, rank {_dash(i.rank)} "
                   f"node {_dash(i.node)}")

@@ -87,3 +87,67 @@ def test_background_jitter_is_no_truth_and_an_overflow_is_found_as_a_collapse():
     k = s.by_kind["overflow"]
     assert (k.precision, k.recall, k.culprit_accuracy, k.latency_s) == (1.0, 1.0, 1.0, [1.0])
     assert not s.missed and not s.false_positives
+
+
+def test_the_new_kinds_are_found_as_their_incidents_in_their_windows():
+    truths = truths_from_rows([
+        {"kind": "slowlink", "rank": 3, "node": "node1", "step": 30, "axis": "dp", "factor": 4.0, "ts": 10.0},
+        {"kind": "slowio", "rank": 2, "node": "node1", "step": 40, "what": "data", "factor": 4.0, "ts": 20.0},
+        {"kind": "slowio", "rank": 1, "node": "node0", "step": 40, "what": "ckpt", "factor": 30.0, "ts": 20.0},
+        {"kind": "bitflip", "rank": 2, "node": "node2", "step": 22, "ts": 30.0},
+    ])
+    assert sorted(t.label for t in truths) == ["bitflip", "slowio:ckpt", "slowio:data", "slowlink"]
+    findings = [
+        f("slow_link", "sl#1", 31, 40, rank=3, node="node1", ts=12.0, fired_at_step=37),
+        f("data_stall", "ds#1", 39, 48, rank=2, node="node1", ts=21.0),
+        f("checkpoint_slow", "cs#1", 48, 48, rank=1, node="node0", ts=25.0),  # the 2nd checkpoint after onset
+        f("replica_divergence", "rd#1", 20, 30, rank=2, node="node2", ts=31.0, divergent_ranks=[2], majority=True),
+        f("device_health", "dh#1", 5, 9, rank=0, node="node0", cause="memory_pressure"),  # no injection: FP
+    ]
+    s = score(findings, truths)
+    for label in ("slowlink", "slowio:data", "slowio:ckpt", "bitflip"):
+        k = s.by_kind[label]
+        assert (k.precision, k.recall, k.culprit_accuracy, k.num_culprit_among_suspects) == (1.0, 1.0, 1.0, 0), label
+    assert s.by_kind["slowlink"].latency_steps == [7]  # from the step it fired at, as a straggler's
+    assert s.by_kind["slowio:data"].latency_steps == [0]  # detected_step: 40
+    assert [i.kind for i in s.false_positives] == ["device_health"] and not s.missed
+    assert "slowio:ckpt" in s.table()
+
+
+def test_a_data_stall_does_not_match_a_slow_checkpoint_truth_nor_a_slow_link_a_straggler():
+    truths = truths_from_rows([{"kind": "slowio", "rank": 2, "node": "node1", "step": 40, "what": "ckpt"},
+                               {"kind": "straggler", "rank": 3, "node": "node1", "step": 30}])
+    s = score([f("data_stall", "ds#1", 40, rank=2, node="node1"), f("slow_link", "sl#1", 31, rank=3, node="node1")],
+              truths)
+    assert s.by_kind["slowio:ckpt"].recall == 0.0 and s.by_kind["straggler"].recall == 0.0
+    assert sorted(i.kind for i in s.false_positives) == ["data_stall", "slow_link"]
+
+
+def test_slowio_data_and_ckpt_at_one_step_are_two_truths():
+    rows = [{"kind": "slowio", "rank": 1, "node": 0, "step": 30, "what": w} for w in ("data", "ckpt")]
+    assert sorted(t.label for t in truths_from_rows(rows)) == ["slowio:ckpt", "slowio:data"]
+
+
+def test_a_divergence_without_a_majority_is_right_when_the_flipped_rank_is_among_its_suspects():
+    truths = truths_from_rows([{"kind": "bitflip", "rank": 1, "node": "node1", "step": 25}])
+    # dp = 2 on two nodes: no rank, no single node, both replicas in the evidence
+    both = f("replica_divergence", "rd#1", 20, 30, rank=None, node=None, divergent_ranks=[0, 1], majority=False)
+    s = score([both], truths)
+    k = s.by_kind["bitflip"]
+    assert (k.recall, k.culprit_accuracy, k.num_culprit_among_suspects) == (1.0, 1.0, 1)
+    assert s.matches[0][1].suspects == (0, 1)
+    wrong = f("replica_divergence", "rd#2", 20, 30, rank=None, node=None, divergent_ranks=[2, 3], majority=False)
+    k = score([wrong], truths).by_kind["bitflip"]
+    assert (k.recall, k.culprit_accuracy, k.num_culprit_among_suspects) == (1.0, 0.0, 0)
+    # with a majority the one rank is named: a wrong one is wrong, whatever the evidence lists
+    named = f("replica_divergence", "rd#3", 20, 30, rank=2, node="node2", divergent_ranks=[1, 2], majority=True)
+    assert score([named], truths).by_kind["bitflip"].culprit_accuracy == 0.0
+
+
+def test_a_bitflip_is_matched_from_the_last_agreeing_checksum_to_the_first_disagreeing_one():
+    truths = truths_from_rows([{"kind": "bitflip", "rank": 0, "node": "node0", "step": 29}])
+    assert score([f("replica_divergence", "rd#1", 20, 30, rank=0)], truths).by_kind["bitflip"].recall == 1.0
+    # no agreeing checksum before it (flipped before the first comparison): the range is its first disagreeing step
+    assert score([f("replica_divergence", "rd#1", 30, 30, rank=0)], truths).by_kind["bitflip"].recall == 1.0
+    # all agreed after the flip's step: another fault's divergence
+    assert score([f("replica_divergence", "rd#1", 60, 70, rank=0)], truths).by_kind["bitflip"].recall == 0.0

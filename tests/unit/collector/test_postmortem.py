@@ -103,6 +103,22 @@ def test_highlights_put_the_kind_keys_first():
     assert postmortem.highlights("nan", None) == ""
 
 
+def test_highlights_of_the_new_kinds_come_from_their_detectors_evidence():
+    link = {"group_id": 0, "axis": "dp", "link_ratio": 3.912, "busbw_vs_baseline": 0.26, "cost_s_per_step": 0.0412,
+            "share_of_step": 0.31, "step_s": 0.13}
+    assert postmortem.highlights("slow_link", link) == ("axis=dp, link_ratio=3.912, busbw_vs_baseline=0.26, "
+                                                        "cost_s_per_step=0.0412, share_of_step=0.31")
+    flip = {"dp": 3, "shard": "pp0-tp0", "divergent_ranks": [2], "majority": True, "caught_within_steps": 10,
+            "why": "2 of 3 replicas agree; rank 2 differs from the majority"}
+    assert postmortem.highlights("replica_divergence", flip) == (
+        "shard=pp0-tp0, divergent_ranks=[2], majority=true, caught_within_steps=10, "
+        "why=2 of 3 replicas agree; rank 2 differs...")
+    assert postmortem.highlights("device_health", {"ecc_at_start": 0, "cause": "ecc", "new_errors": 2},
+                                 limit=2) == "cause=ecc, new_errors=2"
+    assert postmortem.highlights("data_stall", {"step_s": 0.2, "data_share": 0.61, "cost_s_per_step": 0.12},
+                                 limit=2) == "data_share=0.61, cost_s_per_step=0.12"
+
+
 def test_window_and_grid_queries(cur):
     rows = read.step_window(cur, RUN, step_from=1, step_to=6)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]

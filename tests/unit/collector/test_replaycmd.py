@@ -103,6 +103,22 @@ def test_the_ledger_collapses_findings_as_the_writer_does():
     assert (second["status"], second["step_from"]) == ("open", 30)
 
 
+def test_a_slow_links_latency_counts_from_its_fired_step_and_a_divergence_keeps_its_suspects():
+    from collector.replaycmd import RunReplay
+
+    ledger = IncidentLedger()
+    ledger.record("r", [_finding(kind="slow_link", key="slow_link:dp0#1", evidence={"fired_at_step": 11}),
+                        _finding(kind="data_stall", key="data_stall:node1#1", detected_step=14, evidence={}),
+                        _finding(kind="replica_divergence", key="replica_divergence#1", rank=None, node=None,
+                                 step_from=20, step_to=30, detected_step=31,
+                                 evidence={"divergent_ranks": [0, 1], "majority": False})], now=100.0)
+    rows = [ledger.rows[i] for i in sorted(ledger.rows)]
+    assert [ledger.opened_step[r["id"]] for r in rows] == [11, 14, 31]
+    incs = scored_incidents([RunReplay(run_id="r", incidents=rows, opened_step=ledger.opened_step)])
+    assert [(i.kind, i.opened_step, i.suspects) for i in incs] == [
+        ("slow_link", 11, ()), ("data_stall", 14, ()), ("replica_divergence", 31, (0, 1))]
+
+
 def test_rules_change_what_the_replay_finds(simulated, tmp_path, capsys):
     path, _ = simulated
     rules = tmp_path / "rules.toml"
