@@ -89,8 +89,10 @@ def expected(t: Truth, *, mode: str | None, crash_number: int = 1, crashes_to_is
         return Expected(("rollback",), mode)
     if t.kind == "spike":
         return Expected(("rollback",), "data")
-    if t.kind in ("straggler", "hang"):
+    if t.kind in ("straggler", "hang", "slowlink") or (t.kind == "slowio" and t.what == "data"):
         return Expected(("isolate",), None, t.node)
+    if t.kind == "bitflip":  # dp >= 3 caught within checksum_every; a dp = 2 or late catch rolls
+        return Expected(("repair",))  # back instead, which this truth row cannot tell (judged wrong)
     if t.kind == "crash":
         if crash_number >= crashes_to_isolate:
             return Expected(("isolate",), None, t.node)

@@ -14,7 +14,9 @@ write is slow when it is at least `min_ratio` times
   own small rank file; the others only the rank file), and
 - that rank's own history: the median of its last `history_checkpoints` writes
   that were not slow (once it holds `min_history_checkpoints` of them; before, the
-  peers alone decide),
+  peers alone decide; a rank's first write, which allocates buffers and creates
+  files, is never judged; a rank no other rank wrote as many shards as, one
+  replica per shard, is judged by its history alone),
 
 and exceeds the larger of the two by at least `min_excess_s` (an fsync's jitter on
 a tiny file is not a slow node). The incident is per node and names the slowest
@@ -111,17 +113,20 @@ class CheckpointSlowDetector:
         for r in ranks:
             w, shards, nbytes = reports[r]
             peers = [reports[q][0] for q in ranks if q != r and reports[q][1] == shards]
-            if not peers:
-                continue  # no rank wrote what it wrote: nothing to compare with
-            peer_med = float(np.median(peers))
+            peer_med = float(np.median(peers)) if peers else None
             hist = st.history.get(r)
             own_med = float(np.median(hist)) if hist is not None and len(hist) >= cfg.min_history_checkpoints else None
-            ref = max(peer_med, own_med if own_med is not None else 0.0)
-            if (w >= cfg.min_ratio * peer_med and (own_med is None or w >= cfg.min_ratio * own_med)
+            if not hist or (peer_med is None and own_med is None):
+                # its first write (buffers allocated, files created) is not judged; nor is a rank
+                # without peers (one replica per shard) before its own history is a reference
+                st.history.setdefault(r, deque(maxlen=cfg.history_checkpoints)).append(w)
+                continue
+            ref = max(peer_med or 0.0, own_med or 0.0)
+            if ((peer_med is None or w >= cfg.min_ratio * peer_med) and (own_med is None or w >= cfg.min_ratio * own_med)
                     and w - ref >= cfg.min_excess_s):
                 slow[r] = {"rank": r, "write_s": json_number(w, 4), "peers_median_s": json_number(peer_med, 4),
                            "own_median_s": json_number(own_med, 4), "num_shards": shards, "bytes": nbytes,
-                           "ratio_vs_peers": json_number(w / peer_med if peer_med > 0 else None, 4),
+                           "ratio_vs_peers": json_number(w / peer_med if peer_med else None, 4),
                            "ratio_vs_history": json_number(w / own_med if own_med else None, 4),
                            "excess_s": json_number(w - ref, 4), **topo.coords(r)}
             else:

@@ -11,7 +11,9 @@ rows matched by `(attempt, axis, group_id, group_seq)`, as in
 analysis/attribution.py) to this member's completion, so a rank that waited for a
 late peer (a compute straggler) does not look like a slow transfer. A send or
 receive has no entry to wait for: its time is its duration. Ops of no bytes
-(barriers) say nothing.
+(barriers) say nothing. The detector judges the collectives only: a receive's
+duration includes waiting for its sender, so a pp peer of a rank slowed on another
+axis looked like a slow pp link (a slow pp link is not detected yet).
 
 Per judged step (excluded steps, analysis/marks.py, are skipped), and per group
 of each axis:
@@ -194,7 +196,10 @@ class SlowLinkDetector:
         st.last_final = upto
         if not final.height:
             return
-        bw = bus_bandwidth(final).sort("attempt", "step")
+        # sends and receives are not judged: a receive's duration includes the wait for its
+        # sender, so a pp peer of a rank slowed on another axis looked like a slow pp link
+        # (bench_detection on dp2xpp2); a pp link is judged once p2p records their waits
+        bw = bus_bandwidth(final.filter(~pl.col("op").is_in(_P2P))).sort("attempt", "step")
         for attempt, step, rows in iter_steps(bw):
             if p.run.marks.is_excluded(attempt, step, p.topo):
                 continue
