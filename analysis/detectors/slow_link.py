@@ -306,8 +306,13 @@ class SlowLinkDetector:
         if not ranked or st.link.get((g.axis, ranked[0]), 0.0) < self.log_min:
             return None
         r = ranked[0]
-        if r < len(st.compute_excess) and st.compute_excess[r] >= st.cost.get((g.axis, r), 0.0):
+        cost = st.cost.get((g.axis, r), 0.0)
+        if r < len(st.compute_excess) and st.compute_excess[r] >= cost:
             return None  # its compute costs more than its link: a straggler, the straggler detector's
+        if st.step_s > 0 and cost < self.cfg.min_share * st.step_s:
+            # a sliver of the step: a compute straggler's pp peers' small collectives looked slow
+            # at ~1.4x (costing 1% of the step); a degraded link costs far more
+            return None
         return r
 
     def _report(self, p, st: _State, g: _Group, step: int) -> None:
