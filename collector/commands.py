@@ -153,8 +153,11 @@ class CommandBook:
         for run_id in set(restarted):
             for cmd in self._by_run.get(run_id, {}).values():
                 cur = changed.get(cmd.id, cmd)
+                # not an isolate: the restart is how an isolation ends (the supervisor leaves the
+                # node out, from the membership file or the collector's nodes table), and the
+                # new round, without that node, rejected it ("not a node of this job")
                 if cur.delivered and not cur.acks and cur.status in ("pending", "delivered") \
-                        and now - cur.issued_ts <= self.ttl_s:
+                        and cur.kind != "isolate" and now - cur.issued_ts <= self.ttl_s:
                     cur = edit(cmd)
                     cur.delivered, cur.status, cur.updated_ts = [], "pending", now
 

@@ -73,6 +73,17 @@ def test_a_restart_round_gets_again_what_the_old_round_left_undone():
     assert book.plan([("other", 0)], [], now=4.0, restarted=["other"]).deliveries == [[]]
 
 
+def test_an_isolate_no_rank_acked_is_not_given_to_the_restart_round():
+    """Seen in the suite: the hung rank's node was isolated by the restart itself; the isolate,
+    delivered to the old round and never acked, went to the new round, whose rank 0 (without
+    that node) rejected it, and the action failed though the node was out."""
+    book = book_with(Command(id=2, run_id="r", kind="isolate", args={"node": "node1"}, ranks=[0, 1],
+                             issued_ts=0.0))
+    book.apply(book.plan([("r", 0), ("r", 1)], [], now=1.0), 1.0)  # delivered, never acked
+    plan = book.plan([("r", 0)], [], now=2.0, restarted=["r"])
+    assert plan.deliveries == [[]] and 2 not in plan.changed
+
+
 def test_every_rank_of_unknown_size_and_expiry():
     book = book_with(Command(id=1, run_id="r", kind="stop", args={}, ranks=None, issued_ts=0.0),
                      Command(id=2, run_id="r", kind="skip", args={}, ranks=[5], issued_ts=0.0), ttl_s=10.0)
