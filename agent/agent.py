@@ -224,6 +224,7 @@ class Agent(Recorder):
         self._flush_requested = 0
         self._flush_done = 0
         self._flush_ok = False
+        self._lost_since_flush = False  # a periodic cycle's batch was rejected or dropped since the last flush
         self._flush_deadline = 0.0  # monotonic; of the newest flush request
         self._next_cut = 0.0  # monotonic; while batches go to the spool, no batch is cut before this
         self._last_fill = 0.0  # of the fullest active buffer at the last cycle (0..1)
@@ -512,8 +513,13 @@ class Agent(Recorder):
         else:
             fate = "dropped" if has_rows else "sent"  # an encoding failure, or nothing to send
         delivered = shipper.pump() if deadline is None else shipper.drain(deadline=deadline)
-        return (delivered and fate in ("sent", "spooled")
-                and shipper.stats.num_batches_quarantined == num_quarantined)
+        ok = (delivered and fate in ("sent", "spooled")
+              and shipper.stats.num_batches_quarantined == num_quarantined)
+        if deadline is None:  # periodic: a lost batch held rows the next flush() answers for
+            self._lost_since_flush |= fate not in ("sent", "spooled")
+            return ok
+        ok, self._lost_since_flush = ok and not self._lost_since_flush, False
+        return ok
 
     def _buffers_filling(self) -> bool:
         """Cut now rather than drop rows before the next cycle: the fullest buffer is
