@@ -307,32 +307,29 @@ def _toml_value(value: Any) -> str:
     return repr(value)
 
 
-def _toml_comments(text: str) -> dict[tuple[str, str], str]:
-    """(section, key) -> the comment on its line in rules.toml."""
+def _by_section(text: str, section_re: str, row_re: str) -> dict[tuple[str, str], str]:
+    """(section, key) -> the text `row_re` captures after the key, on the lines under each
+    line `section_re` matches."""
     out, section = {}, ""
     for line in text.splitlines():
-        m = re.match(r"\s*\[([A-Za-z0-9_]+)\]\s*$", line)
+        m = re.match(section_re, line)
         if m:
             section = m.group(1)
             continue
-        m = re.match(r"\s*([A-Za-z0-9_]+)\s*=.*?\s#\s?(.*)$", line)
+        m = re.match(row_re, line)
         if m and section:
             out[(section, m.group(1))] = m.group(2).strip()
     return out
 
 
+def _toml_comments(text: str) -> dict[tuple[str, str], str]:
+    """(section, key) -> the comment on its line in rules.toml."""
+    return _by_section(text, r"\s*\[([A-Za-z0-9_]+)\]\s*$", r"\s*([A-Za-z0-9_]+)\s*=.*?\s#\s?(.*)$")
+
+
 def _rules_doc_meanings(text: str) -> dict[tuple[str, str], str]:
     """(section, key) -> the meaning column of its row in docs/rules.md."""
-    out, section = {}, ""
-    for line in text.splitlines():
-        m = re.match(r"##\s+\[([A-Za-z0-9_]+)\]", line)
-        if m:
-            section = m.group(1)
-            continue
-        m = re.match(r"\|\s*`([A-Za-z0-9_]+)`\s*\|[^|]*\|\s*(.*?)\s*\|\s*$", line)
-        if m and section:
-            out[(section, m.group(1))] = m.group(2)
-    return out
+    return _by_section(text, r"##\s+\[([A-Za-z0-9_]+)\]", r"\|\s*`([A-Za-z0-9_]+)`\s*\|[^|]*\|\s*(.*?)\s*\|\s*$")
 
 
 def rules_keys() -> dict[str, dict[str, Any]]:
