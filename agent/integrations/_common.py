@@ -309,3 +309,18 @@ def _flag_tensor():
         if acc is not None:
             device = torch.device(acc.type, torch.accelerator.current_device_index())
     return torch.zeros(1, dtype=torch.int64, device=device)
+
+
+class TelemetryCallback:
+    """What both framework callbacks expose of their `Telemetry` (`self.telemetry`)."""
+
+    telemetry: Telemetry
+
+    @property
+    def resume_from(self) -> str | None:
+        """The checkpoint a rollback asks the next fit to resume from (None: no rollback pending)."""
+        return self.telemetry.resume_from
+
+    @property
+    def agent(self):
+        return self.telemetry.agent

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from agent.integrations._common import Telemetry
+from agent.integrations._common import Telemetry, TelemetryCallback
 
 _HELD = ("loss", "grad_norm", "lr")
 
@@ -46,7 +46,7 @@ def hf_checkpoints(output_dir: str | None) -> list[tuple[int, str]]:
     return out
 
 
-class LlmwatchCallback(TrainerCallback):
+class LlmwatchCallback(TelemetryCallback, TrainerCallback):
     """Telemetry and control for one rank of a `transformers.Trainer`.
 
     `agent`: an `agent.Agent` to record into (yours to close); else one is made at
@@ -59,15 +59,6 @@ class LlmwatchCallback(TrainerCallback):
         self.telemetry = Telemetry(framework="transformers", agent=agent, run_id=run_id, node=node, url=url,
                                    token=token, token_file=token_file, config=config)
         self._held: dict | None = None  # the step waiting for its log: {"step", "step_s", "lr", ...}
-
-    @property
-    def resume_from(self) -> str | None:
-        """The checkpoint a rollback asks the next `trainer.train(resume_from_checkpoint=...)` to use."""
-        return self.telemetry.resume_from
-
-    @property
-    def agent(self):
-        return self.telemetry.agent
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._held = None

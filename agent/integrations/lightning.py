@@ -33,7 +33,7 @@ try:
 except ImportError:  # only the older package name is installed
     from pytorch_lightning import Callback
 
-from agent.integrations._common import Telemetry, step_of_name
+from agent.integrations._common import Telemetry, TelemetryCallback, step_of_name
 
 
 def lightning_checkpoints(trainer) -> list[tuple[int, str]]:
@@ -50,7 +50,7 @@ def lightning_checkpoints(trainer) -> list[tuple[int, str]]:
     return out
 
 
-class LlmwatchCallback(Callback):
+class LlmwatchCallback(TelemetryCallback, Callback):
     """Telemetry and control for one rank of a Lightning fit (arguments as
     `agent.integrations.hf.LlmwatchCallback`)."""
 
@@ -61,14 +61,6 @@ class LlmwatchCallback(Callback):
                                    token=token, token_file=token_file, config=config)
         self._grad_norm = None  # a 0-dim tensor: read at the step's end, with the loss
         self._recorded_step = -1
-
-    @property
-    def resume_from(self) -> str | None:
-        return self.telemetry.resume_from
-
-    @property
-    def agent(self):
-        return self.telemetry.agent
 
     def on_train_start(self, trainer, pl_module):
         # after the checkpoint restore: global_step is the resumed one
