@@ -36,11 +36,16 @@ from typing import Any
 
 import duckdb
 
+from analysis.policy import ISOLATE, RESTART
 from collector.decode import CommandAck, json_text
 from collector.projection import Group, Ids, Projection
 
 KIND_RE = re.compile(r"^[a-z][a-z0-9_]{0,49}$")
 FAILED_ACKS = frozenset({"failed", "error", "rejected"})
+
+# Commands the job's restart completes, not its ranks: never given again to a restart round
+# (an isolate's new round, without that node, rejected it: "not a node of this job").
+ENDED_BY_RESTART = frozenset({ISOLATE, RESTART})
 
 
 @dataclass(slots=True)
@@ -153,11 +158,8 @@ class CommandBook:
         for run_id in set(restarted):
             for cmd in self._by_run.get(run_id, {}).values():
                 cur = changed.get(cmd.id, cmd)
-                # not an isolate: the restart is how an isolation ends (the supervisor leaves the
-                # node out, from the membership file or the collector's nodes table), and the
-                # new round, without that node, rejected it ("not a node of this job")
                 if cur.delivered and not cur.acks and cur.status in ("pending", "delivered") \
-                        and cur.kind != "isolate" and now - cur.issued_ts <= self.ttl_s:
+                        and cur.kind not in ENDED_BY_RESTART and now - cur.issued_ts <= self.ttl_s:
                     cur = edit(cmd)
                     cur.delivered, cur.status, cur.updated_ts = [], "pending", now
 

@@ -50,6 +50,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from analysis.policy import ISOLATE, REPAIR, RESTART, Decision, Policy, RunPolicy
+from collector.commands import ENDED_BY_RESTART, FAILED_ACKS
 from collector.feed import Subscription
 from collector.incidents import IncidentPlan
 from collector.projection import Group
@@ -57,7 +58,6 @@ from collector.projection import Group
 log = logging.getLogger("collector.policy")
 
 _EVENT_KINDS = ("command_ack", "rerun_verdict", "run_finished", "run_started")
-_FAILED_ACKS = frozenset({"failed", "error", "rejected"})
 _TICK_S = 0.25  # how often open stragglers and waiting incidents are looked at again without news
 _DEFER_MAX_S = 120.0  # an incident still waiting this long after it opened is dropped (logged)
 
@@ -285,7 +285,7 @@ class PolicyRunner:
         if p is None:
             return
         status = data.get("status")
-        if status in _FAILED_ACKS:
+        if status in FAILED_ACKS:
             with self._lock:
                 self._pending.pop(p.action_id, None)
             self.storage.update_action(p.action_id, status="failed",
@@ -319,7 +319,7 @@ class PolicyRunner:
             if p.recovered_ts is not None:
                 continue  # done; the run ended before it caught up
             # acked by some rank (the others' acks may be a commit behind the end): carried out
-            if p.acked or p.acks or (p.kind in (ISOLATE, RESTART) and not p.needs_restart):
+            if p.acked or p.acks or (p.kind in ENDED_BY_RESTART and not p.needs_restart):
                 self.storage.update_action(p.action_id, status="done",
                                            detail={"outcome": "the run finished before a new step"})
             else:
@@ -427,14 +427,14 @@ class PolicyRunner:
                 self._pending[int(action_id)] = Pending(action_id=int(action_id), run_id=d.run_id, kind=d.kind,
                                                         incident_opened_ts=opened, attempt=attempt,
                                                         command_id=command_id,
-                                                        needs_restart=d.kind in (ISOLATE, RESTART))
+                                                        needs_restart=d.kind in ENDED_BY_RESTART)
         return recorded
 
 
 def _carried_by_ranks(p: Pending) -> bool:
     """A command the ranks carry out and ack (rollback, stop), not one the job's restart
     completes (isolate, restart)."""
-    return p.command_id is not None and p.kind not in (ISOLATE, RESTART)
+    return p.command_id is not None and p.kind not in ENDED_BY_RESTART
 
 
 def _first(rows: pa.Table) -> dict[str, Any]:
