@@ -9,6 +9,7 @@ import json
 import duckdb
 import pytest
 
+from analysis.scoring import WINDOWS
 from tests.integration.trainer_run import run_trainer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.e2e]
@@ -38,7 +39,11 @@ def test_a_slow_link_is_named_for_what_it_is(tmp_path, axis):
     assert [row[0] for row in rows] == ["slow_link"], rows  # one slow link: no straggler, nothing else
     kind, rank, node, step_from, evidence = rows[0]
     assert (rank, node) == (RANK, NODE)
-    assert step_from >= FROM
+    # the onset is the first step of the run of low steps: on 2 oversubscribed cores the step
+    # before the injection is low by chance about one run in 30 (a descheduled rank), and the
+    # scoring's window for a slow link allows that one step (analysis/scoring.py WINDOWS)
+    lo, hi = WINDOWS["slowlink"]
+    assert FROM + lo <= step_from <= FROM + hi, rows
     ev = json.loads(evidence)
     assert ev["axis"] == axis and ev["cost_s_per_step"] > 0 and ev["link_ratio"] > 1.5
     assert len(stretched) == 4  # every member of the axis reported its ops with bytes and durations
