@@ -299,11 +299,14 @@ class Agent(Recorder):
             self._log_once("close", "llmwatch agent: close failed: %r", e)
 
     # -- cheap API for the training thread -----------------------------------
-    def event(self, kind: str, step: int = -1, **data) -> None:
-        """Something that happened (checkpoint saved, restart...). Rare: builds a dict."""
+    def event(self, kind: str, step: int = -1, *, of_attempt: int | None = None, **data) -> None:
+        """Something that happened (checkpoint saved, restart...). Rare: builds a dict.
+        `of_attempt`: the attempt it belongs to when not the current one (a save queued
+        before a rollback and reported after it)."""
         try:
-            self._add_event({"ts": self._clock(), "step": int(step), "attempt": int(self.attempt), "kind": str(kind),
-                            "data": json_safe(data)})
+            self._add_event({"ts": self._clock(), "step": int(step),
+                             "attempt": int(self.attempt if of_attempt is None else of_attempt), "kind": str(kind),
+                             "data": json_safe(data)})
         except Exception as e:  # noqa: BLE001
             self._log_once("event", "llmwatch agent: dropped event %r: %r", kind, e)
 

@@ -34,7 +34,7 @@ class NoopAgent:
     def record_scalar(self, step, name, value) -> None:
         return None
 
-    def event(self, kind: str, step: int = -1, **data) -> None:
+    def event(self, kind: str, step: int = -1, *, of_attempt: int | None = None, **data) -> None:
         return None
 
     def set_phase(self, phase: str, step: int) -> None:

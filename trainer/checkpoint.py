@@ -131,6 +131,16 @@ class _Shard:
 
 
 @dataclass(frozen=True, slots=True)
+class Queued:
+    """One save handed to the background writer (`Checkpointer.save()`)."""
+
+    step: int
+    num_shards: int  # files this rank will write
+    bytes: int  # bytes of the host copies they are written from
+    stall_s: float  # time save() blocked the training loop (back-pressure + copy to host)
+
+
+@dataclass(frozen=True, slots=True)
 class _Job:
     step: int
     shards: list[_Shard]
@@ -269,8 +279,9 @@ class Checkpointer:
 
     # -- training-loop API ---------------------------------------------------
     def save(self, step: int, *, model_state: dict | None, optim_state: dict | None, rank_state: dict,
-             meta: dict) -> None:
-        """Copy this rank's shards to host memory and queue them; returns before any file is written.
+             meta: dict) -> Queued | None:
+        """Copy this rank's shards to host memory and queue them; returns before any file is written
+        (what was queued; None: not saved).
 
         `meta` must be JSON (it goes into the manifest) and identical on all ranks. Saving the
         step saved last again (without a `load_latest()` in between) is a no-op: two jobs of one
@@ -279,7 +290,7 @@ class Checkpointer:
             raise RuntimeError("save() after close()")
         if step == self._last_saved_step:  # saved on schedule and on command at the same step
             self.log(f"checkpoint step {step}: already saved, not saved again")
-            return
+            return None
         t0 = self.clock()
         meta = json.loads(json.dumps(meta))  # fails here, in the caller, if it is not JSON; also a snapshot
         if not self._slots.acquire(blocking=False):
@@ -301,8 +312,10 @@ class Checkpointer:
         self._pool.retain(copier.keys)
         with self._cv:
             self._num_outstanding += 1
-        self._jobs.put(_Job(step, shards, meta, self.clock() - t0, copier.buffers))
+        stall_s = self.clock() - t0
+        self._jobs.put(_Job(step, shards, meta, stall_s, copier.buffers))
         self._last_saved_step = step
+        return Queued(step, len(shards), sum(b.numel() * b.element_size() for b in copier.buffers), stall_s)
 
     def poll(self) -> list[SaveRecord]:
         """Saves finished since the last call (for telemetry events)."""

@@ -11,6 +11,7 @@ import json
 import os
 import random
 import time
+from collections import deque
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -85,6 +86,7 @@ class Trainer:
         self.loader_factory = loader_factory
         self.eval_sets = eval_sets
         self.ckpt = checkpointer
+        self._saves_queued: deque[tuple[int, int]] = deque()  # (step, attempt) of saves not reported yet
         self.agent = agent
         self.injector = injector
         self.device = device
@@ -196,6 +198,8 @@ class Trainer:
                 self.state.step = step
                 self.state.position = batch.next_position
                 self.state.num_skipped += int(result.skipped)
+                if self.ckpt is not None:  # saves written by now are reported before this step's row,
+                    self._checkpoint_events()  # so a save not reported was still being written then
                 self._report(step, batch.global_num_tokens, sum(mb.num_tokens for mb in batch.micro_batches),
                              result, step_s, data_s, comm_stats.wait_s, batch.meta["replica_window"])
                 self._recovered(step)
@@ -271,15 +275,28 @@ class Trainer:
                                                 "sp": self.dims.sp},
             "engine": {k: v for k, v in sd.items() if k not in ("model", "optim")},
         }
-        self.ckpt.save(step, model_state=sd["model"], optim_state=sd["optim"], rank_state={"rng": rng_state()},
-                       meta=meta)
-        self._checkpoint_events()
+        queued = self.ckpt.save(step, model_state=sd["model"], optim_state=sd["optim"],
+                                rank_state={"rng": rng_state()}, meta=meta)
+        if queued is not None:  # the write starts now, in the background (checkpoint_slow's lower bound)
+            self._saves_queued.append((step, self.state.attempt))
+            self.agent.event("checkpoint_queued", step=step, num_shards=queued.num_shards, bytes=queued.bytes,
+                             stall_s=queued.stall_s, attempt=self.state.attempt)
 
     def _checkpoint_events(self) -> None:
         for rec in self.ckpt.poll():
+            attempt = self._save_attempt(rec.step)
             self.agent.event("checkpoint_saved", step=rec.step, path=str(rec.path), num_shards=rec.num_shards,
                              bytes=rec.bytes, write_s=rec.write_s, checksums=rec.checksums, verified=True,
-                             attempt=self.state.attempt)
+                             attempt=attempt, of_attempt=attempt)
+
+    def _save_attempt(self, step: int) -> int:
+        """The attempt a save of `step` was queued in (its report may come after a rollback):
+        the writer finishes saves in the order they were queued."""
+        while self._saves_queued:
+            s, attempt = self._saves_queued.popleft()
+            if s == step:
+                return attempt
+        return self.state.attempt
 
     def _checksum_due(self, step: int) -> bool:
         """Every `telemetry.checksum_every` steps, and the step after a repair (which

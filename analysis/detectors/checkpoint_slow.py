@@ -1,13 +1,26 @@
 """`checkpoint_slow`: a rank whose checkpoint shard writes are far slower than they should be.
 
-Every rank reports each save it finished as a `checkpoint_saved` event (its `data`:
-`write_s`, the background seconds to serialize, hash and fsync the shards it
-wrote, `num_shards`, `bytes`). The `checkpoints` table keeps only their sum and
-maximum; the events keep them per rank, and that is what this detector reads.
+Every rank reports each save twice:
 
-A checkpoint is judged once every rank of the run reported it (or, when a rank's
-report never comes, once `max_pending` newer checkpoints were reported). A rank's
-write is slow when it is at least `min_ratio` times
+- `checkpoint_queued` when `save()` handed its shards to the background writer
+  (its `data`: `num_shards`, `bytes`, `stall_s`: how long the save held the loop);
+- `checkpoint_saved` when they were written (`write_s`, the background seconds to
+  serialize, hash and fsync them, `num_shards`, `bytes`).
+
+The `checkpoints` table keeps only their sum and maximum; the events keep them per
+rank, and that is what this detector reads.
+
+A checkpoint is judged once every rank of the run reported it written. A rank that
+has not, while it trains on (its step rows keep coming), is still writing: the
+seconds from its `checkpoint_queued` to its newest step row (both on its own clock)
+are a lower bound on its write, and once that bound alone is slow (below) the
+checkpoint is judged at once, without waiting for a report that a stalled writer
+never sends. A checkpoint still missing a report once `max_pending` newer ones are
+pending is judged with the bounds it has (a rank with neither report nor bound is
+left out: it died, and that is the crash and hang detectors' to say). A report that
+comes after its checkpoint was judged is not judged again.
+
+A rank's write is slow when it is at least `min_ratio` times
 
 - the median write seconds of the other ranks of the same checkpoint that wrote
   as many shards (dp rank 0 of each (pp, tp) writes the model shard as well as its
@@ -22,7 +35,9 @@ and exceeds the larger of the two by at least `min_excess_s` (an fsync's jitter 
 a tiny file is not a slow node). The incident is per node and names the slowest
 rank; it resolves after `resolve_after_checkpoints` checkpoints in a row in which
 none of its ranks wrote slowly. The evidence has the checkpoint's step, the write
-seconds against both references, and the excess in seconds per checkpoint.
+seconds against both references (`still_writing`: the write seconds are the lower
+bound of a write not finished when it was judged), and the excess in seconds per
+checkpoint.
 """
 
 from __future__ import annotations
@@ -49,18 +64,30 @@ class _Episode:
         self.worst: dict = {}  # what the slowest write showed (for the evidence)
 
 
-class _State:
-    __slots__ = ("pending", "history", "episodes", "judged")
+class _Pending:
+    """One checkpoint not judged yet."""
+
+    __slots__ = ("reports", "queued")
 
     def __init__(self) -> None:
-        self.pending: dict[tuple[int, int], dict[int, tuple[float, int, int]]] = {}  # (attempt, step) -> rank -> w
+        self.reports: dict[int, tuple[float, int, int]] = {}  # rank -> (write_s, num_shards, bytes): written
+        self.queued: dict[int, tuple[float, int, int]] = {}  # rank -> (ts on its clock, num_shards, bytes)
+
+
+class _State:
+    __slots__ = ("pending", "history", "episodes", "judged", "last_ts")
+
+    def __init__(self) -> None:
+        self.pending: dict[tuple[int, int], _Pending] = {}  # (attempt, step) -> what its ranks reported
         self.history: dict[int, deque] = {}  # rank -> its recent write seconds that were not slow
         self.episodes: dict[str, _Episode] = {}  # node (or "rank<R>") -> open episode
         self.judged: deque = deque(maxlen=16)  # (attempt, step) judged already: a late report is ignored
+        self.last_ts: dict[int, float] = {}  # rank -> its newest step row's ts, of the ranks with a write queued
 
     def footprint(self) -> dict[str, int]:
-        return {"pending": sum(len(v) for v in self.pending.values()), "episodes": len(self.episodes),
-                "history": sum(len(d) for d in self.history.values())}
+        return {"pending": sum(len(v.reports) + len(v.queued) for v in self.pending.values()),
+                "episodes": len(self.episodes), "history": sum(len(d) for d in self.history.values()),
+                "last_ts": len(self.last_ts)}
 
 
 @register
@@ -76,60 +103,122 @@ class CheckpointSlowDetector:
 
     def run(self, p, st: _State) -> None:
         ev = p.frames.events
-        if ev is None or not ev.height:
+        if ev is not None and ev.height:
+            kinds = ev["kind"].cast(pl.String)
+            mine = ev.filter(kinds.is_in(["checkpoint_saved", "checkpoint_queued"]))
+            if mine.height:
+                self._read(st, mine)
+        if not st.pending:
             return
-        saved = ev.filter(pl.col("kind").cast(pl.String) == "checkpoint_saved")
-        if not saved.height:
-            return
-        attempts = saved["attempt"].to_list() if has(saved, "attempt") else [0] * saved.height
-        for rank, step, attempt, data in zip(saved["rank"].to_list(), saved["step"].to_list(), attempts,
-                                             saved["data"].to_list()):
-            try:
-                d = json.loads(data) if data else {}
-            except (TypeError, ValueError):
+        self._advance(st, p.frames.steps)
+        expected = p.topo.world_size or int(p.topo.seen.sum())
+        for key in sorted(st.pending):
+            pend = st.pending[key]
+            complete = expected > 0 and len(pend.reports) >= expected
+            bounds = self._bounds(st, pend)
+            overdue = len(st.pending) > self.cfg.max_pending
+            if not (complete or overdue or self._slow_bound(st, pend, bounds)):
                 continue
-            w = d.get("write_s")
-            if rank is None or rank < 0 or step is None or not isinstance(w, (int, float)) or not w >= 0:
+            del st.pending[key]
+            st.judged.append(key)
+            reports = {**{r: (w, n, b, True) for r, (w, n, b) in bounds.items()},
+                       **{r: (w, n, b, False) for r, (w, n, b) in pend.reports.items()}}
+            if len(reports) >= 2:
+                self._judge(p, st, key[1], reports)
+        if not st.pending:
+            st.last_ts.clear()
+
+    def _read(self, st: _State, ev: pl.DataFrame) -> None:
+        attempts = ev["attempt"].to_list() if has(ev, "attempt") else [0] * ev.height
+        for rank, step, attempt, kind, ts, data in zip(ev["rank"].to_list(), ev["step"].to_list(), attempts,
+                                                       ev["kind"].cast(pl.String).to_list(), ev["ts"].to_list(),
+                                                       ev["data"].to_list()):
+            if rank is None or rank < 0 or step is None:
                 continue
             key = (int(attempt or 0), int(step))
             if key in st.judged:
                 continue
-            st.pending.setdefault(key, {})[int(rank)] = (float(w), int(d.get("num_shards") or 0),
-                                                         int(d.get("bytes") or 0))
-        expected = p.topo.world_size or int(p.topo.seen.sum())
-        for key in sorted(st.pending):
-            reports = st.pending[key]
-            complete = expected > 0 and len(reports) >= expected
-            if complete or len(st.pending) > self.cfg.max_pending:
-                del st.pending[key]
-                st.judged.append(key)
-                if len(reports) >= 2:
-                    self._judge(p, st, key[1], reports)
+            try:
+                d = json.loads(data) if data else {}
+            except (TypeError, ValueError):
+                continue
+            if not isinstance(d, dict):
+                continue
+            shards, nbytes = int(d.get("num_shards") or 0), int(d.get("bytes") or 0)
+            if kind == "checkpoint_queued":
+                if isinstance(ts, (int, float)):
+                    st.pending.setdefault(key, _Pending()).queued[int(rank)] = (float(ts), shards, nbytes)
+                continue
+            w = d.get("write_s")
+            if isinstance(w, (int, float)) and w >= 0:
+                st.pending.setdefault(key, _Pending()).reports[int(rank)] = (float(w), shards, nbytes)
 
-    def _judge(self, p, st: _State, step: int, reports: dict[int, tuple[float, int, int]]) -> None:
+    def _advance(self, st: _State, steps: pl.DataFrame | None) -> None:
+        """The newest step row's ts of each rank that has a write queued and not reported."""
+        waiting = {r for pend in st.pending.values() for r in pend.queued if r not in pend.reports}
+        if not waiting or steps is None or not steps.height or not has(steps, "ts"):
+            return
+        newest = (steps.filter(pl.col("rank").is_in(list(waiting))).group_by("rank").agg(pl.col("ts").max()))
+        for rank, ts in newest.iter_rows():
+            if ts is not None and ts > st.last_ts.get(int(rank), float("-inf")):
+                st.last_ts[int(rank)] = float(ts)
+
+    @staticmethod
+    def _bounds(st: _State, pend: _Pending) -> dict[int, tuple[float, int, int]]:
+        """Ranks still writing: the seconds since they queued, to their newest step row."""
+        out = {}
+        for r, (t0, shards, nbytes) in pend.queued.items():
+            if r not in pend.reports and r in st.last_ts and st.last_ts[r] > t0:
+                out[r] = (st.last_ts[r] - t0, shards, nbytes)
+        return out
+
+    def _slow_bound(self, st: _State, pend: _Pending, bounds: dict[int, tuple[float, int, int]]) -> bool:
+        """Whether a still-writing rank's lower bound alone is already a slow write."""
+        for r, (w, shards, _) in bounds.items():
+            peers = [x[0] for q, x in pend.reports.items() if x[1] == shards]
+            hist = st.history.get(r)
+            if self._verdict(w, float(np.median(peers)) if peers else None, hist) is not None:
+                return True
+        return False
+
+    def _verdict(self, w: float, peer_med: float | None, hist) -> tuple[float | None, float] | None:
+        """(own median, reference) when a write of `w` s is slow against its peers' median and
+        its own history; None when it is not (or cannot be judged)."""
+        cfg = self.cfg
+        own_med = float(np.median(hist)) if hist is not None and len(hist) >= cfg.min_history_checkpoints else None
+        if not hist or (peer_med is None and own_med is None):
+            return None
+        ref = max(peer_med or 0.0, own_med or 0.0)
+        if ((peer_med is None or w >= cfg.min_ratio * peer_med) and (own_med is None or w >= cfg.min_ratio * own_med)
+                and w - ref >= cfg.min_excess_s):
+            return own_med, ref
+        return None
+
+    def _judge(self, p, st: _State, step: int, reports: dict[int, tuple[float, int, int, bool]]) -> None:
+        """`reports`: rank -> (write seconds, shards, bytes, still writing: the seconds are a lower bound)."""
         cfg, topo = self.cfg, p.topo
         ranks = sorted(reports)
         slow: dict[int, dict] = {}
         for r in ranks:
-            w, shards, nbytes = reports[r]
-            peers = [reports[q][0] for q in ranks if q != r and reports[q][1] == shards]
+            w, shards, nbytes, writing = reports[r]
+            peers = [reports[q][0] for q in ranks if q != r and reports[q][1] == shards and not reports[q][3]]
             peer_med = float(np.median(peers)) if peers else None
             hist = st.history.get(r)
-            own_med = float(np.median(hist)) if hist is not None and len(hist) >= cfg.min_history_checkpoints else None
-            if not hist or (peer_med is None and own_med is None):
+            if not writing and (not hist or (peer_med is None and len(hist) < cfg.min_history_checkpoints)):
                 # its first write (buffers allocated, files created) is not judged; nor is a rank
                 # without peers (one replica per shard) before its own history is a reference
                 st.history.setdefault(r, deque(maxlen=cfg.history_checkpoints)).append(w)
                 continue
-            ref = max(peer_med or 0.0, own_med or 0.0)
-            if ((peer_med is None or w >= cfg.min_ratio * peer_med) and (own_med is None or w >= cfg.min_ratio * own_med)
-                    and w - ref >= cfg.min_excess_s):
-                slow[r] = {"rank": r, "write_s": json_number(w, 4), "peers_median_s": json_number(peer_med, 4),
+            got = self._verdict(w, peer_med, hist)
+            if got is not None:
+                own_med, ref = got
+                slow[r] = {"rank": r, "write_s": json_number(w, 4), "still_writing": writing,
+                           "peers_median_s": json_number(peer_med, 4),
                            "own_median_s": json_number(own_med, 4), "num_shards": shards, "bytes": nbytes,
                            "ratio_vs_peers": json_number(w / peer_med if peer_med else None, 4),
                            "ratio_vs_history": json_number(w / own_med if own_med else None, 4),
                            "excess_s": json_number(w - ref, 4), **topo.coords(r)}
-            else:
+            elif not writing:  # a bound that is not slow says nothing about the write's length
                 st.history.setdefault(r, deque(maxlen=cfg.history_checkpoints)).append(w)
         by_node: dict[str, list[int]] = {}
         for r in slow:
@@ -157,12 +246,13 @@ class CheckpointSlowDetector:
         node = p.topo.node_name(worst)
         w = ep.worst
         evidence = {"ranks": sorted(ep.members), "node": node, "checkpoint_step": step, "write_s": w["write_s"],
-                    "peers_median_s": w["peers_median_s"], "own_median_s": w["own_median_s"],
+                    "still_writing": w["still_writing"], "peers_median_s": w["peers_median_s"], "own_median_s": w["own_median_s"],
                     "ratio_vs_peers": w["ratio_vs_peers"], "ratio_vs_history": w["ratio_vs_history"],
                     "cost_s_per_checkpoint": w["excess_s"], "min_ratio": self.cfg.min_ratio, "per_rank": per_rank}
         ratio = w["ratio_vs_peers"]
+        took = "still writing after " if w["still_writing"] else ""
         root = (f"slow checkpoint writes on rank {worst}" + (f" on {node}" if node else "")
-                + f": {w['write_s']} s for its shards of step {step}"
+                + f": {took}{w['write_s']} s for its shards of step {step}"
                 + (f", {ratio}x the other ranks'" if ratio is not None else "") + ": a slow storage node")
         p.report(Finding(kind="checkpoint_slow", key=ep.key, run_id=p.run.run_id, severity="warning", rank=worst,
                          node=node, step_from=ep.step_from, step_to=step, evidence=evidence, root_cause=root,

@@ -85,3 +85,93 @@ def test_clean_runs_and_a_straggler_open_no_checkpoint_slow():
     sim = Sim(layout=Layout(dp=2, tp=2, nodes=2), steps=160, seed=15, ckpt_every=20,
               faults=(Straggler(rank=3, start=60, factor=1.5),))
     assert {f.kind for f in feed(Analyzer(), _writes(sim.build()))} == {"straggler"}
+
+
+def _async_writes(commits, *, world: int, slow_rank: int, from_step: int, write_s: float | None):
+    """What the trainer sends: `checkpoint_queued` when a save is queued (just after its step), and
+    `checkpoint_saved` at the first step boundary after the background write ended, before that
+    step's row (trainer/train.py polls there). Dp rank 0 ranks (0, 1) write 2 shards (~0.12 s),
+    the others 1 (~0.02 s); `slow_rank`'s writes from `from_step` on take `write_s` (None: its
+    writer stalled, it never reports)."""
+    step_ts: dict[int, float] = {}
+    events = []
+    for _, frames in commits:
+        if frames.steps is not None:
+            for s, ts in frames.steps.group_by("step").agg(pl.col("ts").max()).iter_rows():
+                step_ts[int(s)] = float(ts)
+        if frames.events is not None:
+            events += [e for e in frames.events.iter_rows(named=True) if e["kind"] != "checkpoint_saved"]
+    ckpt_steps = sorted({e["step"] for _, f in commits if f.events is not None
+                         for e in f.events.iter_rows(named=True) if e["kind"] == "checkpoint_saved"})
+    ends = sorted(step_ts.values())
+    for s in ckpt_steps:
+        for r in range(world):
+            two = r in (0, 1)
+            t0 = step_ts[s] + 0.01
+            events.append({"rank": r, "ts": t0, "step": s, "kind": "checkpoint_queued",
+                           "data": json.dumps({"num_shards": 2 if two else 1, "bytes": 5_000_000 if two else 20_000,
+                                               "stall_s": 0.01})})
+            w = (0.12 if two else 0.02) * (1.0 + 0.05 * ((r * 7 + s) % 3))
+            if r == slow_rank and s >= from_step:
+                if write_s is None:
+                    continue
+                w = write_s
+            done = next((t for t in ends if t >= t0 + w), None)
+            if done is not None:
+                events.append({"rank": r, "ts": done - 1e-4, "step": s, "kind": "checkpoint_saved",
+                               "data": json.dumps({"step": s, "num_shards": 2 if two else 1, "write_s": w,
+                                                   "bytes": 5_000_000 if two else 20_000})})
+    schema = next(f.events.schema for _, f in commits if f.events is not None)
+    template = next(f.events.row(0, named=True) for _, f in commits if f.events is not None and f.events.height)
+    events = sorted(({**template, **e} for e in events), key=lambda e: e["ts"])
+    out, i = [], 0
+    for now, frames in commits:
+        mine = []
+        while i < len(events) and events[i]["ts"] <= now:
+            mine.append(events[i])
+            i += 1
+        out.append((now, type(frames)(**{**frames.tables(), "events": pl.DataFrame(mine, schema=schema) if mine
+                                         else None})))
+    return out
+
+
+def test_a_stalled_writer_is_named_before_it_reports():
+    """A rank whose writer stalls never sends `checkpoint_saved`: the seconds since its
+    `checkpoint_queued`, to its newest step row, are enough to name it within a few steps."""
+    layout = Layout(dp=2, tp=2, nodes=2)
+    sim = Sim(layout=layout, steps=130, seed=21, ckpt_every=20)
+    commits = _async_writes(sim.build(), world=layout.world, slow_rank=2, from_step=60, write_s=None)
+    first = opened(feed(Analyzer(), commits), "checkpoint_slow")
+    assert len(first) == 1, [f.summary() for f in first.values()]
+    f = next(iter(first.values()))
+    assert (f.rank, f.node, f.step_from) == (2, "node1", 60)
+    assert f.evidence["still_writing"] is True and f.evidence["ratio_vs_peers"] >= 3.0
+    assert "still writing after" in f.root_cause
+    steps_ts = {s: t for _, fr in commits if fr.steps is not None
+                for s, t in fr.steps.group_by("step").agg(pl.col("ts").max()).iter_rows()}
+    assert 0 < f.ts - steps_ts[60] < 3.0  # within the commits of a few steps: min_excess_s past its peers'
+
+
+def test_a_slow_write_is_judged_from_its_bound_before_its_report():
+    """A slow write that ends: the incident opens on the bound (still writing), before the report."""
+    layout = Layout(dp=2, tp=2, nodes=2)
+    sim = Sim(layout=layout, steps=130, seed=22, ckpt_every=20)
+    commits = _async_writes(sim.build(), world=layout.world, slow_rank=1, from_step=60, write_s=3.0)
+    findings = feed(Analyzer(), commits)
+    first = opened(findings, "checkpoint_slow")
+    assert len(first) == 1 and next(iter(first.values())).rank == 1
+    f = next(iter(first.values()))
+    assert f.step_from == 60 and f.evidence["still_writing"] is True
+    saved_60 = next(e["ts"] for _, fr in commits if fr.events is not None
+                    for e in fr.events.iter_rows(named=True)
+                    if e["kind"] == "checkpoint_saved" and e["rank"] == 1 and e["step"] == 60)
+    assert f.ts < saved_60  # opened before its report came
+
+
+def test_async_reports_of_a_clean_run_open_nothing():
+    """Reports sent at the step boundary after the write (a write that ends during a step is
+    reported before that step's row): no bound is ever taken for a write that finished."""
+    layout = Layout(dp=2, tp=2, nodes=2)
+    sim = Sim(layout=layout, steps=130, seed=23, ckpt_every=20)
+    commits = _async_writes(sim.build(), world=layout.world, slow_rank=0, from_step=10_000, write_s=None)
+    assert [f.summary() for f in feed(Analyzer(), commits)] == []
