@@ -17,9 +17,20 @@ Expected outcomes:
 | nan mode=data, spike | rollback | data |
 | nan mode=transient | rollback | transient |
 | nan mode=device | rollback, then isolate its node | device |
-| straggler, hang | isolate its node | - |
+| straggler, hang, slowlink, slowio what=data | isolate its node | - |
+| bitflip, a majority holds the healthy bits and caught within `checksum_every` steps | repair in place | - |
+| bitflip, otherwise (dp = 2, no majority, a late catch, or no incident) | rollback | - |
 | crash | restart; isolate its node from the `crashes_to_isolate`-th on it | - |
 | overflow | none (alert only) | - |
+
+A bitflip's row depends on what its matched `replica_divergence` incident found
+(its evidence: analysis/detectors/replica_divergence.py), which the truth alone
+cannot tell: a majority holds the healthy bits when fewer than half of the `dp`
+replicas are among its `divergent_ranks` (the evidence's `majority` when either is
+missing), and it was caught in time when `caught_within_steps` (first disagreeing
+minus last agreeing checksum step) is at most `checksum_every`. That is the
+issue's rule, written here apart from analysis/policy.py's implementation of it on
+purpose: the judge must not agree with the policy by construction.
 
 This is how shadow mode earns trust: the same report over a shadow run says how
 often `auto` would have been right.
@@ -80,8 +91,10 @@ class Judgement:
         return ok
 
 
-def expected(t: Truth, *, mode: str | None, crash_number: int = 1, crashes_to_isolate: int = 2) -> Expected:
-    """What should come of fault `t` (`mode`: a nan's data|transient|device)."""
+def expected(t: Truth, *, mode: str | None, evidence: Mapping[str, Any] | None = None, crash_number: int = 1,
+             crashes_to_isolate: int = 2) -> Expected:
+    """What should come of fault `t` (`mode`: a nan's data|transient|device;
+    `evidence`: the matched incident's, None when nothing matched)."""
     if t.kind == "nan":
         mode = mode or "data"
         if mode == "device":
@@ -91,13 +104,27 @@ def expected(t: Truth, *, mode: str | None, crash_number: int = 1, crashes_to_is
         return Expected(("rollback",), "data")
     if t.kind in ("straggler", "hang", "slowlink") or (t.kind == "slowio" and t.what == "data"):
         return Expected(("isolate",), None, t.node)
-    if t.kind == "bitflip":  # dp >= 3 caught within checksum_every; a dp = 2 or late catch rolls
-        return Expected(("repair",))  # back instead, which this truth row cannot tell (judged wrong)
+    if t.kind == "bitflip":
+        return Expected(("repair",) if repairable(evidence) else ("rollback",))
     if t.kind == "crash":
         if crash_number >= crashes_to_isolate:
             return Expected(("isolate",), None, t.node)
         return Expected(("restart",))
     return Expected(())
+
+
+def repairable(evidence: Mapping[str, Any] | None) -> bool:
+    """A replica divergence to repair in place: a majority of the replicas holds the
+    healthy bits and it was caught within `checksum_every` steps (the module doc)."""
+    ev = evidence or {}
+    dp, divergent = ev.get("dp"), ev.get("divergent_ranks")
+    if isinstance(dp, int) and isinstance(divergent, list):
+        majority = (dp - len(divergent)) * 2 > dp
+    else:
+        majority = ev.get("majority") is True
+    within, every = ev.get("caught_within_steps"), ev.get("checksum_every")
+    return (majority and isinstance(within, (int, float)) and isinstance(every, (int, float))
+            and within <= every)
 
 
 def verdict_of(root_cause: str | None) -> str | None:
@@ -109,17 +136,22 @@ def verdict_of(root_cause: str | None) -> str | None:
 def judge(truths: Sequence[Truth], modes: Mapping[Truth, str | None], *,
           replay_match: Mapping[Truth, Any], replay_decisions: Mapping[Any, list[str]],
           live_match: Mapping[Truth, Mapping[str, Any]], live_actions: Mapping[int, list[dict[str, Any]]],
+          evidence: Mapping[Truth, Mapping[str, Any] | None] | None = None,
           crashes_to_isolate: int = 2) -> list[Judgement]:
     """One Judgement per truth. `replay_match`: truth -> replayed incident key;
     `replay_decisions`: that key -> decision kinds; `live_match`: truth -> stored
-    incident row; `live_actions`: stored incident id -> its actions rows."""
+    incident row; `live_actions`: stored incident id -> its actions rows;
+    `evidence`: truth -> the matched incident's evidence (the replayed one's, else
+    the stored one's: what `expected` needs for a bitflip)."""
+    evidence = evidence or {}
     out = []
     crashes: dict[str | None, int] = {}
     for t in sorted(truths, key=lambda t: (t.ts or 0.0, t.step)):
         n = 1
         if t.kind == "crash":
             n = crashes[t.node] = crashes.get(t.node, 0) + 1
-        exp = expected(t, mode=modes.get(t), crash_number=n, crashes_to_isolate=crashes_to_isolate)
+        exp = expected(t, mode=modes.get(t), evidence=evidence.get(t), crash_number=n,
+                       crashes_to_isolate=crashes_to_isolate)
         key = replay_match.get(t)
         live = live_match.get(t)
         j = Judgement(truth=t, expected=exp, matched=key is not None or live is not None)

@@ -2,11 +2,12 @@
 
 The report holds: the run (mesh, nodes, span), its goodput, the timeline of its
 incidents (kind, steps, culprit, evidence highlights, root cause, status, opened
-and closed), the straggler cost, and charts: loss, grad-norm and loss-scale around
-each incident (the incident's steps shaded, non-finite steps marked), and a
-rank x step heatmap of step time and compute time. The HTML is one file with
-plotly.js embedded (no network needed to open it); the Markdown has the tables and
-says where the charts are.
+and closed), the cost of its slow-downs (stragglers, slow links, data stalls, slow
+checkpoint writes: what their evidence says each cost), and charts: loss,
+grad-norm and loss-scale around each incident (the incident's steps shaded,
+non-finite steps marked), and a rank x step heatmap of step time and compute
+time. The HTML is one file with plotly.js embedded (no network needed to open it);
+the Markdown has the tables and says where the charts are.
 
 Goodput is defined in collector/goodput.py (also in docs/postmortem.md).
 
@@ -20,6 +21,7 @@ import html
 import json
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,20 +55,52 @@ def num_steps(inc: dict[str, Any]) -> int:
     return int((hi if hi is not None else lo) - lo + 1)
 
 
-def straggler_costs(incidents: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per straggler incident: seconds per step and share of the step it cost (its
-    evidence), the steps it lasted and the seconds lost over them."""
+# the kinds whose evidence states what they cost: per step (they lengthen steps that still
+# count, so their seconds are inside the productive time) or per checkpoint (a background write)
+PER_STEP_KINDS = ("straggler", "slow_link", "data_stall")
+PER_CHECKPOINT_KINDS = ("checkpoint_slow",)
+
+
+def num_checkpoints(inc: dict[str, Any], checkpoints: Sequence[dict[str, Any]]) -> int:
+    """The checkpoints a `checkpoint_slow` incident spans: the steps of the run's
+    `checkpoints` rows from its first slow checkpoint (`step_from`) to its last one
+    (the evidence's `checkpoint_step`, else `step_to`), each step once: a rollback's
+    new attempt writes the same steps again, and the incident does not say which
+    attempt's were slow. The detector does not store how many were slow: one in
+    between that was not counts too."""
+    lo = inc.get("step_from")
+    ev = inc.get("evidence") or {}
+    hi = ev.get("checkpoint_step") if ev.get("checkpoint_step") is not None else inc.get("step_to")
+    if lo is None:
+        return 0
+    hi = lo if hi is None else hi
+    return len({c["step"] for c in checkpoints if c.get("step") is not None and lo <= c["step"] <= hi})
+
+
+def slowdown_costs(incidents: list[dict[str, Any]], checkpoints: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """Per incident of PER_STEP_KINDS or PER_CHECKPOINT_KINDS whose evidence states its
+    cost: the seconds it cost per step (`per` "step") or per checkpoint ("checkpoint"),
+    the share of the step (per-step kinds), how many steps or checkpoints it lasted
+    (`num_affected`: `num_steps`, `num_checkpoints`) and the seconds lost over them."""
     out = []
     for inc in incidents:
-        ev = inc.get("evidence") or {}
-        if inc.get("kind") != "straggler" or ev.get("cost_s_per_step") is None:
+        kind, ev = inc.get("kind"), inc.get("evidence") or {}
+        if kind in PER_STEP_KINDS and ev.get("cost_s_per_step") is not None:
+            per, cost, n = "step", float(ev["cost_s_per_step"]), num_steps(inc)
+        elif kind in PER_CHECKPOINT_KINDS and ev.get("cost_s_per_checkpoint") is not None:
+            per, cost, n = "checkpoint", float(ev["cost_s_per_checkpoint"]), num_checkpoints(inc, checkpoints)
+        else:
             continue
-        cost = float(ev["cost_s_per_step"])
-        n = num_steps(inc)
-        out.append({"id": inc.get("id"), "rank": inc.get("rank"), "node": inc.get("node"),
-                    "steps": _steps(inc), "cost_s_per_step": cost, "share_of_step": ev.get("share_of_step"),
-                    "num_steps": n, "lost_s": cost * n})
+        out.append({"id": inc.get("id"), "kind": kind, "rank": inc.get("rank"), "node": inc.get("node"),
+                    "steps": _steps(inc), "per": per, "cost_s": cost,
+                    "share_of_step": ev.get("share_of_step") if per == "step" else None,
+                    "num_affected": n, "lost_s": cost * n})
     return out
+
+
+def lost_s(costs: list[dict[str, Any]], *, kinds: tuple[str, ...]) -> float:
+    """The seconds `slowdown_costs` rows of `kinds` lost, summed."""
+    return sum(c["lost_s"] for c in costs if c["kind"] in kinds)
 
 
 def highlights(kind: str, evidence: Any, *, limit: int = 5) -> str:
@@ -113,11 +147,30 @@ class Report:
     span: dict[str, Any]
     goodput: Goodput
     incidents: list[dict[str, Any]]
-    stragglers: list[dict[str, Any]]
+    slowdowns: list[dict[str, Any]]  # slowdown_costs rows
     nodes: list[dict[str, Any]]
     checkpoints: list[dict[str, Any]]
     windows: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # incident id -> step_window rows
     grid: list[dict[str, Any]] = field(default_factory=list)  # step_grid rows
+
+    @property
+    def step_lost_s(self) -> float:
+        """The seconds the per-step slow-downs (stragglers, slow links, data stalls) cost."""
+        return lost_s(self.slowdowns, kinds=PER_STEP_KINDS)
+
+    @property
+    def checkpoint_lost_s(self) -> float:
+        """The seconds the slow checkpoint writes took beyond their reference."""
+        return lost_s(self.slowdowns, kinds=PER_CHECKPOINT_KINDS)
+
+    @property
+    def goodput_without_slowdowns(self) -> float | None:
+        """Goodput less the per-step slow-downs' cost: the steps they slowed still counted,
+        so it is inside productive_s (as `goodput_without_stragglers` is for stragglers
+        alone). Slow checkpoint writes are not subtracted: a write runs in the
+        background, outside any step, and is not part of the productive time."""
+        g = self.goodput
+        return None if g.wall_s <= 0 else max(0.0, g.productive_s - self.step_lost_s) / g.wall_s
 
 
 def gather(cur: read.Cursor, run_id: str, *, window_steps: int = WINDOW_STEPS) -> Report:
@@ -125,9 +178,10 @@ def gather(cur: read.Cursor, run_id: str, *, window_steps: int = WINDOW_STEPS) -
     if run is None:
         raise LookupError(f"no run {run_id!r}")
     incidents = read.incidents(cur, run_id)
-    stragglers = straggler_costs(incidents)
+    checkpoints = read.checkpoints(cur, run_id)
+    slowdowns = slowdown_costs(incidents, checkpoints)
     span = read.run_span(cur, run_id)
-    g = goodput(read.step_time_parts(cur, run_id), span, straggler_lost_s=sum(s["lost_s"] for s in stragglers))
+    g = goodput(read.step_time_parts(cur, run_id), span, straggler_lost_s=lost_s(slowdowns, kinds=("straggler",)))
     windows = {}
     for inc in incidents:
         if inc.get("step_from") is None:
@@ -135,8 +189,8 @@ def gather(cur: read.Cursor, run_id: str, *, window_steps: int = WINDOW_STEPS) -
         hi = inc["step_to"] if inc.get("step_to") is not None else inc["step_from"]
         windows[inc["id"]] = read.step_window(cur, run_id, step_from=max(0, inc["step_from"] - window_steps),
                                               step_to=hi + window_steps)
-    return Report(run_id=run_id, run=run, span=span, goodput=g, incidents=incidents, stragglers=stragglers,
-                  nodes=read.nodes(cur, run_id), checkpoints=read.checkpoints(cur, run_id), windows=windows,
+    return Report(run_id=run_id, run=run, span=span, goodput=g, incidents=incidents, slowdowns=slowdowns,
+                  nodes=read.nodes(cur, run_id), checkpoints=checkpoints, windows=windows,
                   grid=read_views.step_grid(cur, run_id, max_steps=GRID_STEPS))
 
 
@@ -144,8 +198,19 @@ GOODPUT_DEFINITION = (
     "Goodput is the share of the run's wall time spent on steps that counted: the summed duration (slowest "
     "rank's step_s) of the steps steps_effective keeps and the optimizer did not skip, over the time from the "
     "run's start to its last step or event. Skipped steps, steps a rollback replaced, and time outside any step "
-    "(start-up, checkpoint stalls, restarts) are the rest. Stragglers slow steps that still count: "
-    "'without stragglers' also subtracts their cost (cost_s_per_step x steps, from the incidents' evidence).")
+    "(start-up, checkpoint stalls, restarts) are the rest. Stragglers, slow links and data stalls slow steps that "
+    "still count: 'without stragglers' also subtracts the stragglers' cost, 'without slow-downs' the cost of all "
+    "three (cost_s_per_step x the incident's steps, from the incidents' evidence). Slow checkpoint writes run in the "
+    "background, outside any step: their cost is in the table below but in neither figure.")
+
+SLOWDOWN_NOTES = (
+    "Each row's cost is its incident's evidence as last updated (cost_s_per_step or cost_s_per_checkpoint), "
+    "times the steps or checkpoints it lasted. Steps: the incident's step range, from its onset to the step it "
+    "closed at (the calm steps that closed it included). Checkpoints: the detector does not store how many writes "
+    "were slow; the count is the steps of the run's checkpoints from the incident's first slow checkpoint to its "
+    "last (its evidence's checkpoint_step), each step once whichever attempts wrote it, so one in between that was "
+    "not slow counts too. Incidents that slowed the same steps are added up, which can count a step's delay "
+    "twice.")
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
@@ -164,11 +229,14 @@ def _summary_rows(r: Report) -> list[list[Any]]:
             ["started", _ts(r.span.get("start_ts"))], ["ended", _ts(r.span.get("end_ts"))],
             ["wall time", f"{g.wall_s:.2f} s"],
             ["goodput", _pct(g.goodput)], ["goodput without stragglers", _pct(g.goodput_without_stragglers)],
+            ["goodput without slow-downs", _pct(r.goodput_without_slowdowns)],
             ["productive steps", f"{g.num_steps} ({g.productive_s:.2f} s)"],
             ["skipped steps", f"{g.num_skipped} ({g.skipped_s:.2f} s)"],
             ["steps replaced by a rollback", f"{g.num_superseded} ({g.superseded_s:.2f} s)"],
             ["outside any step", f"{g.outside_steps_s:.2f} s"],
             ["straggler cost", f"{g.straggler_lost_s:.2f} s"],
+            ["slow-down cost in steps", f"{r.step_lost_s:.2f} s"],
+            ["slow checkpoint writes (background)", f"{r.checkpoint_lost_s:.2f} s"],
             ["useful tokens", f"{g.useful_tokens} ({_cell(None if g.tokens_per_s is None else round(g.tokens_per_s))}"
                               " tokens/s of wall time)"]]
 
@@ -181,20 +249,23 @@ def _incident_rows(r: Report) -> list[list[Any]]:
 
 _INCIDENT_HEADER = ["id", "kind", "severity", "steps", "rank", "node", "evidence", "root cause", "status",
                     "opened", "closed"]
-_STRAGGLER_HEADER = ["incident", "rank", "node", "steps", "s/step", "share of step", "steps affected", "lost s"]
+_SLOWDOWN_HEADER = ["incident", "kind", "rank", "node", "steps", "cost s", "per", "share of step", "affected",
+                    "lost s"]
 
 
-def _straggler_rows(r: Report) -> list[list[Any]]:
-    return [[s["id"], s["rank"], s["node"], s["steps"], f"{s['cost_s_per_step']:.4f}", _pct(s["share_of_step"]),
-             s["num_steps"], f"{s['lost_s']:.2f}"] for s in r.stragglers]
+def _slowdown_rows(r: Report) -> list[list[Any]]:
+    return [[s["id"], s["kind"], s["rank"], s["node"], s["steps"], f"{s['cost_s']:.4f}", s["per"],
+             _pct(s["share_of_step"]), f"{s['num_affected']} {s['per']}{'s' if s['num_affected'] != 1 else ''}",
+             f"{s['lost_s']:.2f}"] for s in r.slowdowns]
 
 
 def render_markdown(r: Report) -> str:
     out = [f"# Postmortem: run {r.run_id}", "", *_table(["", ""], _summary_rows(r)), "", "## Goodput", "",
            GOODPUT_DEFINITION, "", "## Incidents", ""]
     out += _table(_INCIDENT_HEADER, _incident_rows(r)) if r.incidents else ["No incidents."]
-    out += ["", "## Straggler cost", ""]
-    out += _table(_STRAGGLER_HEADER, _straggler_rows(r)) if r.stragglers else ["No straggler incidents."]
+    out += ["", "## Cost of slow-downs", ""]
+    out += _table(_SLOWDOWN_HEADER, _slowdown_rows(r)) + ["", SLOWDOWN_NOTES] if r.slowdowns else \
+        ["No slow-down incidents (straggler, slow_link, data_stall, checkpoint_slow) with a cost."]
     if r.nodes:
         out += ["", "## Nodes", ""] + _table(["node", "ranks", "status", "reason"], [
             [n.get("node"), json.dumps(n.get("ranks")), n.get("status"), n.get("reason")] for n in r.nodes])
@@ -279,8 +350,10 @@ def render_html(r: Report) -> str:
              f"<h2>Goodput</h2><p>{html.escape(GOODPUT_DEFINITION)}</p>",
              "<h2>Incidents</h2>",
              _html_table(_INCIDENT_HEADER, _incident_rows(r), cls="incidents") if r.incidents else "<p>No incidents.</p>",
-             "<h2>Straggler cost</h2>",
-             _html_table(_STRAGGLER_HEADER, _straggler_rows(r)) if r.stragglers else "<p>No straggler incidents.</p>"]
+             "<h2>Cost of slow-downs</h2>",
+             _html_table(_SLOWDOWN_HEADER, _slowdown_rows(r), cls="slowdowns")
+             + f"<p>{html.escape(SLOWDOWN_NOTES)}</p>" if r.slowdowns else
+             "<p>No slow-down incidents (straggler, slow_link, data_stall, checkpoint_slow) with a cost.</p>"]
     if r.incidents:
         parts.append("<h2>Around each incident</h2>")
         for inc in r.incidents:

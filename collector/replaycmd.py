@@ -17,7 +17,8 @@ recall, latency in seconds and steps, and culprit accuracy, by kind. And the act
 are judged (analysis/judging.py): for each injected fault, what the policy would do
 on the replayed incident (analysis/policy.py, in the `--policy` mode) and what it did
 in the live run (the file's `actions` and the rerun verdict), each against what was
-right for that fault.
+right for that fault (for a bitflip that depends on what its matched incident found:
+the replayed incident's evidence, else the stored one's).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from analysis import Analyzer, Frames, Rules, Score, load_rules, replay_commits,
 from analysis.judging import Judgement, judge, summary
 from analysis.policy import Policy, RunPolicy
 from analysis.scoring import Incident as ScoredIncident
-from analysis.scoring import opened_step_of, suspects_of
+from analysis.scoring import Truth, opened_step_of, suspects_of
 from collector import read
 from collector.incidents import IncidentBook, RecordFindings, as_finding
 
@@ -160,6 +161,19 @@ def policy_decisions(replays: Iterable[RunReplay], rules: Rules, mode: str | Non
     return out
 
 
+def matched_evidence(truths: Iterable[Truth], replays: Iterable[RunReplay], replay_match: Mapping[Truth, str],
+                     live_match: Mapping[Truth, dict[str, Any]]) -> dict[Truth, dict[str, Any] | None]:
+    """Each truth's matched incident's evidence, for the judging of what should have
+    come of it (a bitflip's repair or rollback): the replayed incident's (`replay_match`:
+    scoring keys), else the stored one's, else None."""
+    rows = {f"{r.run_id}/{row['cause_key']}": row for r in replays for row in r.incidents}
+    out: dict[Truth, dict[str, Any] | None] = {}
+    for t in truths:
+        row = rows.get(replay_match.get(t)) or live_match.get(t)
+        out[t] = _evidence(row) if row is not None else None
+    return out
+
+
 def action_lines(judgements: list[Judgement]) -> list[str]:
     def mark(ok: bool | None) -> str:
         return "-" if ok is None else ("right" if ok else "WRONG")
@@ -265,10 +279,12 @@ def main(args: argparse.Namespace) -> int:
             return 2
         s = score(scored_incidents(replays), truths)
         live = score(live_scored, truths)
-        judgements = judge(truths, {t: t.mode for t in truths},
-                           replay_match={t: i.key for t, i in s.matches},
+        replay_match = {t: i.key for t, i in s.matches}
+        live_match = {t: live_rows[i.key] for t, i in live.matches}
+        judgements = judge(truths, {t: t.mode for t in truths}, replay_match=replay_match,
                            replay_decisions=policy_decisions(replays, rules, getattr(args, "policy", None)),
-                           live_match={t: live_rows[i.key] for t, i in live.matches}, live_actions=live_actions,
+                           live_match=live_match, live_actions=live_actions,
+                           evidence=matched_evidence(truths, replays, replay_match, live_match),
                            crashes_to_isolate=rules.policy.crashes_to_isolate)
     if args.json:
         print(json.dumps({"runs": {r.run_id: {"incidents": r.incidents, "num_passes": r.num_passes,

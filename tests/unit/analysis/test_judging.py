@@ -59,3 +59,53 @@ def test_the_rerun_that_diagnoses_is_not_a_fault_and_a_device_fault_is_one_fault
             {"kind": "nan", "rank": 2, "node": 2, "step": 35, "attempt": 1, "mode": "device"}]
     truths = truths_from_rows(rows)
     assert [(t.rank, t.step, t.mode) for t in truths] == [(1, 30, "data"), (2, 40, "device")]
+
+
+# a replica_divergence incident's evidence (analysis/detectors/replica_divergence.py), checksums every 10 steps
+DP3_IN_TIME = {"shard": "pp0-tp0", "dp": 3, "majority": True, "divergent_ranks": [2], "healthy_ranks": [0, 1],
+               "src_dp": 0, "last_agreeing_step": 20, "first_disagreeing_step": 30, "caught_within_steps": 10,
+               "checksum_every": 10}
+DP2 = {"shard": "pp0-tp0", "dp": 2, "majority": False, "divergent_ranks": [0, 1], "healthy_ranks": [],
+       "src_dp": None, "last_agreeing_step": 50, "first_disagreeing_step": 60, "caught_within_steps": 10,
+       "checksum_every": 10}
+# a checksum lost: the first disagreeing one came 20 steps after the last agreeing one
+DP3_LATE = {**DP3_IN_TIME, "last_agreeing_step": 10, "caught_within_steps": 20}
+
+
+def test_a_bitflip_caught_in_time_with_a_majority_is_repaired_in_place():
+    t = truth("bitflip", node="node2")
+    assert expected(t, mode=None, evidence=DP3_IN_TIME).actions == ("repair",)
+    [j] = judge([t], {}, replay_match={t: "k"}, replay_decisions={"k": ["repair"]},
+                live_match={t: {"id": 4, "root_cause": "silent data corruption"}},
+                live_actions={4: [{"kind": "repair", "status": "done", "node": "node2"}]},
+                evidence={t: DP3_IN_TIME})
+    assert j.expected.actions == ("repair",) and j.would_right is True and j.did_right is True
+
+
+def test_a_bitflip_without_a_majority_is_rolled_back_and_a_repair_is_wrong():
+    t = truth("bitflip", node="node0")
+    assert expected(t, mode=None, evidence=DP2).actions == ("rollback",)
+    [right] = judge([t], {}, replay_match={t: "k"}, replay_decisions={"k": ["rollback"]},
+                    live_match={t: {"id": 5, "root_cause": "silent data corruption"}},
+                    live_actions={5: [{"kind": "rollback", "status": "done"}]}, evidence={t: DP2})
+    assert right.expected.actions == ("rollback",) and right.would_right is True and right.did_right is True
+    [wrong] = judge([t], {}, replay_match={t: "k"}, replay_decisions={"k": ["repair"]},
+                    live_match={t: {"id": 5, "root_cause": "silent data corruption"}},
+                    live_actions={5: [{"kind": "repair", "status": "done"}]}, evidence={t: DP2})
+    assert wrong.would_right is False and wrong.did_right is False
+    # the counts decide, not only the flag: 2 of 4 replicas differing leave no majority
+    assert expected(t, mode=None, evidence={**DP3_IN_TIME, "dp": 4, "divergent_ranks": [2, 3]}).actions == (
+        "rollback",)
+
+
+def test_a_bitflip_caught_late_or_unmatched_is_rolled_back():
+    t = truth("bitflip")
+    assert expected(t, mode=None, evidence=DP3_LATE).actions == ("rollback",)
+    # before the shard's first compared checksum: neither the catch nor the interval is known
+    assert expected(t, mode=None, evidence={**DP3_IN_TIME, "caught_within_steps": None,
+                                            "checksum_every": None}).actions == ("rollback",)
+    [j] = judge([t], {}, replay_match={t: "k"}, replay_decisions={"k": ["repair"]}, live_match={},
+                live_actions={}, evidence={t: DP3_LATE})
+    assert j.expected.actions == ("rollback",) and j.would_right is False and j.did_right is None
+    [lost] = judge([t], {}, replay_match={}, replay_decisions={}, live_match={}, live_actions={})
+    assert lost.matched is False and lost.expected.actions == ("rollback",) and lost.would_right is False

@@ -1,8 +1,13 @@
-"""The postmortem's pure parts (goodput, straggler cost, evidence highlights, Markdown)
-and its read queries, on a tiny DuckDB file built here.
+"""The postmortem's pure parts (goodput, the cost of slow-downs, evidence highlights,
+Markdown) and its read queries, on a tiny DuckDB file built here.
 
 The run: 2 ranks, steps 1-6 of attempt 0 and a rollback that re-ran steps 5-6 as
-attempt 1; step 3 skipped (a NaN). Rank 1 is the slow one: step_s 1.0 vs 0.5."""
+attempt 1; step 3 skipped (a NaN). Rank 1 is the slow one: step_s 1.0 vs 0.5.
+A checkpoint after every step (5 and 6 again in attempt 1). The slow-downs, each
+with its detector's evidence keys: a straggler (steps 2-6, 0.25 s/step), a slow
+link (steps 4-5, 0.1 s/step), a data stall (steps 5-6, 0.15 s/step) and slow
+checkpoint writes on rank 1 (steps 2 and 4: 1.2 s against its peer's 0.4 s, 0.8 s
+too long; step 3's was not slow; closed by the two calm ones at steps 5 and 6)."""
 
 from __future__ import annotations
 
@@ -48,12 +53,27 @@ def db(tmp_path):
          "slow rank 1"),
         (2, "nan", "critical", None, None, 3, 3, START_TS + 7, "closed",
          {"origin": None, "origin_signal": "loss/grad_norm", "num_ranks": 2}, "origin | unknown"),
+        (3, "slow_link", "warning", 0, "node0", 4, 5, START_TS + 9, "closed",
+         {"axis": "dp", "group_id": 0, "link_ratio": 3.9, "busbw_vs_baseline": 0.26, "cost_s_per_step": 0.1,
+          "share_of_step": 0.1, "step_s": 1.0, "onset_step": 4}, "slow dp link on rank 0"),
+        (4, "data_stall", "warning", 1, "node1", 5, 6, START_TS + 11, "open",
+         {"ranks": [1], "data_share": 0.4, "cost_s_per_step": 0.15, "share_of_step": 0.15, "step_s": 1.0,
+          "onset_step": 5}, "data stall on rank 1"),
+        (5, "checkpoint_slow", "warning", 1, "node1", 2, 6, START_TS + 5.5, "closed",
+         {"ranks": [1], "node": "node1", "checkpoint_step": 4, "write_s": 1.2, "peers_median_s": 0.4,
+          "ratio_vs_peers": 3.0, "cost_s_per_checkpoint": 0.8, "resolved_because": "its shard writes are fast again"},
+         "slow checkpoint writes on rank 1"),
     ]
     for iid, kind, sev, rank, node, lo, hi, opened, status, evidence, cause in incidents:
         con.execute("INSERT INTO incidents (id, run_id, kind, severity, rank, node, step_from, step_to, opened_ts, "
                     "updated_ts, closed_ts, status, evidence, root_cause) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, "
                     "?, ?)", [iid, RUN, kind, sev, rank, node, lo, hi, opened, opened,
                               opened + 1 if status == "closed" else None, status, json.dumps(evidence), cause])
+    writes = {1: 0.5, 2: 1.2, 3: 0.4, 4: 1.2, 5: 0.4, 6: 0.4}  # the slowest rank's
+    for (step, attempt), write_s in {**{(k, 0): w for k, w in writes.items()}, (5, 1): 0.4, (6, 1): 0.4}.items():
+        con.execute("INSERT INTO checkpoints (run_id, step, attempt, num_shards, bytes, verified, write_s, ts, "
+                    "num_ranks) VALUES (?, ?, ?, 3, 4096, true, ?, ?, 2)",
+                    [RUN, step, attempt, write_s, START_TS + 2 * step + 10 * attempt + 0.5])
     con.close()
     return path
 
@@ -91,10 +111,35 @@ def test_goodput_of_a_run_without_rows():
     assert g.wall_s == 0 and g.goodput is None and g.goodput_without_stragglers is None
 
 
-def test_straggler_cost_comes_from_the_evidence(cur):
-    (s,) = postmortem.straggler_costs(read.incidents(cur, RUN))
-    assert (s["rank"], s["node"], s["steps"], s["num_steps"]) == (1, "node1", "2-6", 5)
-    assert s["lost_s"] == pytest.approx(0.25 * 5)
+def test_slowdown_costs_come_from_the_evidence(cur):
+    costs = postmortem.slowdown_costs(read.incidents(cur, RUN), read.checkpoints(cur, RUN))
+    by = {c["kind"]: c for c in costs}
+    assert [c["id"] for c in costs] == [1, 5, 3, 4]  # in the order they opened; the nan states no cost
+    s = by["straggler"]
+    assert (s["rank"], s["node"], s["steps"], s["per"], s["num_affected"]) == (1, "node1", "2-6", "step", 5)
+    assert (s["cost_s"], s["share_of_step"], s["lost_s"]) == pytest.approx((0.25, 0.25, 0.25 * 5))
+    link = by["slow_link"]
+    assert (link["rank"], link["node"], link["steps"], link["per"], link["num_affected"]) == (0, "node0", "4-5",
+                                                                                              "step", 2)
+    assert (link["cost_s"], link["share_of_step"], link["lost_s"]) == pytest.approx((0.1, 0.1, 0.2))
+    stall = by["data_stall"]
+    assert (stall["steps"], stall["num_affected"]) == ("5-6", 2)
+    assert (stall["cost_s"], stall["share_of_step"], stall["lost_s"]) == pytest.approx((0.15, 0.15, 0.3))
+    ckpt = by["checkpoint_slow"]
+    # steps 2-4's checkpoints: the calm one at step 3 counts too (the detector keeps no count of the
+    # slow ones); 5 and 6 (of either attempt) came after its last slow one (checkpoint_step) and closed it
+    assert (ckpt["steps"], ckpt["per"], ckpt["num_affected"], ckpt["share_of_step"]) == ("2-6", "checkpoint", 3,
+                                                                                         None)
+    assert (ckpt["cost_s"], ckpt["lost_s"]) == pytest.approx((0.8, 2.4))
+
+
+def test_a_slow_checkpoint_without_its_step_counts_to_the_end_of_its_range():
+    inc = {"id": 9, "kind": "checkpoint_slow", "step_from": 4, "step_to": 6, "evidence": {"cost_s_per_checkpoint": 2.0}}
+    ckpts = [{"step": s, "attempt": a} for s, a in ((2, 0), (4, 0), (6, 0), (8, 0), (4, 1), (6, 1))]
+    assert postmortem.num_checkpoints(inc, ckpts) == 2  # steps 4 and 6, each once: rewritten after a rollback
+    ((c,),) = [postmortem.slowdown_costs([inc], ckpts)]
+    assert c["lost_s"] == pytest.approx(4.0)
+    assert postmortem.slowdown_costs([{**inc, "kind": "straggler", "evidence": {"cost_s_per_checkpoint": 2.0}}]) == []
 
 
 def test_highlights_put_the_kind_keys_first():
@@ -135,19 +180,30 @@ def test_markdown_report(cur):
     text = postmortem.render_markdown(postmortem.gather(cur, RUN))
     assert text.startswith("# Postmortem: run tiny\n")
     assert "| goodput | 16.7% |" in text and "| goodput without stragglers | 12.5% |" in text
+    # less the straggler's 1.25 s, the slow link's 0.2 s and the data stall's 0.3 s; the checkpoint writes'
+    # 2.4 s are background time, not in the productive 5 s
+    assert "| goodput without slow-downs | 10.8% |" in text
+    assert "| slow-down cost in steps | 1.75 s |" in text and "| slow checkpoint writes (background) | 2.40 s |" in text
     assert "| steps replaced by a rollback | 2 (2.00 s) |" in text
     straggler = next(line for line in text.splitlines() if line.startswith("| 1 | straggler |"))
     assert "| 2-6 | 1 | node1 |" in straggler and "compute_ratio=2.4" in straggler and "| open |" in straggler
     nan = next(line for line in text.splitlines() if line.startswith("| 2 | nan |"))
     assert "origin \\| unknown" in nan and "| closed |" in nan  # a pipe in a cell is escaped
-    assert "| 1 | 1 | node1 | 2-6 | 0.2500 | 25.0% | 5 | 1.25 |" in text
+    assert "## Cost of slow-downs" in text and "Straggler cost" not in text
+    assert "| 1 | straggler | 1 | node1 | 2-6 | 0.2500 | step | 25.0% | 5 steps | 1.25 |" in text
+    assert "| 3 | slow_link | 0 | node0 | 4-5 | 0.1000 | step | 10.0% | 2 steps | 0.20 |" in text
+    assert "| 4 | data_stall | 1 | node1 | 5-6 | 0.1500 | step | 15.0% | 2 steps | 0.30 |" in text
+    assert "| 5 | checkpoint_slow | 1 | node1 | 2-6 | 0.8000 | checkpoint | - | 3 checkpoints | 2.40 |" in text
+    assert "checkpoint_step" in text  # the notes say how the checkpoints were counted
     assert "HTML report" in text and "<" not in text.replace("<-", "")
 
 
 def test_html_report_embeds_its_charts(cur):
     text = postmortem.render_html(postmortem.gather(cur, RUN))
     assert '<script src="http' not in text
-    assert text.count('class="incident-chart"') == 2 and 'class="heatmap"' in text
+    assert text.count('class="incident-chart"') == 5 and 'class="heatmap"' in text
+    assert "<h2>Cost of slow-downs</h2>" in text and "<td>checkpoint_slow</td><td>1</td><td>node1</td>" in text
+    assert "<td>3 checkpoints</td><td>2.40</td>" in text and "<td>goodput without slow-downs</td><td>10.8%</td>" in text
     assert "Postmortem: run tiny" in text
 
 
