@@ -9,9 +9,11 @@ step, which is noise, not a fault). Some kinds need a layout of their own
 (a slow_link needs two groups of its axis to compare; tp's tiny transfers on two
 cores are noise), a bit flip on dp3 (three replicas: the one that differs is
 named; with dp2 neither can be), a slow checkpoint on dp2 x tp2 or dp2 x pp2, on a
-run that checkpoints every 5 steps (checkpoint_slow compares a rank's writes with
-those of the ranks that wrote as many shards: on dp2 the one model-shard writer
-has none, and is not judged). The kinds: spike, straggler, nan_data, nan_transient, overflow,
+run that checkpoints every 5 steps, on a rank that writes a model shard (dp rank 0
+of its (pp, tp); checkpoint_slow compares a rank's writes with those of the ranks
+that wrote as many shards: on dp2 the one model-shard writer has none; and the
+other ranks write only a ~5 KB rank file, which even 30x slower is under
+checkpoint_slow's min_excess_s). The kinds: spike, straggler, nan_data, nan_transient, overflow,
 crash, hang, slowlink (x3-x4 on that rank's dp ops), slowio_data (its data
 loader x3-x5), slowio_ckpt (its shard writes x20-x30), bitflip (one mantissa bit
 of one parameter, checksums every 10 steps). The incidents the live collector wrote are
@@ -71,6 +73,7 @@ KIND_LAYOUTS = {"slowlink": ("dp2xtp2", "dp2xpp2"), "slowio_ckpt": ("dp2xtp2", "
 FACTORS = {"straggler": (1.5, 1.75, 2.0), "slowlink": (3.0, 4.0), "slowio_data": (3.0, 4.0, 5.0),
            "slowio_ckpt": (20.0, 30.0)}
 CKPT_EVERY = 5  # slowio_ckpt runs checkpoint this often
+MODEL_WRITERS = {"dp2xtp2": (0, 1), "dp2xpp2": (0, 2)}  # dp rank 0 of each (pp, tp): model and optimizer shards
 
 
 @dataclass
@@ -126,7 +129,9 @@ def draw(rng: random.Random, index: int, steps: int, kinds: tuple[str, ...] = KI
     sc = Scenario(index=index, layout=layout, kind=kind, steps=steps, jitter_seed=rng.randrange(1 << 16))
     if kind == "clean":
         return sc
-    sc.rank = rng.randrange(WORLD[layout])
+    # a slow checkpoint on a rank that writes a model shard: the others write only their ~5 KB
+    # rank file, which even 30x slower costs less than checkpoint_slow's min_excess_s (0.25 s)
+    sc.rank = rng.choice(MODEL_WRITERS[layout]) if kind == "slowio_ckpt" else rng.randrange(WORLD[layout])
     # after the warm-ups (spike baseline, straggler noise, slow_link's baseline); a slow checkpoint
     # opens at the first or second checkpoint after onset, a bit flip at the next checksum
     sc.step = rng.randrange(30, steps - 25)
