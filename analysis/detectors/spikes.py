@@ -12,7 +12,10 @@ of a noisy one. One-sided: the early descent (values below the level) never
 fires, and nothing is judged before `min_history_steps` values are in (the
 warm-up). Flagged values stay out of the baseline; a shift that lasts
 `rebaseline_after_steps` is taken as the new level (the incident closes and the
-baseline is relearned).
+baseline is relearned). A new attempt (a rollback, or a restart resumed from a
+checkpoint) rewinds the baseline to its values of the steps before the attempt's
+first one: the replayed stretch is judged against the curve as it was there, not
+against the lower level the run had reached later.
 
 Verdicts come at first sight of a step (its first rows: loss and grad-norm are
 global), so a spike is reported at the step it happens. When the step is
@@ -61,10 +64,12 @@ class _Episode:
 
 
 class _State:
-    __slots__ = ("baseline", "replicas", "ep", "consecutive", "num_flagged")
+    __slots__ = ("baseline", "steps", "attempt", "replicas", "ep", "consecutive", "num_flagged")
 
     def __init__(self, window: int) -> None:
         self.baseline = RollingBaseline(window)
+        self.steps = RollingBaseline(window)  # the step of each baseline value (a rollback rewinds to them)
+        self.attempt = -1  # the newest attempt judged
         self.replicas = RollingBaselines(1, window)
         self.ep: _Episode | None = None
         self.consecutive = 0
@@ -92,7 +97,7 @@ class _SpikeDetector:
         is judged against it, not lost to a new warm-up); the replicas' series (the old
         round's ranks) and an open episode are not."""
         st = self.new_state()
-        st.baseline = old.baseline
+        st.baseline, st.steps, st.attempt = old.baseline, old.steps, old.attempt
         return st
 
     def run(self, p, st: _State) -> None:
@@ -105,11 +110,16 @@ class _SpikeDetector:
     # -- verdicts at first sight ------------------------------------------------------
     def _judge(self, p, st: _State, attempt: int, step: int, value) -> None:
         cfg = self.cfg
+        if attempt != st.attempt:
+            if attempt < st.attempt:
+                return  # a late row of a lineage a rollback replaced
+            self._rewind(st, step)
+            st.attempt = attempt
         if value is None or not math.isfinite(value) or value <= 0:
             return  # non-finite: the nan detector's
         lx = math.log(value)
         if len(st.baseline) < cfg.min_history_steps:
-            st.baseline.add(lx)
+            self._add(st, step, lx)
             return
         med, scale = st.baseline.level_scale(cfg.level_steps)
         scale = max(scale, cfg.min_log_scale)
@@ -118,7 +128,7 @@ class _SpikeDetector:
         if z >= cfg.z_threshold and ratio >= cfg.min_ratio and \
                 self._flag(p, st, attempt, step, value=value, z=z, ratio=ratio, baseline=math.exp(med)):
             return
-        st.baseline.add(lx)
+        self._add(st, step, lx)
         st.consecutive = 0
         ep = st.ep
         if ep is not None:
@@ -152,7 +162,29 @@ class _SpikeDetector:
             p.resolve(ep.key, evidence={**p.book.get(ep.key).evidence, "resolved_because": "level shift"})
             st.ep, st.consecutive = None, 0
             st.baseline.clear()
+            st.steps.clear()
         return True
+
+    @staticmethod
+    def _add(st: _State, step: int, lx: float) -> None:
+        st.baseline.add(lx)
+        st.steps.add(float(step))
+
+    @staticmethod
+    def _rewind(st: _State, first_step: int) -> None:
+        """A new attempt from `first_step` on (a rollback or a restart resumed from a
+        checkpoint): the baseline is what the curve was before that step. Without it
+        the replay of a steep early stretch, judged against the level the run had
+        reached later, looked like a spike (and a rollback answered it: a loop)."""
+        keep = st.steps.ordered() < first_step
+        if keep.all():
+            return
+        values, steps = st.baseline.ordered()[keep].copy(), st.steps.ordered()[keep].copy()
+        st.baseline.clear()
+        st.steps.clear()
+        for x, s in zip(values.tolist(), steps.tolist()):
+            st.baseline.add(x)
+            st.steps.add(s)
 
     def _fold(self, p, attempt: int, step: int, numbers: dict) -> bool:
         """Whether this flag belongs to another incident (the grad detector folds into loss)."""

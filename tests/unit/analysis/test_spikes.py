@@ -85,3 +85,50 @@ def test_a_spike_right_after_a_restart_round_is_judged_against_the_baseline_befo
 
     assert [f.step_from for f in restarted(True).values()] == [125]
     assert restarted(False) == {}  # what a fresh analysis of the new round missed
+
+
+def _steep_then_rolled_back(*, back_to: int, steps: int = 90):
+    """A steep early loss curve (9.5 at step 1, ~2 by step 60), then a rollback: attempt 1
+    replays the steps after `back_to` on the same curve (as a rerun from that checkpoint does)."""
+    import numpy as np
+    import polars as pl
+
+    sim = Sim(layout=Layout(dp=2, nodes=2), steps=steps, seed=31)
+    commits = sim.build()
+
+    def steep(df):
+        return df.with_columns((2.0 + 8.0 * np.exp(-df["step"].cast(pl.Float64) / 15.0)).alias("loss"))
+
+    out, replay = [], []
+    for now, frames in commits:
+        if frames.steps is not None:
+            frames = type(frames)(**{**frames.tables(), "steps": steep(frames.steps)})
+            replay.append(frames.steps.filter(pl.col("step") > back_to))
+        out.append((now, frames))
+    rows = pl.concat([r for r in replay if r.height])
+    shift = float(rows["ts"].max()) - float(rows["ts"].min()) + 2.0
+    rows = rows.with_columns(pl.lit(1, pl.Int32).alias("attempt"), pl.col("ts") + shift)
+    last = out[-1][0]
+    for i, part in enumerate(rows.partition_by("step", maintain_order=True)):
+        out.append((last + shift + 0.1 * i, type(out[0][1])(steps=part)))
+    return out
+
+
+def test_a_rollback_into_the_steep_early_curve_is_not_a_spike():
+    """The replay of steps 41-90 after a rollback is judged against the curve as it was
+    before step 41, not against the lower level the run had reached by step 90 (that
+    opened a loss_spike, and a rollback answered it: a loop)."""
+    assert [f.summary() for f in feed(Analyzer(), _steep_then_rolled_back(back_to=40))] == []
+
+
+def test_a_spike_in_the_replay_is_still_caught():
+    import polars as pl
+
+    commits = _steep_then_rolled_back(back_to=40)
+    hit = [i for i, (_, fr) in enumerate(commits) if fr.steps is not None and fr.steps.height
+           and fr.steps["attempt"][0] == 1 and fr.steps["step"][0] == 70]
+    assert len(hit) == 1
+    now, frames = commits[hit[0]]
+    commits[hit[0]] = (now, type(frames)(steps=frames.steps.with_columns(pl.col("loss") * 3.0)))
+    first = opened(feed(Analyzer(), commits))
+    assert [(f.kind, f.step_from) for f in first.values()] == [("loss_spike", 70)]
