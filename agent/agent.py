@@ -232,6 +232,7 @@ class Agent(Recorder):
         self._next_hb = 0.0
         # flusher thread only (under _io_lock): no lock with the training thread
         self._health: DeviceHealthSampler | None = DeviceHealthSampler(config.gpu_index) if config.device_health else None
+        self._health_overlay: Callable[[tuple, int], tuple] | None = None
         self._health_buf = KindBuffer(wire.DEVICE_HEALTH, _HEALTH_ROWS)
         self._closed = False
         self._logged: set[str] = set()
@@ -317,6 +318,15 @@ class Agent(Recorder):
         the op, axis and group name the collective it waits in). Called on the
         flusher thread: it must only read."""
         self._seq_source = fn
+
+    def set_health_overlay(self, fn: Callable[[tuple, int], tuple] | None) -> None:
+        """`fn(sample, step) -> sample` rewrites each device-health sample (the values of
+        agent/device_health.py FIELDS; `step` the heartbeat's) before it is stored: the
+        trainer's injected device faults (trainer/faults.py `devhealth`, a simulated
+        device). Called on the flusher thread right after the sampler, so it must be
+        cheap and only read what the training thread writes; one that raises costs
+        that sample (counted as dropped, logged once). None removes it."""
+        self._health_overlay = fn
 
     def set_attempt(self, n: int) -> None:
         self.attempt = int(n)
@@ -562,7 +572,11 @@ class Agent(Recorder):
             buf.num_dropped += 1
             return
         try:
-            values = (ts, step, *self._health.sample())
+            sample = self._health.sample()
+            overlay = self._health_overlay
+            if overlay is not None:
+                sample = overlay(sample, step)
+            values = (ts, step, *sample)
             i = buf.n
             for col, arr, value in zip(wire.SCHEMA[wire.DEVICE_HEALTH], buf.cols, values):
                 arr[i] = (wire.NULL_F64 if col.fmt == "d" else wire.NOT_MEASURED) if value is None else value

@@ -43,6 +43,9 @@ class NoopAgent:
     def bind_seq_source(self, fn: Callable[[], int | tuple]) -> None:
         return None
 
+    def set_health_overlay(self, fn: Callable[[tuple, int], tuple] | None) -> None:
+        return None
+
     def set_attempt(self, n: int) -> None:
         self.attempt = int(n)
 
