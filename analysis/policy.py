@@ -26,6 +26,17 @@ What calls for what (DESIGN.md section 7, the keys are `[policy]` in rules.toml)
   which the checkpointer does not have (trainer/checkpoint.py writes to `dir`,
   then copies to `persist_dir`).
 - `hang`: **isolate** the culprit's node (`isolate_on_hang`).
+- `device_health` (analysis/detectors/device_health.py), by its evidence's `cause`:
+  - `ecc`: **isolate** the node (`isolate_on_ecc`): its GPU's memory corrupts data,
+    so the node is drained rather than trusted again. With `isolate_on_ecc` false
+    the fault is counted against the node as a transient verdict is
+    (`transient_limit` within `transient_window_s` isolate it);
+  - `memory_pressure`: a **checkpoint** now (`checkpoint_on_memory_pressure`), so
+    that the OOM kill that may come next loses the least (trainer/control.py; a run
+    without --ckpt-dir rejects it, and the action fails with that reason);
+  - `thermal_throttle`, `power_throttle`: an alert only; the straggler detector
+    prices the slowness a throttled GPU causes, and its policy isolates the node
+    when that costs enough.
 - `crash`: **restart** (the supervisor's own; recorded), and the
   `crashes_to_isolate`-th crash on one node **isolates** it.
 - `replica_divergence` (silent data corruption): with a majority and caught at
@@ -57,12 +68,14 @@ from typing import Any
 
 MODES = ("auto", "shadow", "off")
 ROLLBACK, ISOLATE, STOP, RESTART = "rollback", "isolate", "stop", "restart"
-REPAIR = "repair"
+REPAIR, CHECKPOINT = "repair", "checkpoint"
+# actions the ranks carry out in place: no new attempt follows, so one is done once every rank acked it
+IN_PLACE = frozenset({REPAIR, CHECKPOINT})
 
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    kind: str  # rollback | isolate | stop | restart
+    kind: str  # rollback | isolate | stop | restart | repair | checkpoint
     run_id: str
     reason: str
     incident_id: int | None = None
@@ -143,6 +156,33 @@ class Policy:
             return self._crash(st, inc, now)
         if kind == "replica_divergence":
             return self._divergence(st, inc, now)
+        if kind == "device_health":
+            return self._device_health(st, inc, now)
+        return []
+
+    def _device_health(self, st: RunPolicy, inc: dict[str, Any], now: float) -> list[Decision]:
+        """ECC errors isolate the node (or count against it); memory pressure checkpoints
+        now; throttling is an alert only (the module doc)."""
+        ev = inc.get("evidence") or {}
+        cause, node, rank = ev.get("cause"), inc.get("node"), inc.get("rank")
+        if cause == "ecc":
+            n = ev.get("new_errors")
+            reason = (f"ecc: rank {rank}'s GPU reported {'' if n is None else f'{n} '}new uncorrectable ECC "
+                      f"error(s): its memory corrupts data")
+            if self.cfg.isolate_on_ecc:
+                return self._isolate(st, inc, node, now, reason)
+            if node is None or self.mode == "off":
+                return []
+            if inc.get("id") is not None:
+                st.acted.add(inc["id"])  # counted once, however often the open incident is updated
+            return self._count_fault(st, inc, node, now)
+        if cause == "memory_pressure" and self.cfg.checkpoint_on_memory_pressure:
+            share = _number(ev.get("mem_available_share"))
+            reason = (f"memory_pressure: node {node}'s memory available"
+                      + (f" is {100 * share:.1f}%" if share is not None else " is low")
+                      + ": checkpoint before an OOM kill")
+            return self._decision(st, CHECKPOINT, inc, reason, now, node=node,
+                                  args={"incident_id": inc.get("id"), "reason": reason})
         return []
 
     def _divergence(self, st: RunPolicy, inc: dict[str, Any], now: float) -> list[Decision]:

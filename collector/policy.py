@@ -13,8 +13,8 @@ its own so that ingest never waits for it. What it hears:
 What it does with a decision, through the writer (never blocking):
 
 - `refused` (a guard rail) or `shadow`: an `actions` row with that status;
-- `auto`: the command (`rollback`, `stop`, `isolate`) is issued, and an
-  `actions` row `issued` records it with its command id; an isolation also
+- `auto`: the command (`rollback`, `stop`, `isolate`, `repair`, `checkpoint`) is
+  issued, and an `actions` row `issued` records it with its command id; an isolation also
   marks the node `isolated` in `nodes` (the supervisor watches for that, so a
   node whose ranks are stuck is still taken out); a crash's `restart` is the
   supervisor's own, recorded as `issued` without a command.
@@ -27,7 +27,8 @@ command the old round received but left without carrying out is delivered again
 to the new round, collector/commands.py) (`recovery_s`, from the incident's
 `opened_ts`: training goes on), and its detail gets `caught_up_s` when the new
 lineage passes the last step the abandoned one reached (the replay is the work
-the fault cost).
+the fault cost). A repair or a checkpoint (`IN_PLACE`: no new attempt follows)
+is `done` when every rank acked it.
 Every recorded action is also an alert (the outbox's action hook).
 
 A rerun verdict is also written to its incident's `root_cause`, with the
@@ -49,7 +50,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from analysis.policy import ISOLATE, REPAIR, RESTART, Decision, Policy, RunPolicy
+from analysis.policy import IN_PLACE, ISOLATE, REPAIR, RESTART, Decision, Policy, RunPolicy
 from collector.commands import ENDED_BY_RESTART, FAILED_ACKS
 from collector.feed import Subscription
 from collector.incidents import IncidentPlan
@@ -295,12 +296,14 @@ class PolicyRunner:
             return
         p.acks.add(rank)
         world = self._world.get(run_id) or 0
-        if world and len(p.acks) >= world and p.kind == REPAIR:
-            # a repair in place starts no new attempt: done when every rank has carried it out
+        if world and len(p.acks) >= world and p.kind in IN_PLACE:
+            # a repair or a checkpoint starts no new attempt: done when every rank has carried it out
             with self._lock:
                 self._pending.pop(p.action_id, None)
+            outcome = ("every rank repaired its replica in place" if p.kind == REPAIR
+                       else f"every rank carried out the {p.kind}")
             self.storage.update_action(p.action_id, status="done", started_ts=ts, finished_ts=ts,
-                                       detail={"outcome": "every rank repaired its replica in place"})
+                                       detail={"outcome": outcome})
             return
         if world and len(p.acks) >= world:
             p.acked = True

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from analysis.policy import ISOLATE, RESTART, ROLLBACK, STOP, Decision, Policy, RunPolicy
+from analysis.policy import CHECKPOINT, IN_PLACE, ISOLATE, REPAIR, RESTART, ROLLBACK, STOP, Decision, Policy, RunPolicy
 from analysis.rules import rules_from_dict
 
 
@@ -306,3 +306,63 @@ def test_a_nan_naming_no_rank_waits_for_its_culprit_then_goes_without():
 
 def test_a_lone_grad_spike_is_an_alert_not_a_rollback_by_default():
     assert policy().on_incident(run_state(), incident(1, "grad_spike"), now=0.0) == []
+
+
+# -- device health -------------------------------------------------------------------
+
+def device_health(id: int, cause: str, **evidence) -> dict:
+    return incident(id, "device_health", step=60, rank=1, node="node1", evidence={"cause": cause, **evidence})
+
+
+def test_ecc_errors_isolate_the_node_once():
+    p, st = policy(), run_state("node0", "node1")
+    [d] = p.on_incident(st, device_health(1, "ecc", new_errors=2), now=0.0)
+    assert (d.kind, d.node, d.rank, d.incident_id, d.mode, d.refused) == (ISOLATE, "node1", 1, 1, "auto", None)
+    assert d.reason == "ecc: rank 1's GPU reported 2 new uncorrectable ECC error(s): its memory corrupts data"
+    assert d.args == {"node": "node1", "reason": d.reason, "incident_id": 1}
+    assert st.isolated == {"node1"}
+    # the incident stays open and is updated with each new error: decided once
+    assert p.on_incident(st, device_health(1, "ecc", new_errors=3), now=1.0) == []
+    [d] = policy().on_incident(run_state("node1"), device_health(2, "ecc", new_errors=1), now=0.0)  # its only node
+    assert d.refused == "min_nodes: isolating node1 would leave 0 healthy node(s), fewer than 1"
+
+
+def test_without_isolate_on_ecc_the_errors_count_against_the_node():
+    p, st = policy(policy={"isolate_on_ecc": False}), run_state("node0", "node1")  # transient_limit 2
+    assert p.on_incident(st, device_health(1, "ecc", new_errors=2), now=0.0) == []
+    assert p.on_incident(st, device_health(1, "ecc", new_errors=5), now=1.0) == []  # the same incident: one fault
+    assert len(st.transients["node1"]) == 1 and st.isolated == set()
+    [d] = p.on_verdict(st, {"verdict": "transient", "incident_id": 2}, "node1", now=10.0)  # a second fault there
+    assert (d.kind, d.node, d.reason) == (ISOLATE, "node1", "2 transient faults within 3600 s")
+    assert policy("off", policy={"isolate_on_ecc": False}).on_incident(run_state(), device_health(3, "ecc"), 0.0) == []
+
+
+def test_memory_pressure_checkpoints_now():
+    p, st = policy(), run_state("node0", "node1")
+    [d] = p.on_incident(st, device_health(1, "memory_pressure", mem_available_share=0.0123), now=0.0)
+    assert (d.kind, d.node, d.incident_id, d.mode, d.refused) == (CHECKPOINT, "node1", 1, "auto", None)
+    assert d.reason == "memory_pressure: node node1's memory available is 1.2%: checkpoint before an OOM kill"
+    assert d.args == {"incident_id": 1, "reason": d.reason}
+    assert p.on_incident(st, device_health(1, "memory_pressure"), now=1.0) == []  # decided once
+    # another node's within the cooldown waits for it, then checkpoints
+    other = {**device_health(2, "memory_pressure"), "node": "node0"}
+    assert p.on_incident(st, other, now=2.0) == []
+    [d] = p.on_incident(st, other, now=5.0)
+    assert (d.kind, d.node) == (CHECKPOINT, "node0") and d.reason.endswith("is low: checkpoint before an OOM kill")
+    assert policy(policy={"checkpoint_on_memory_pressure": False}).on_incident(
+        run_state(), device_health(3, "memory_pressure"), 0.0) == []
+    assert kinds(policy("shadow").on_incident(run_state(), device_health(4, "memory_pressure"), 0.0)) == [
+        (CHECKPOINT, "shadow", None)]
+
+
+@pytest.mark.parametrize("cause", ["thermal_throttle", "power_throttle", None])
+def test_throttling_is_an_alert_only(cause):
+    p, st = policy(), run_state("node0", "node1")
+    assert p.on_incident(st, device_health(1, cause, throttle_reasons=0x40), now=0.0) == []
+    assert p.on_incident(st, device_health(1, cause), now=100.0) == [] and st.acted == set()
+
+
+def test_a_closed_device_health_incident_gets_nothing():
+    p = policy()
+    assert p.on_incident(run_state(), {**device_health(1, "memory_pressure"), "status": "closed"}, 0.0) == []
+    assert CHECKPOINT in IN_PLACE and REPAIR in IN_PLACE and ISOLATE not in IN_PLACE
