@@ -63,8 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "straggler@rank=R,from=S,factor=F[,to=E] | slowlink@rank=R,axis=dp|tp|pp,from=S,factor=F[,to=E] "
                         "(that rank's ops on the axis take F x as long) | slowio@rank=R,from=S,factor=F,what=data|ckpt[,to=E] "
                         "(that rank's data fetch or checkpoint shard writes take F x as long) | "
-                        "hang@rank=R,step=S | crash@rank=R,step=S | "
+                        "bitflip@rank=R,step=S[,target=param|optim] (one bit of one element after the step's "
+                        "update) | hang@rank=R,step=S | crash@rank=R,step=S | "
                         "overflow@rank=R,from=S,to=E (fp16: infinite gradients) | "
+                        "devhealth@rank=R,from=S,what=ecc|thermal|memory[,to=E] (a simulated device: that rank's "
+                        "device-health samples show ECC errors, thermal throttling or its node's memory nearly gone; "
+                        "no to for ecc) | "
                         "jitter@pct=P[,seed=S] (background noise on every rank; not a fault)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g = p.add_argument_group("telemetry")

@@ -8,6 +8,7 @@
     --inject hang@rank=1,step=80
     --inject crash@rank=1,step=80
     --inject bitflip@rank=1,step=25[,target=param|optim]
+    --inject devhealth@rank=1,from=30,what=ecc|thermal|memory[,to=80]   (no to for ecc)
     --inject overflow@rank=1,from=40,to=46
     --inject jitter@pct=10[,seed=S]
 
@@ -34,6 +35,24 @@ step's `data_s` shows it (a share of about 1 - 1/F of the step). `what=ckpt`: ea
 of its checkpoint shard writes (trainer/checkpoint.py) really takes F times as
 long, in the background writer, and the shard's `write_s` shows it. One
 ground-truth row at the first step of the window (`what`, `factor`).
+
+`devhealth` is a failing device or host, seen only in the agent's device-health
+samples (agent/device_health.py: one per heartbeat, on the agent's flusher
+thread): from step S on (to E), the injector rewrites the samples of the rank
+(`FaultInjector.device_health`, installed with `agent.set_health_overlay` in
+trainer/worker.py) on their way into the agent's buffer, so the collector
+receives them like any other sample. It is a *simulated* device: training itself
+is untouched, and on a CPU host, whose GPU columns are NULL, the injector supplies
+them (a healthy device before S: 60 C, no throttle reason, no ECC error).
+`what=ecc`: from S on the volatile uncorrectable ECC count is 2 above the
+device's, and one more page is retired; it never goes back (a rollback to before
+S does not undo errors that happened, nor does a restart: only a driver reload
+resets the count), so `to` is refused for it. `thermal`: the throttle reasons
+add HW thermal slowdown (0x40) and the temperature is at least 95 C. `memory`:
+the host's MemAvailable is 1% of MemTotal. Memory is the host's, so `memory`
+shows in the samples of every rank on the named rank's node (the detector judges
+a node by its lowest reporting rank). One ground-truth row, from the named rank,
+at the first step of the window (`what`).
 
 `jitter` is background noise, not a fault: each rank's compute is stretched by a
 factor drawn uniformly from [1, 1 + pct/100] per step (seeded by `seed`, the rank,
@@ -78,6 +97,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.device_health import FIELDS as HEALTH_FIELDS
 from trainer.config import ConfigError
 
 _KEYS: dict[str, dict[str, type]] = {
@@ -91,11 +111,13 @@ _KEYS: dict[str, dict[str, type]] = {
     "overflow": {"rank": int, "from": int, "to": int},
     "jitter": {"pct": float, "seed": int},
     "bitflip": {"rank": int, "step": int, "target": str},
+    "devhealth": {"rank": int, "from": int, "what": str, "to": int},
 }
 _NAN_MODES = ("data", "transient", "device")
 _FLIP_TARGETS = ("param", "optim")  # bitflip: a parameter or an optimizer-state element
 _LINK_AXES = ("dp", "tp", "pp")  # slowlink: the axis whose ops are stretched
 _IO_WHATS = ("data", "ckpt")  # slowio: the data fetch or the checkpoint shard writes
+_HEALTH_WHATS = ("ecc", "thermal", "memory")  # devhealth: what the device-health samples show
 _REQUIRED = {
     "nan": ("step", "rank"),
     "spike": ("step",),
@@ -107,6 +129,7 @@ _REQUIRED = {
     "overflow": ("rank", "from", "to"),
     "jitter": ("pct",),
     "bitflip": ("rank", "step"),
+    "devhealth": ("rank", "from", "what"),
 }
 
 
@@ -117,10 +140,10 @@ class Injection:
     rank: int = -1  # -1: every rank (spike)
     mode: str = "data"  # nan: data | transient | device
     factor: float = 1.0  # straggler, slowlink; jitter: 1 + pct / 100
-    to_step: int = 1 << 62  # straggler, slowlink, overflow: last affected step
+    to_step: int = 1 << 62  # straggler, slowlink, slowio, overflow, devhealth: last affected step
     seed: int = 0  # jitter
     axis: str = ""  # slowlink: dp | tp | pp
-    what: str = ""  # slowio: data | ckpt
+    what: str = ""  # slowio: data | ckpt; devhealth: ecc | thermal | memory
     target: str = ""  # bitflip: param | optim
 
     @property
@@ -161,6 +184,10 @@ def parse_injection(spec: str, *, world_size: int | None = None) -> Injection:
     what = str(values.get("what", ""))
     if kind == "slowio" and what not in _IO_WHATS:
         raise ConfigError(f"--inject {spec!r}: what must be one of {', '.join(_IO_WHATS)}")
+    if kind == "devhealth" and what not in _HEALTH_WHATS:
+        raise ConfigError(f"--inject {spec!r}: what must be one of {', '.join(_HEALTH_WHATS)}")
+    if kind == "devhealth" and what == "ecc" and "to" in values:
+        raise ConfigError(f"--inject {spec!r}: what=ecc takes no to (an ECC error count never goes back)")
     if kind in ("straggler", "slowlink", "slowio") and factor < 1.0:
         raise ConfigError(f"--inject {spec!r}: factor must be >= 1")
     if kind == "jitter":
@@ -172,7 +199,7 @@ def parse_injection(spec: str, *, world_size: int | None = None) -> Injection:
     if step < 0:
         raise ConfigError(f"--inject {spec!r}: step must be >= 0")
     to_step = int(values.get("to", 1 << 62))
-    if kind in ("overflow", "slowlink", "slowio") and to_step < step:
+    if kind in ("overflow", "slowlink", "slowio", "devhealth") and to_step < step:
         raise ConfigError(f"--inject {spec!r}: to must be >= from")
     target = str(values.get("target", "param" if kind == "bitflip" else ""))
     if kind == "bitflip" and target not in _FLIP_TARGETS:
@@ -198,6 +225,17 @@ class StepFaults:
 
 NO_FAULTS = StepFaults()
 
+# devhealth: where the sample (agent/device_health.py FIELDS) holds what a fault changes
+_TEMP, _REASONS, _ECC, _RETIRED, _AVAIL, _TOTAL = (HEALTH_FIELDS.index(f) for f in (
+    "temperature_c", "throttle_reasons", "ecc_uncorrectable", "retired_pages", "mem_available_bytes",
+    "mem_total_bytes"))
+_HEALTHY_GPU = ((_TEMP, 60.0), (_REASONS, 0), (_ECC, 0), (_RETIRED, 0))  # the simulated GPU's columns
+HW_THERMAL_SLOWDOWN = 0x40  # NVML clock event reason
+HOT_C = 95.0
+ECC_ERRORS = 2  # what=ecc: new uncorrectable errors from the first affected step on
+MEM_AVAILABLE_SHARE = 0.01  # what=memory: MemAvailable / MemTotal
+_SIMULATED_MEM_TOTAL = 64 << 30  # a host whose /proc/meminfo says nothing
+
 
 def _jitter_factor(inj: Injection, rank: int, attempt: int, step: int) -> float:
     """A reproducible draw from [1, inj.factor], independent per (seed, rank, attempt, step)."""
@@ -214,11 +252,12 @@ class FaultInjector:
 
     def __init__(self, injections: list[Injection], *, rank: int, node: int, run_dir: str | os.PathLike | None,
                  clock=time.time, hw_rank: int | None = None, tp: int = 1, pp: int = 1, dp: int = 1,
-                 orig_dp: int | None = None) -> None:
+                 orig_dp: int | None = None, ranks_per_node: int = 1) -> None:
         self.injections = injections
         self.rank = rank
         self.hw_rank = rank if hw_rank is None else hw_rank
         self.node = node
+        self.ranks_per_node = ranks_per_node  # a devhealth memory fault is its node's: every rank there shows it
         self.clock = clock
         self.tp, self.pp, self.dp = tp, pp, dp
         self.orig_dp = dp if orig_dp is None else orig_dp
@@ -273,7 +312,7 @@ class FaultInjector:
             row["factor"] = inj.factor
         if inj.kind == "slowlink":
             row["axis"] = inj.axis
-        if inj.kind == "slowio":
+        if inj.kind in ("slowio", "devhealth"):
             row["what"] = inj.what
         with open(self.run_dir / "injections.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -334,8 +373,9 @@ class FaultInjector:
                 if self._mark_fired(inj.name):
                     self._truth(inj, step, attempt)
                 links[inj.axis] = max(links.get(inj.axis, 1.0), inj.factor)
-            elif inj.kind == "slowio" and self._mine(inj) and inj.step <= step <= inj.to_step:
-                if self._mark_fired(inj.name):  # the stretch itself: slowio_factor (data, checkpoint)
+            elif inj.kind in ("slowio", "devhealth") and self._mine(inj) and inj.step <= step <= inj.to_step:
+                # the fault itself: slowio_factor (data, checkpoint), device_health (the agent's samples)
+                if self._mark_fired(inj.name):
                     self._truth(inj, step, attempt)
             elif inj.kind == "overflow" and self._mine(inj) and inj.step <= step <= inj.to_step:
                 if self._mark_fired(inj.name):
@@ -360,6 +400,46 @@ class FaultInjector:
             if inj.kind == "slowio" and inj.what == what and self._mine(inj) and inj.step <= step <= inj.to_step:
                 factor = max(factor, inj.factor)
         return factor
+
+    # -- device health ---------------------------------------------------------
+    def _health_faults(self) -> list[Injection]:
+        """The devhealth injections this process's samples show: its own rank's, and a
+        `memory` one of any rank on its node (the host's memory is every rank's there)."""
+        return [inj for inj in self.injections if inj.kind == "devhealth" and (
+            self._mine(inj) or (inj.what == "memory" and inj.rank // self.ranks_per_node == self.node))]
+
+    def shows_device_faults(self) -> bool:
+        """This process's device-health samples show an injected fault: install
+        `device_health` as the agent's overlay (trainer/worker.py)."""
+        return bool(self._health_faults())
+
+    def device_health(self, sample: tuple, step: int) -> tuple:
+        """The agent's device-health overlay (`Agent.set_health_overlay`): `sample`, the
+        values of agent/device_health.py FIELDS, as this rank's devhealth faults make it
+        at `step` (the module doc). A simulated device: GPU columns the host has not
+        (None) are a healthy GPU's for an ecc or thermal fault. Called on the agent's
+        flusher thread: it only reads (the ground truth is `step_faults`'s, on the
+        training thread; its fired list says an ECC fault started, also in an earlier
+        process)."""
+        out = list(sample)
+        for inj in self._health_faults():
+            if inj.what in ("ecc", "thermal"):
+                for i, healthy in _HEALTHY_GPU:
+                    if out[i] is None:
+                        out[i] = healthy
+            if inj.what == "ecc":
+                if step >= inj.step or inj.name in self._state["fired"]:  # errors that happened stay counted
+                    out[_ECC] = int(out[_ECC]) + ECC_ERRORS
+                    out[_RETIRED] = int(out[_RETIRED]) + 1
+            elif not inj.step <= step <= inj.to_step:
+                continue
+            elif inj.what == "thermal":
+                out[_REASONS] = int(out[_REASONS]) | HW_THERMAL_SLOWDOWN
+                out[_TEMP] = max(float(out[_TEMP]), HOT_C)
+            else:  # memory
+                total = out[_TOTAL] or _SIMULATED_MEM_TOTAL
+                out[_TOTAL], out[_AVAIL] = total, int(total * MEM_AVAILABLE_SHARE)
+        return tuple(out)
 
     def _nan(self, inj: Injection, step: int, attempt: int, window: tuple[int, int, int],
              replica_window: tuple[int, int, int] | None) -> bool:

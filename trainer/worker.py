@@ -219,7 +219,9 @@ def run_worker(cfg: JobConfig, *, token: str | None = None) -> int:
         injector = FaultInjector(parse_injections(cfg.inject, world_size=orig_world), rank=rank, hw_rank=hw_rank,
                                  node=hw_rank // dims.ranks_per_node,
                                  run_dir=cfg.run_dir, tp=dims.tp, pp=dims.pp, dp=dims.dp,
-                                 orig_dp=orig_world // (dims.tp * dims.pp))
+                                 orig_dp=orig_world // (dims.tp * dims.pp), ranks_per_node=dims.ranks_per_node)
+        if injector.shows_device_faults():  # an injected devhealth: its (simulated) device's samples show it
+            agent.set_health_overlay(injector.device_health)
         from trainer.train import Trainer
 
         floor = int(os.environ.get(ATTEMPT_FLOOR_ENV) or 0)
