@@ -21,7 +21,9 @@ Expected outcomes:
 | bitflip, a majority holds the healthy bits and caught within `checksum_every` steps | repair in place | - |
 | bitflip, otherwise (dp = 2, no majority, a late catch, or no incident) | rollback | - |
 | crash | restart; isolate its node from the `crashes_to_isolate`-th on it | - |
-| overflow | none (alert only) | - |
+| devhealth what=ecc | isolate its node (its GPU's memory corrupts data) | - |
+| devhealth what=memory | checkpoint now (an OOM kill may come next) | - |
+| overflow, slowio what=ckpt, devhealth what=thermal | none (alert only) | - |
 
 A bitflip's row depends on what its matched `replica_divergence` incident found
 (its evidence: analysis/detectors/replica_divergence.py), which the truth alone
@@ -110,6 +112,10 @@ def expected(t: Truth, *, mode: str | None, evidence: Mapping[str, Any] | None =
         if crash_number >= crashes_to_isolate:
             return Expected(("isolate",), None, t.node)
         return Expected(("restart",))
+    if t.kind == "devhealth" and t.what == "ecc":
+        return Expected(("isolate",), None, t.node)
+    if t.kind == "devhealth" and t.what == "memory":
+        return Expected(("checkpoint",))
     return Expected(())
 
 

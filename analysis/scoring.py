@@ -7,8 +7,9 @@
 The ground truth is what trainer/faults.py writes to `injections.jsonl`: one row
 per (fault, rank that fired it), with `kind` (nan, spike, straggler, hang,
 crash, overflow: an fp16 overflow that the loss-scale collapse must find;
-slowlink, slowio, bitflip), `rank` (-1: every rank), `node`, `step`, `attempt`,
-`ts` (slowio also `what`: data | ckpt). Rows of one fault fired on several
+slowlink, slowio, bitflip, devhealth), `rank` (-1: every rank), `node`, `step`,
+`attempt`, `ts` (slowio also `what`: data | ckpt; devhealth: ecc | thermal |
+memory). Rows of one fault fired on several
 ranks (a spike on every rank) are one truth. Background conditions (`jitter`,
 `BACKGROUND_KINDS`) are recorded there too but are no fault: they are left out
 of the truths. Only `collector replay`, the bench and tests read that file; this
@@ -16,8 +17,11 @@ module takes its rows.
 
 A truth is scored under its `label`: its kind, or for a slowio `slowio:data` (found
 as a `data_stall`) and `slowio:ckpt` (a `checkpoint_slow`), two faults the
-detectors tell apart. `TRUTH_KINDS` and `WINDOWS` are by label. A
-`device_health` incident has no injection: it only ever counts as an incident.
+detectors tell apart, and for a devhealth `devhealth:ecc`, `devhealth:thermal`
+and `devhealth:memory`, each found as a `device_health` incident of its own
+cause (`TRUTH_CAUSES`: the incident's evidence `cause`, `ecc`, `thermal_throttle`
+or `memory_pressure`; an incident whose cause is not known, None, matches any).
+`TRUTH_KINDS`, `TRUTH_CAUSES` and `WINDOWS` are by label.
 
 Findings are first collapsed into incidents (one per key: first open, widest
 step range, last culprit named). An incident matches a truth when its kind is
@@ -26,7 +30,10 @@ the truth's (spike: `loss_spike` or `grad_spike`; slowlink: `slow_link`; bitflip
 (`WINDOWS`: a straggler, a slow link or a data stall is found some steps after
 onset, a crash's last reported step is before the one it died in, a slow
 checkpoint at the first checkpoint after onset, a bit flip's range runs from the
-last agreeing checksum before it to the first disagreeing one after it).
+last agreeing checksum before it to the first disagreeing one after it, and a
+device-health incident's range starts at the first sample that shows the fault:
+samples come once per heartbeat, so a few heartbeats' steps after onset at
+most, whatever the detector's window in seconds before it opens).
 Matching is one to one, nearest first; an incident matching no truth is a false
 positive (a second incident for one fault too).
 
@@ -36,7 +43,9 @@ positive (a second incident for one fault too).
   the run had reported then (`detected_step`, or, for the kinds of
   `FIRED_AT_KINDS`, the `fired_at_step` of their evidence);
 - culprit accuracy, over matched truths that name a rank: the incident names the
-  same rank, or (a node incident, rank not named) the same node, or (an incident
+  same rank, or (a node incident, rank not named; or a node's condition,
+  `NODE_LABELS`: memory pressure names the node and its lowest reporting rank,
+  not the one injected) the same node, or (an incident
   that names no single rank but its suspects: a `replica_divergence` without a
   majority, dp = 2, whose evidence lists `divergent_ranks`) the rank is among its
   suspects. Two checksums that differ cannot say which replica is corrupted: the
@@ -59,14 +68,25 @@ TRUTH_KINDS = {"nan": ("nan",), "spike": ("loss_spike", "grad_spike"), "straggle
                "hang": ("hang",), "crash": ("crash",), "loss_scale_collapse": ("loss_scale_collapse",),
                "overflow": ("loss_scale_collapse",), "loss_spike": ("loss_spike",), "grad_spike": ("grad_spike",),
                "slowlink": ("slow_link",), "slowio:data": ("data_stall",), "slowio:ckpt": ("checkpoint_slow",),
-               "slowio": ("data_stall", "checkpoint_slow"), "bitflip": ("replica_divergence",)}
+               "slowio": ("data_stall", "checkpoint_slow"), "bitflip": ("replica_divergence",),
+               "devhealth:ecc": ("device_health",), "devhealth:thermal": ("device_health",),
+               "devhealth:memory": ("device_health",), "devhealth": ("device_health",)}
+# truth label -> the causes (an incident's evidence `cause`) that find it, for kinds with several
+TRUTH_CAUSES = {"devhealth:ecc": ("ecc",), "devhealth:thermal": ("thermal_throttle",),
+                "devhealth:memory": ("memory_pressure",)}
+# a node's condition, not a rank's: the culprit is right when the node is
+NODE_LABELS = frozenset({"devhealth:memory"})
 # steps around a truth's step an incident's range may meet: (before, after). A slow checkpoint opens at
 # the first checkpoint after onset (--ckpt-every steps later at most); a bit flip's range starts at the
-# last agreeing checksum (before the flip) and ends at the first disagreeing one (--checksum-every after)
+# last agreeing checksum (before the flip) and ends at the first disagreeing one (--checksum-every after);
+# a device-health incident's at its first faulty sample, one per heartbeat (1 s; a flusher held up by a
+# slow POST samples later): never before onset, and within ~3 heartbeats' steps after it at the tiny CPU
+# runs' 45-60 steps/s (seen: 49-56 steps after onset). A real model's step of >= 0.1 s: 30 steps at most
 WINDOWS = {"nan": (0, 2), "spike": (0, 2), "straggler": (-1, 12), "hang": (-2, 2), "crash": (-6, 2),
            "loss_scale_collapse": (-60, 60), "overflow": (-1, 6), "loss_spike": (0, 2), "grad_spike": (0, 2),
            "slowlink": (-1, 12), "slowio:data": (-1, 12), "slowio:ckpt": (-1, 25), "slowio": (-1, 25),
-           "bitflip": (0, 25)}
+           "bitflip": (0, 25), "devhealth:ecc": (0, 150), "devhealth:thermal": (0, 150),
+           "devhealth:memory": (0, 150), "devhealth": (0, 150)}
 # incident kinds whose latency in steps counts from the step they fired at (their evidence's
 # `fired_at_step`): they judge a window of steps, and report some passes later
 FIRED_AT_KINDS = frozenset({"straggler", "slow_link"})
@@ -85,12 +105,12 @@ class Truth:
     ts: float | None = None
     run_id: str | None = None  # None: matches an incident of any run
     mode: str | None = None  # a nan's data | transient | device
-    what: str | None = None  # a slowio's data | ckpt
+    what: str | None = None  # a slowio's data | ckpt; a devhealth's ecc | thermal | memory
 
     @property
     def label(self) -> str:
-        """The kind it is scored under (TRUTH_KINDS, WINDOWS, Score.by_kind)."""
-        return f"{self.kind}:{self.what}" if self.kind == "slowio" and self.what else self.kind
+        """The kind it is scored under (TRUTH_KINDS, TRUTH_CAUSES, WINDOWS, Score.by_kind)."""
+        return f"{self.kind}:{self.what}" if self.kind in ("slowio", "devhealth") and self.what else self.kind
 
 
 @dataclass(slots=True)
@@ -106,6 +126,7 @@ class Incident:
     opened_step: int | None
     closed_ts: float | None = None
     suspects: tuple[int, ...] = ()  # named no single rank: the ranks it suspects (suspects_of)
+    cause: str | None = None  # of a kind with several (cause_of): device_health's; None: not known
 
 
 @dataclass(slots=True)
@@ -172,6 +193,21 @@ def suspects_of(kind: str, rank: int | None, evidence: Mapping | None) -> tuple[
     return tuple(int(r) for r in evidence.get("divergent_ranks") or ())
 
 
+def cause_of(kind: str, evidence: Mapping | None) -> str | None:
+    """The cause of an incident of a kind with several (TRUTH_CAUSES): a device_health
+    incident's evidence `cause`; None for the other kinds."""
+    if kind != "device_health" or not evidence or evidence.get("cause") is None:
+        return None
+    return str(evidence["cause"])
+
+
+def _fits(label: str, inc: Incident) -> bool:
+    """`inc` is of a kind and cause that find truths of `label`."""
+    causes = TRUTH_CAUSES.get(label)
+    return (inc.kind in TRUTH_KINDS.get(label, (label,))
+            and (causes is None or inc.cause is None or inc.cause in causes))
+
+
 def opened_step_of(kind: str, evidence: Mapping | None, detected_step: int | None) -> int | None:
     """The step an incident's latency in steps counts to: `fired_at_step` for FIRED_AT_KINDS."""
     fired = (evidence or {}).get("fired_at_step") if kind in FIRED_AT_KINDS else None
@@ -215,7 +251,8 @@ def incidents(findings: Iterable[Finding]) -> list[Incident]:
                                 step_to=f.step_to, opened_ts=f.ts,
                                 opened_step=opened_step_of(f.kind, f.evidence, f.detected_step),
                                 closed_ts=f.ts if f.resolved else None,
-                                suspects=suspects_of(f.kind, f.rank, f.evidence))
+                                suspects=suspects_of(f.kind, f.rank, f.evidence),
+                                cause=cause_of(f.kind, f.evidence))
             continue
         if f.step_from is not None:
             inc.step_from = f.step_from if inc.step_from is None else min(inc.step_from, f.step_from)
@@ -255,13 +292,13 @@ def score(findings_or_incidents: Iterable[Finding | Incident], truths: Iterable[
         ks(t.label).num_truths += 1
     truth_kind_of = {}
     for inc in incs:
-        tk = next((k for k, kinds in TRUTH_KINDS.items() if inc.kind in kinds and k in labels), inc.kind)
+        tk = next((k for k in TRUTH_KINDS if k in labels and _fits(k, inc)), inc.kind)
         truth_kind_of[inc.key] = tk
         ks(tk).num_incidents += 1
     pairs = []
     for ti, t in enumerate(truths):
         for ii, inc in enumerate(incs):
-            if inc.kind in TRUTH_KINDS.get(t.label, (t.label,)) and (t.run_id is None or t.run_id == inc.run_id):
+            if _fits(t.label, inc) and (t.run_id is None or t.run_id == inc.run_id):
                 d = _distance(t, inc)
                 if d is not None:
                     pairs.append((d, ti, ii))
@@ -282,8 +319,8 @@ def score(findings_or_incidents: Iterable[Finding | Incident], truths: Iterable[
             s.latency_steps.append(int(inc.opened_step) - t.step)
         if t.rank >= 0:
             s.num_culprit_checked += 1
-            right = inc.rank == t.rank or (inc.rank is None and inc.node is not None
-                                           and _node(inc.node) == _node(t.node))
+            by_node = inc.rank is None or t.label in NODE_LABELS
+            right = inc.rank == t.rank or (by_node and inc.node is not None and _node(inc.node) == _node(t.node))
             among = not right and inc.rank is None and t.rank in inc.suspects
             s.num_culprit_right += bool(right or among)
             s.num_culprit_among_suspects += among

@@ -58,7 +58,7 @@ import duckdb
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from analysis.scoring import Incident, opened_step_of, score, suspects_of, truths_from_rows  # noqa: E402
+from analysis.scoring import Incident, cause_of, opened_step_of, score, suspects_of, truths_from_rows  # noqa: E402
 
 TINY = ["--layers", "4", "--d-model", "64", "--heads", "4", "--seq-len", "32", "--micro-batch-size", "2",
         "--micro-batches", "2", "--no-progress"]
@@ -195,7 +195,8 @@ def run_one(sc: Scenario, run_dir: Path, *, hang_wait_s: float) -> Result:
         opened_step = opened_step_of(kind, ev, max((s for s, ts in ends if ts <= opened), default=None))
         res.incidents.append(Incident(kind=kind, key=f"{run_dir.name}/{key}", run_id=run_dir.name, rank=rank,
                                       node=node, step_from=lo, step_to=hi, opened_ts=opened, opened_step=opened_step,
-                                      closed_ts=closed, suspects=suspects_of(kind, rank, ev)))
+                                      closed_ts=closed, suspects=suspects_of(kind, rank, ev),
+                                      cause=cause_of(kind, ev)))
     inj = run_dir / "injections.jsonl"
     rows = [json.loads(x) for x in inj.read_text().splitlines() if x.strip()] if inj.exists() else []
     res.truths = truths_from_rows(rows, run_id=run_dir.name)

@@ -37,7 +37,7 @@ from analysis import Analyzer, Frames, Rules, Score, load_rules, replay_commits,
 from analysis.judging import Judgement, judge, summary
 from analysis.policy import Policy, RunPolicy
 from analysis.scoring import Incident as ScoredIncident
-from analysis.scoring import Truth, opened_step_of, suspects_of
+from analysis.scoring import Truth, cause_of, opened_step_of, suspects_of
 from collector import read
 from collector.incidents import IncidentBook, RecordFindings, as_finding
 
@@ -122,7 +122,8 @@ def scored_incidents(replays: Iterable[RunReplay]) -> list[ScoredIncident]:
                            rank=row["rank"], node=row["node"], step_from=row["step_from"], step_to=row["step_to"],
                            opened_ts=row["opened_ts"], opened_step=r.opened_step.get(row["id"]),
                            closed_ts=row.get("closed_ts"),
-                           suspects=suspects_of(row["kind"], row["rank"], _evidence(row)))
+                           suspects=suspects_of(row["kind"], row["rank"], _evidence(row)),
+                           cause=cause_of(row["kind"], _evidence(row)))
             for r in replays for row in r.incidents]
 
 
@@ -137,7 +138,8 @@ def stored_incidents(cur: read.Cursor, run_ids: Iterable[str]) -> tuple[list[Sco
                                          step_from=row["step_from"], step_to=row["step_to"],
                                          opened_ts=row["opened_ts"], opened_step=None,
                                          closed_ts=row.get("closed_ts"),
-                                         suspects=suspects_of(row["kind"], row["rank"], _evidence(row))))
+                                         suspects=suspects_of(row["kind"], row["rank"], _evidence(row)),
+                           cause=cause_of(row["kind"], _evidence(row))))
     return scored, rows
 
 

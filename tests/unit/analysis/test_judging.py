@@ -1,6 +1,6 @@
 """Actions and verdicts judged against injected faults (analysis/judging.py)."""
 
-from analysis.judging import expected, judge, summary, verdict_of
+from analysis.judging import Expected, expected, judge, summary, verdict_of
 from analysis.scoring import Truth, truths_from_rows
 
 
@@ -109,3 +109,38 @@ def test_a_bitflip_caught_late_or_unmatched_is_rolled_back():
     assert j.expected.actions == ("rollback",) and j.would_right is False and j.did_right is None
     [lost] = judge([t], {}, replay_match={}, replay_decisions={}, live_match={}, live_actions={})
     assert lost.matched is False and lost.expected.actions == ("rollback",) and lost.would_right is False
+
+
+def devhealth(what: str, node: str = "node1") -> Truth:
+    return Truth(kind="devhealth", rank=1, node=node, step=60, ts=0.0, what=what)
+
+
+def test_a_device_health_fault_is_judged_by_what_failed():
+    ecc, memory, thermal = devhealth("ecc"), devhealth("memory"), devhealth("thermal")
+    assert expected(ecc, mode=None) == Expected(("isolate",), None, "node1")
+    assert expected(memory, mode=None) == Expected(("checkpoint",))
+    assert expected(thermal, mode=None) == Expected(())
+    js = judge([ecc, memory, thermal], {}, replay_match={ecc: "k1", memory: "k2", thermal: "k3"},
+               replay_decisions={"k1": ["isolate"], "k2": ["checkpoint"], "k3": []},
+               live_match={ecc: {"id": 1, "root_cause": "ecc"}, memory: {"id": 2, "root_cause": "memory"},
+                           thermal: {"id": 3, "root_cause": "hot"}},
+               live_actions={1: [{"kind": "isolate", "status": "done", "node": "node1"}],
+                             2: [{"kind": "checkpoint", "status": "done", "node": "node1"}], 3: []})
+    assert [(j.truth.what, j.would_right, j.did_right) for j in js] == [
+        ("ecc", True, True), ("memory", True, True), ("thermal", True, True)]
+
+
+def test_a_wrong_or_failed_device_health_action_is_wrong():
+    ecc, memory, thermal = devhealth("ecc"), devhealth("memory"), devhealth("thermal")
+    [other_node] = judge([ecc], {}, replay_match={}, replay_decisions={}, live_match={ecc: {"id": 1}},
+                         live_actions={1: [{"kind": "isolate", "status": "done", "node": "node0"}]})
+    assert other_node.did_right is False and other_node.would_right is False  # the replay matched nothing
+    # a run without --ckpt-dir rejects the checkpoint: the action failed, the fault was not dealt with
+    [rejected] = judge([memory], {}, replay_match={memory: "k"}, replay_decisions={"k": ["checkpoint"]},
+                       live_match={memory: {"id": 2}},
+                       live_actions={2: [{"kind": "checkpoint", "status": "failed", "node": "node1"}]})
+    assert rejected.would_right is True and rejected.did_right is False
+    [isolated] = judge([thermal], {}, replay_match={thermal: "k"}, replay_decisions={"k": ["isolate"]},
+                       live_match={thermal: {"id": 3}},
+                       live_actions={3: [{"kind": "isolate", "status": "done", "node": "node1"}]})
+    assert isolated.would_right is False and isolated.did_right is False  # throttling is an alert only

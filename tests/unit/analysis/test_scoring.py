@@ -151,3 +151,46 @@ def test_a_bitflip_is_matched_from_the_last_agreeing_checksum_to_the_first_disag
     assert score([f("replica_divergence", "rd#1", 30, 30, rank=0)], truths).by_kind["bitflip"].recall == 1.0
     # all agreed after the flip's step: another fault's divergence
     assert score([f("replica_divergence", "rd#1", 60, 70, rank=0)], truths).by_kind["bitflip"].recall == 0.0
+
+
+def test_device_health_faults_are_found_by_their_cause_from_their_first_faulty_sample():
+    truths = truths_from_rows([
+        {"kind": "devhealth", "rank": 1, "node": 0, "step": 60, "what": "ecc", "ts": 10.0},
+        {"kind": "devhealth", "rank": 2, "node": 1, "step": 60, "what": "thermal", "ts": 10.0},
+        {"kind": "devhealth", "rank": 3, "node": 1, "step": 60, "what": "memory", "ts": 10.0},
+    ])
+    assert sorted(t.label for t in truths) == ["devhealth:ecc", "devhealth:memory", "devhealth:thermal"]
+    findings = [  # two nodes of two ranks: node1 holds ranks 2 and 3
+        f("device_health", "dh#ecc", 95, 95, rank=1, node="node0", ts=11.0, cause="ecc", new_errors=2),
+        # the throttled samples from the first one after onset; the incident opened a window of seconds later
+        f("device_health", "dh#hot", 61, 150, rank=2, node="node1", ts=13.0, cause="thermal_throttle"),
+        # memory is the node's: the incident names its lowest reporting rank, not the injected one
+        f("device_health", "dh#mem", 62, 110, rank=2, node="node1", ts=12.0, cause="memory_pressure"),
+    ]
+    s = score(findings, truths)
+    for label in ("devhealth:ecc", "devhealth:thermal", "devhealth:memory"):
+        k = s.by_kind[label]
+        assert (k.precision, k.recall, k.num_truths, k.num_incidents) == (1.0, 1.0, 1, 1), label
+    assert [s.by_kind[k].culprit_accuracy for k in ("devhealth:ecc", "devhealth:thermal")] == [1.0, 1.0]
+    assert s.by_kind["devhealth:memory"].culprit_accuracy == 1.0  # by node: rank 2 named, rank 3 injected
+    assert s.by_kind["devhealth:ecc"].latency_steps == [36]  # detected_step 96: the first sample after onset
+    # a rank's fault is the rank's: the lowest rank of the right node is the wrong culprit for a throttled GPU
+    hot = score([f("device_health", "dh#hot", 61, 150, rank=3, node="node1", cause="thermal_throttle")], truths)
+    assert hot.by_kind["devhealth:thermal"].culprit_accuracy == 0.0
+    assert {(t.label, i.key.split("/")[1]) for t, i in s.matches} == {
+        ("devhealth:ecc", "dh#ecc"), ("devhealth:thermal", "dh#hot"), ("devhealth:memory", "dh#mem")}
+    assert not s.false_positives and not s.missed and "devhealth:memory" in s.table()
+
+
+def test_a_device_health_incident_of_another_cause_or_before_onset_is_no_match():
+    truths = truths_from_rows([{"kind": "devhealth", "rank": 1, "node": 1, "step": 60, "what": "ecc"}])
+    power = f("device_health", "dh#1", 70, 80, rank=1, node="node1", cause="power_throttle")
+    early = f("device_health", "dh#2", 40, 59, rank=1, node="node1", cause="ecc")  # over before the fault
+    late = f("device_health", "dh#3", 211, 220, rank=1, node="node1", cause="ecc")  # past ~3 heartbeats
+    for finding in (power, early, late):
+        s = score([finding], truths)
+        assert s.by_kind["devhealth:ecc"].recall == 0.0 and len(s.false_positives) == 1, finding.key
+    # an incident whose cause is not known (a caller that passes none) matches by kind and window
+    (inc,) = incidents([f("device_health", "dh#4", 61, 61, rank=1, node="node1")])
+    assert inc.cause is None and score([inc], truths).by_kind["devhealth:ecc"].recall == 1.0
+    assert incidents([power])[0].cause == "power_throttle" and incidents([f("nan", "n", 1, cause="x")])[0].cause is None
