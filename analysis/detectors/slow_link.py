@@ -11,7 +11,8 @@ rows matched by `(attempt, axis, group_id, group_seq)`, as in
 analysis/attribution.py) to this member's completion, so a rank that waited for a
 late peer (a compute straggler) does not look like a slow transfer. A send or
 receive has no entry to wait for: its time is its duration. Ops of no bytes
-(barriers) say nothing. The detector judges the collectives only: a receive's
+(barriers) say nothing, and ops under `min_bytes` are not judged: their time is
+latency, not bandwidth. The detector judges the collectives only: a receive's
 duration includes waiting for its sender, so a pp peer of a rank slowed on another
 axis looked like a slow pp link (a slow pp link is not detected yet).
 
@@ -199,7 +200,8 @@ class SlowLinkDetector:
         # sends and receives are not judged: a receive's duration includes the wait for its
         # sender, so a pp peer of a rank slowed on another axis looked like a slow pp link
         # (bench_detection on dp2xpp2); a pp link is judged once p2p records their waits
-        bw = bus_bandwidth(final.filter(~pl.col("op").is_in(_P2P))).sort("attempt", "step")
+        bw = bus_bandwidth(final.filter(~pl.col("op").is_in(_P2P) & (pl.col("bytes") >= self.cfg.min_bytes))) \
+            .sort("attempt", "step")
         for attempt, step, rows in iter_steps(bw):
             if p.run.marks.is_excluded(attempt, step, p.topo):
                 continue

@@ -213,3 +213,13 @@ def test_a_cheap_slow_link_is_left_alone():
     assert p.on_incident(st, _incident(0.01), now=100.0) == []
     assert p.on_incident(st, _incident(0.05, share=0.01), now=200.0) == []  # a small share of its step
     assert p.on_incident(st, _incident(0.05, share=0.01), now=300.0) == []
+
+
+def test_latency_bound_ops_are_not_judged():
+    """The same 4x slow tp transfers, of 12-byte ops (a scalar all-reduce across stages): their
+    time is latency, not bandwidth; under `min_bytes` nothing is judged, nothing opens."""
+    commits = synthetic_run(steps=70, slow_link=(3, "tp", 20, 4.0), seed=5)
+    for _, frames in commits:
+        frames.collectives = frames.collectives.with_columns(
+            pl.when(pl.col("axis") == "tp").then(pl.lit(12)).otherwise(pl.col("bytes")).cast(pl.Int64).alias("bytes"))
+    assert [f.summary() for f in run_all(commits)] == []
