@@ -16,7 +16,10 @@ other ranks write only a ~5 KB rank file, which even 30x slower is under
 checkpoint_slow's min_excess_s). The kinds: spike, straggler, nan_data, nan_transient, overflow,
 crash, hang, slowlink (x3-x4 on that rank's dp ops), slowio_data (its data
 loader x3-x5), slowio_ckpt (its shard writes x20-x30), bitflip (one mantissa bit
-of one parameter, checksums every 10 steps). The incidents the live collector wrote are
+of one parameter, checksums every 10 steps), devhealth_ecc, devhealth_thermal,
+devhealth_memory (a simulated device's samples: ECC errors, thermal throttling, the
+node's memory nearly gone; runs of 400 steps, the thermal and memory windows cut
+to 3 s and 2 s). The incidents the live collector wrote are
 scored against the run's injections.jsonl with analysis/scoring.py:
 
 - precision, recall, culprit accuracy by kind;
@@ -66,10 +69,15 @@ LAYOUTS = {"dp2": ["--dp", "2", "--nodes", "2"], "dp2xtp2": ["--dp", "2", "--tp"
            "dp2xpp2": ["--dp", "2", "--pp", "2", "--nodes", "2"], "dp3": ["--dp", "3", "--nodes", "3"]}
 WORLD = {"dp2": 2, "dp2xtp2": 4, "dp2xpp2": 4, "dp3": 3}
 KINDS = ("clean", "spike", "straggler", "nan_data", "nan_transient", "overflow", "crash", "hang",
-         "slowlink", "slowio_data", "slowio_ckpt", "bitflip")
+         "slowlink", "slowio_data", "slowio_ckpt", "bitflip", "devhealth_ecc", "devhealth_thermal", "devhealth_memory")
 DEFAULT_LAYOUTS = ("dp2", "dp2xtp2", "dp2xpp2")
 KIND_LAYOUTS = {"slowlink": ("dp2xtp2", "dp2xpp2"), "slowio_ckpt": ("dp2xtp2", "dp2xpp2"),
                 "bitflip": ("dp3",)}  # the rest: DEFAULT_LAYOUTS
+# device-health samples come once per heartbeat (1 s) and the detector's windows are in seconds:
+# these runs are longer (a tiny step is ~15-40 ms here), and their rules shorten the thermal and
+# memory windows from 30 s and 10 s (what is measured is the path, sample to incident, not the window)
+DEVHEALTH_STEPS = 400
+DEVHEALTH_RULES = "[device_health]\nthrottle_window_s = 3.0\nmemory_window_s = 2.0\n"
 FACTORS = {"straggler": (1.5, 1.75, 2.0), "slowlink": (3.0, 4.0), "slowio_data": (3.0, 4.0, 5.0),
            "slowio_ckpt": (20.0, 30.0)}
 CKPT_EVERY = 5  # slowio_ckpt runs checkpoint this often
@@ -103,6 +111,8 @@ class Scenario:
             out.append(f"slowlink@rank={self.rank},axis=dp,from={self.step},factor={self.factor:g}")
         elif self.kind in ("slowio_data", "slowio_ckpt"):
             out.append(f"slowio@rank={self.rank},from={self.step},factor={self.factor:g},what={self.kind[7:]}")
+        elif self.kind.startswith("devhealth_"):
+            out.append(f"devhealth@rank={self.rank},from={self.step},what={self.kind[10:]}")
         return out
 
     def argv(self, run_dir: Path) -> list[str]:
@@ -112,6 +122,10 @@ class Scenario:
                 "--precision", "fp16" if self.kind == "overflow" else "fp32"]
         if self.kind == "slowio_ckpt":
             argv += ["--ckpt-dir", str(run_dir / "ckpt"), "--ckpt-every", str(CKPT_EVERY)]
+        if self.kind.startswith("devhealth_"):
+            rules = run_dir.parent / f"{run_dir.name}.rules.toml"
+            rules.write_text(DEVHEALTH_RULES)
+            argv += ["--rules", str(rules)]
         for spec in self.injections():
             argv += ["--inject", spec]
         return argv
@@ -126,6 +140,8 @@ class Scenario:
 def draw(rng: random.Random, index: int, steps: int, kinds: tuple[str, ...] = KINDS) -> Scenario:
     kind = rng.choice(kinds)
     layout = rng.choice(KIND_LAYOUTS.get(kind, DEFAULT_LAYOUTS))
+    if kind.startswith("devhealth_"):
+        steps = max(steps, DEVHEALTH_STEPS)
     sc = Scenario(index=index, layout=layout, kind=kind, steps=steps, jitter_seed=rng.randrange(1 << 16))
     if kind == "clean":
         return sc
