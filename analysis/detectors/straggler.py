@@ -19,7 +19,11 @@ step climbs. The reference `k` and the threshold `h` are `log min_ratio` and
 run (`noise_k`, `noise_h` times the step-to-step noise of the log ratios, a
 robust MAD over the last `noise_window` of them): on a loaded host, where
 compute times swing by tens of percent from one step to the next, a verdict
-takes more steps instead of firing on the swings. On a quiet one 1.5x opens in
+takes more steps instead of firing on the swings. The reference is also at least
+`drift_k` sigmas of the drift, the noise of a rank's `window_steps`-step mean
+(from the changes between consecutive blocks' means): processes sharing cores
+drift apart by 15-50% for tens of steps, which step-to-step noise does not see
+and a CUSUM at `log min_ratio` takes for a straggler. On a quiet one 1.5x opens in
 ~2 steps and 1.25x in ~4 (the goals: 5 and 10). The clip keeps a single hiccup
 (a GC pause) below the threshold, and `min_slow_steps` slow steps within the
 last `window_steps` are required as well. The sum is capped at twice the
@@ -80,6 +84,7 @@ _STAGE_LEVEL_STEPS = 32  # judged steps a stage's level (median of its per-step 
 _MIN_NOISE_SAMPLES = 48  # step-to-step changes measured before any verdict (the noise must be known)
 _ONSET_STEPS = 32  # judged steps looked back over for the onset of a climb
 _MIN_JUDGED_STEPS = 16  # and judged steps: a run's first steps after its warm-up are noisier than the rest
+_MIN_DRIFT_SAMPLES = 16  # changes of block means measured before the drift counts
 _WAITER_FLOOR_S = 1e-4  # net waits below this (s/step) say nothing
 
 
@@ -99,7 +104,7 @@ class _Episode:
 class _State:
     __slots__ = ("cusum", "mask", "calm", "ratio", "excess", "compute", "onset", "judged", "last_lr", "noise",
                  "episodes", "waits", "last_judged", "step_s", "num_steps_judged", "stage_levels", "kh",
-                 "lr_hist", "hist_steps")
+                 "lr_hist", "hist_steps", "block_sum", "block_n", "last_block", "drift")
 
     def __init__(self, alpha: float, noise_window: int) -> None:
         self.cusum = np.zeros(0)
@@ -112,6 +117,11 @@ class _State:
         self.judged = np.full(0, -1, np.int64)  # last step judged, per rank
         self.last_lr = np.full(0, np.nan)  # log ratio at the rank's last judged step
         self.noise: deque[float] = deque(maxlen=noise_window)  # recent |step-to-step change of log ratio|
+        self.block_sum = np.zeros(0)  # sum of the rank's log ratios over its current block of steps
+        self.block_n = np.zeros(0, np.int64)  # and how many steps it holds
+        self.last_block = np.full(0, np.nan)  # mean log ratio of the rank's last complete block
+        # recent |change of a rank's block mean from its previous block|: the drift
+        self.drift: deque[float] = deque(maxlen=max(_MIN_DRIFT_SAMPLES, noise_window // 4))
         self.episodes: dict[int, _Episode] = {}  # node code (or -1 - rank) -> open episode
         self.waits = WaitBook(alpha=alpha)
         self.last_judged: tuple[int, int] | None = None
@@ -132,6 +142,9 @@ class _State:
         self.onset = _grow(self.onset, n, -1)
         self.judged = _grow(self.judged, n, -1)
         self.last_lr = _grow(self.last_lr, n, np.nan)
+        self.block_sum = _grow(self.block_sum, n, 0.0)
+        self.block_n = _grow(self.block_n, n, 0)
+        self.last_block = _grow(self.last_block, n, np.nan)
         if len(self.lr_hist) < n:
             grown = np.full((max(n, 2 * len(self.lr_hist)), _ONSET_STEPS), np.nan)
             grown[:len(self.lr_hist)] = self.lr_hist
@@ -165,10 +178,23 @@ class StragglerDetector:
         d = np.fromiter(st.noise, float)
         return MAD_TO_SIGMA * float(np.median(d)) / math.sqrt(2.0)
 
+    def drift_s(self, st: _State) -> float | None:
+        """Noise of a rank's mean log ratio over `window_steps` steps (a sigma, from the
+        changes between consecutive blocks' means), None until enough is seen. White
+        step-to-step noise averages out over a block (sigma / sqrt(window_steps)); ranks
+        that drift apart for tens of steps (processes sharing cores) do not. A level shift
+        (a straggler's onset) is one large change among many and leaves the median alone."""
+        if len(st.drift) < _MIN_DRIFT_SAMPLES:
+            return None
+        d = np.fromiter(st.drift, float)
+        return MAD_TO_SIGMA * float(np.median(d)) / math.sqrt(2.0)
+
     def reference(self, st: _State) -> tuple[float, float]:
         """(k, h): the CUSUM's per-step reference and its threshold."""
         sigma = self.noise_s(st) or 0.0
-        return max(self.k0, self.cfg.noise_k * sigma), max(self.cfg.cusum_threshold, self.cfg.noise_h * sigma)
+        drift = self.drift_s(st) or 0.0
+        return (max(self.k0, self.cfg.noise_k * sigma, self.cfg.drift_k * drift),
+                max(self.cfg.cusum_threshold, self.cfg.noise_h * sigma))
 
     def run(self, p, st: _State) -> None:
         st.waits.add(p.frames.collectives)
@@ -218,6 +244,7 @@ class StragglerDetector:
         seen = np.isfinite(prev) & (st.judged[r] >= 0)
         st.noise.extend(np.abs(lr[seen] - prev[seen]).tolist())
         st.last_lr[r] = lr
+        self._blocks(st, r, lr)
         before = st.cusum[r]
         after = np.clip(before + lr - k, 0.0, 2.0 * h)  # capped: a long straggle recovers fast
         st.cusum[r] = after
@@ -240,6 +267,22 @@ class StragglerDetector:
         st.step_s = float(np.median(step_s)) if len(step_s) else 0.0
         st.num_steps_judged += 1
         return True
+
+    def _blocks(self, st: _State, r: np.ndarray, lr: np.ndarray) -> None:
+        """Each rank's log ratios in blocks of `window_steps` judged steps: a complete
+        block's mean, against the rank's previous block's, feeds the drift."""
+        st.block_sum[r] += lr
+        st.block_n[r] += 1
+        done = r[st.block_n[r] >= self.cfg.window_steps]
+        if not len(done):
+            return
+        mean = st.block_sum[done] / st.block_n[done]
+        prev = st.last_block[done]
+        seen = np.isfinite(prev)
+        st.drift.extend(np.abs(mean[seen] - prev[seen]).tolist())
+        st.last_block[done] = mean
+        st.block_sum[done] = 0.0
+        st.block_n[done] = 0
 
     # -- who is held back by whom --------------------------------------------------
     def _held_by(self, st: _State, rank: int, culprits: set[int]) -> tuple[int, list[int]] | None:
