@@ -84,7 +84,7 @@ _STAGE_LEVEL_STEPS = 32  # judged steps a stage's level (median of its per-step 
 _MIN_NOISE_SAMPLES = 48  # step-to-step changes measured before any verdict (the noise must be known)
 _ONSET_STEPS = 32  # judged steps looked back over for the onset of a climb
 _MIN_JUDGED_STEPS = 16  # and judged steps: a run's first steps after its warm-up are noisier than the rest
-_MIN_DRIFT_SAMPLES = 16  # changes of block means measured before the drift counts
+_MIN_DRIFT_SAMPLES = 12  # changes of block means measured before the drift counts
 _WAITER_FLOOR_S = 1e-4  # net waits below this (s/step) say nothing
 
 
