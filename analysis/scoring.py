@@ -47,8 +47,9 @@ positive (a second incident for one fault too).
   `NODE_LABELS`: memory pressure names the node and its lowest reporting rank,
   not the one injected) the same node, or (an incident
   that names no single rank but its suspects: a `replica_divergence` without a
-  majority, dp = 2, whose evidence lists `divergent_ranks`) the rank is among its
-  suspects. Two checksums that differ cannot say which replica is corrupted: the
+  majority, dp = 2, whose evidence lists `divergent_ranks`; a `loss_scale_collapse`
+  whose overflow tensor-parallel partners shared, `overflow_suspects`) the rank is
+  among its suspects. Two checksums that differ cannot say which replica is corrupted: the
   detector names both and says why, and that is the most it can be right about.
   Those are counted apart too (`num_culprit_among_suspects`), so that a figure of
   1.0 made of them is visible as such; a bench that wants the one rank named
@@ -187,10 +188,12 @@ def _node(x) -> str | None:
 
 def suspects_of(kind: str, rank: int | None, evidence: Mapping | None) -> tuple[int, ...]:
     """The ranks an incident that names no single rank suspects: a replica_divergence
-    without a majority lists its `divergent_ranks` (dp = 2: both replicas)."""
-    if rank is not None or not evidence or kind != "replica_divergence":
+    without a majority lists its `divergent_ranks` (dp = 2: both replicas), a
+    loss_scale_collapse whose overflow tensor-parallel partners shared its `overflow_suspects`."""
+    if rank is not None or not evidence:
         return ()
-    return tuple(int(r) for r in evidence.get("divergent_ranks") or ())
+    key = {"replica_divergence": "divergent_ranks", "loss_scale_collapse": "overflow_suspects"}.get(kind)
+    return tuple(int(r) for r in evidence.get(key) or ()) if key else ()
 
 
 def cause_of(kind: str, evidence: Mapping | None) -> str | None:

@@ -15,8 +15,11 @@ Judged at first sight of each step (the scale is global). Where the agent sends
 an overflow), the complete rows of the backoff steps name the rank whose
 gradients overflowed: the one non-finite at the most of them; on a tie the one
 in the latest pipeline stage (backward runs from the last stage, so an overflow
-there makes its upstream peer's gradients non-finite too), then the lowest
-rank. The per-rank counts are in the evidence.
+there makes its upstream peer's gradients non-finite too). A tie within one
+stage (tensor-parallel partners: the tp all-reduce in backward hands the
+overflow to every partner at the same step) names no single rank: the suspects
+are in the evidence (`overflow_suspects`), and the node when they share one.
+The per-rank counts are in the evidence.
 """
 
 from __future__ import annotations
@@ -107,12 +110,25 @@ class LossScaleDetector:
             # upstream peer's input gradients): on a tie the later stage is where it began
             stage = p.topo.stage_of(np.fromiter(counts, np.int64, len(counts)))
             stage_of = dict(zip(counts, stage.tolist()))
-            rank = min(counts, key=lambda r: (-counts[r], -stage_of[r], r))
+            first = min(counts, key=lambda r: (-counts[r], -stage_of[r], r))
+            tied = sorted(r for r in counts if counts[r] == counts[first] and stage_of[r] == stage_of[first])
             counts = dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:16])
-            f = replace(f, rank=rank, node=p.topo.node_name(rank),
-                        evidence={**f.evidence, "overflow_rank": rank,
-                                  "overflow_steps_per_rank": {str(r): n for r, n in counts.items()}},
-                        root_cause=f"{f.root_cause}; first and most often in rank {rank}'s own gradients")
+            evidence = {**f.evidence, "overflow_steps_per_rank": {str(r): n for r, n in counts.items()}}
+            if len(tied) == 1:
+                f = replace(f, rank=first, node=p.topo.node_name(first), evidence={**evidence, "overflow_rank": first},
+                            root_cause=f"{f.root_cause}; first and most often in rank {first}'s own gradients")
+            else:
+                # tensor-parallel partners: the overflow crosses the tp all-reduce inside backward, so
+                # their own gradients are non-finite at the same steps and nothing tells the origin
+                nodes = {p.topo.node_name(r) for r in tied}
+                node = nodes.pop() if len(nodes) == 1 else None
+                f = replace(f, rank=None, node=node,
+                            evidence={**evidence, "overflow_suspects": tied,
+                                      "why_no_single_rank": "their own gradients were non-finite at the same "
+                                      "steps (one stage's tensor-parallel partners share them through the tp "
+                                      "all-reduce in backward)"},
+                            root_cause=f"{f.root_cause}; in the own gradients of ranks "
+                                       f"{', '.join(map(str, tied))} alike" + (f" ({node})" if node else ""))
         p.report(f)
 
     def _judge(self, p, st: _State, attempt: int, step: int, scale: float, loss) -> None:

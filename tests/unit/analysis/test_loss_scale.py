@@ -96,3 +96,31 @@ def test_an_overflow_in_the_last_stage_is_named_there_not_upstream():
         out += a.feed(Frames(steps=steps_frame(rows)), now=float(step))
     named = [f for f in out if f.rank is not None]
     assert named and {(f.rank, f.node) for f in named} == {(3, "node1")}
+
+
+def test_tensor_parallel_partners_overflowing_alike_name_their_node_not_one_rank():
+    """Seen on a real dp2 x tp2 run: rank 3's injected overflow crossed the tp all-reduce in backward,
+    so ranks 2 and 3 reported non-finite own gradients at the same 8 steps, and the tie went to
+    rank 2. Nothing tells them apart: the incident names their node and both as suspects."""
+    from analysis.frames import runs_frame
+    from analysis.scoring import suspects_of
+
+    a = Analyzer(detectors=["loss_scale_collapse"])
+    runs = runs_frame([{"run_id": "r", "world_size": 4, "status": "running", "config": "{}",
+                        "mesh": '{"dp": 2, "tp": 2, "pp": 1}', "node_map": '{"0": "node0", "1": "node0", '
+                        '"2": "node1", "3": "node1"}'}])
+    out = a.feed(Frames(runs=runs), now=0.0)
+    s = 65536.0
+    for step in range(1, 61):
+        overflow = 39 <= step <= 46
+        if overflow:
+            s /= 2
+        rows = [{"run_id": "r", "attempt": 0, "step": step, "rank": r, "ts": float(step), "loss": 2.0,
+                 "grad_norm": 1.0, "loss_scale": s, "finite_bwd": 0 if overflow and r in (2, 3) else 1}
+                for r in range(4)]
+        out += a.feed(Frames(steps=steps_frame(rows)), now=float(step))
+    assert out and {(f.rank, f.node) for f in out} == {(None, "node1")}
+    last = out[-1]
+    assert last.evidence["overflow_suspects"] == [2, 3] and "overflow_rank" not in last.evidence
+    assert "tensor-parallel" in last.evidence["why_no_single_rank"]
+    assert suspects_of(last.kind, last.rank, last.evidence) == (2, 3)
