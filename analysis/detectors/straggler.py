@@ -36,7 +36,12 @@ its smoothed ratio is at least `min_ratio`, its smoothed excess compute is at
 least `min_share` of the step time (on an oversubscribed host a slow link's rank
 and its partner compute a little slower too, ~1.2x of a compute that is a sliver
 of a step spent in slow transfers: that costs the job nothing and is the
-`slow_link` detector's), and it is not a *waiter*: the
+`slow_link` detector's), against a single peer (a two-rank stage) its own
+compute is also `min_ratio` above its own past (the median of its judged steps
+`window_steps` and more ago; or the ratio is `max_step_ratio` or more): two
+ranks' ratio cannot tell one slowing down from the other speeding up, and on
+shared cores a rank's compute drops to ~0.65x for stretches while its peer's
+stays put, and it is not a *waiter*: the
 rank everyone waits for is the culprit, and a rank that, net, waits for another
 slow rank (`waiter_share` of its own excess compute or more, from the waits
 matched by `group_seq` in analysis/attribution.py) is held back by it, even when
@@ -104,7 +109,8 @@ class _Episode:
 class _State:
     __slots__ = ("cusum", "mask", "calm", "ratio", "excess", "compute", "onset", "judged", "last_lr", "noise",
                  "episodes", "waits", "last_judged", "step_s", "num_steps_judged", "stage_levels", "kh",
-                 "lr_hist", "hist_steps", "block_sum", "block_n", "last_block", "drift")
+                 "lr_hist", "hist_steps", "block_sum", "block_n", "last_block", "drift",
+                 "own_hist", "paired")
 
     def __init__(self, alpha: float, noise_window: int) -> None:
         self.cusum = np.zeros(0)
@@ -131,6 +137,8 @@ class _State:
         self.kh = (0.0, 0.0)  # the CUSUM reference and threshold of the last judged step
         self.lr_hist = np.full((0, _ONSET_STEPS), np.nan)  # column i: log ratio at the i-th latest judged step
         self.hist_steps: deque[int] = deque(maxlen=_ONSET_STEPS)  # the judged steps those columns are for
+        self.own_hist = np.full((0, _ONSET_STEPS), np.nan)  # column i: log compute at the rank's i-th latest judged step
+        self.paired = np.zeros(0, bool)  # judged against a single peer at its last step
 
     def ensure(self, n: int) -> None:
         self.cusum = _grow(self.cusum, n, 0.0)
@@ -149,6 +157,11 @@ class _State:
             grown = np.full((max(n, 2 * len(self.lr_hist)), _ONSET_STEPS), np.nan)
             grown[:len(self.lr_hist)] = self.lr_hist
             self.lr_hist = grown
+        if len(self.own_hist) < n:
+            grown = np.full((max(n, 2 * len(self.own_hist)), _ONSET_STEPS), np.nan)
+            grown[:len(self.own_hist)] = self.own_hist
+            self.own_hist = grown
+        self.paired = _grow(self.paired, n, False)
 
     def footprint(self) -> dict[str, int]:
         return {"episodes": len(self.episodes), "rank_slots": len(self.cusum), "noise": len(self.noise),
@@ -256,6 +269,9 @@ class StragglerDetector:
         st.mask[r] = ((st.mask[r] << 1) | slow) & self.full
         st.lr_hist[r, 1:] = st.lr_hist[r, :-1]
         st.lr_hist[r, 0] = lr
+        st.own_hist[r, 1:] = st.own_hist[r, :-1]
+        st.own_hist[r, 0] = np.log(c)
+        st.paired[r] = len(r) < 3
         st.hist_steps.appendleft(step)
         a = self.cfg.ewma_alpha
         st.ratio[r] = a * ratio + (1 - a) * st.ratio[r]
@@ -284,6 +300,23 @@ class StragglerDetector:
         st.block_sum[done] = 0.0
         st.block_n[done] = 0
 
+    def _slowed(self, st: _State) -> np.ndarray:
+        """Per rank: not judged against a single peer, or slower than its own past too. Two
+        ranks' ratio cannot tell one slowing down from the other speeding up (on shared cores
+        a rank's compute drops to ~0.65x while its peer's stays put); a straggler's own
+        compute rises above its level before the climb (the median of its judged steps
+        `window_steps` and more ago). A ratio of `max_step_ratio` or more is slow either way
+        (a straggler from the first step has no faster past)."""
+        n = len(st.cusum)
+        ok = ~st.paired[:n] | (st.ratio >= self.cfg.max_step_ratio)
+        w, m = self.cfg.window_steps, max(1, self.cfg.min_slow_steps)
+        for rank in np.flatnonzero(~ok).tolist():
+            recent, past = st.own_hist[rank, :m], st.own_hist[rank, w:]
+            recent, past = recent[np.isfinite(recent)], past[np.isfinite(past)]
+            if len(recent) and len(past) >= w:
+                ok[rank] = math.exp(float(np.median(recent)) - float(np.median(past))) >= self.cfg.min_ratio
+        return ok
+
     # -- who is held back by whom --------------------------------------------------
     def _held_by(self, st: _State, rank: int, culprits: set[int]) -> tuple[int, list[int]] | None:
         """The slow rank `rank` is held back by: the end of its chain of net waits (its own
@@ -303,7 +336,7 @@ class StragglerDetector:
         known = len(st.noise) >= _MIN_NOISE_SAMPLES and st.num_steps_judged >= _MIN_JUDGED_STEPS
         costly = st.excess >= cfg.min_share * st.step_s  # a few ms of a long step is contention, not a fault
         firing = np.flatnonzero((st.cusum >= h) & (popcount(st.mask & self.full) >= cfg.min_slow_steps)
-                                & (st.ratio >= cfg.min_ratio) & costly) if known else np.zeros(0, np.int64)
+                                & (st.ratio >= cfg.min_ratio) & costly & self._slowed(st)) if known else np.zeros(0, np.int64)
         # culprits: the firing ranks and the open incidents' members; a culprit that waits for
         # another culprit is held back by it (the rank everyone waits for is the culprit)
         culprits = set(firing.tolist()) | {r for ep in st.episodes.values() for r in ep.members}

@@ -215,3 +215,20 @@ def test_ranks_drifting_apart_on_a_shared_host_are_not_stragglers(seed):
     f = next(iter(first.values()))
     assert onset <= f.evidence["fired_at_step"] < onset + 12
     assert f.evidence["cusum_reference"] > math.log(rules.straggler.min_ratio)  # the drift raised it
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_of_two_ranks_the_one_whose_peer_sped_up_is_not_a_straggler(seed):
+    """Seen on clean dp2 runs on 2 shared cores: one rank's compute dropped to ~0.65x for a stretch
+    while its peer's stayed put, and the peer, 1.5x "slower" than it, was named. Against a single
+    peer a rank must be slower than its own past too; the same ratio from its own compute rising
+    (a real straggler) is named."""
+    layout, onset = Layout(dp=2, nodes=2), 120
+    faster = Sim(layout=layout, steps=180, seed=seed, jitter=0.05,
+                 faults=(Contention(rank=0, start=onset, end=onset + 25, factor=0.65),)).build()
+    assert [f.summary() for f in feed(Analyzer(), faster)] == []
+    slower = Sim(layout=layout, steps=180, seed=seed, jitter=0.05,
+                 faults=(Straggler(rank=1, start=onset, factor=1.54),)).build()
+    first = opened(feed(Analyzer(), slower))
+    assert [(f.kind, f.rank) for f in first.values()] == [("straggler", 1)], [f.summary() for f in first.values()]
+    assert onset <= next(iter(first.values())).evidence["fired_at_step"] < onset + 8
