@@ -90,6 +90,7 @@ _MIN_NOISE_SAMPLES = 48  # step-to-step changes measured before any verdict (the
 _ONSET_STEPS = 32  # judged steps looked back over for the onset of a climb
 _MIN_JUDGED_STEPS = 16  # and judged steps: a run's first steps after its warm-up are noisier than the rest
 _MIN_DRIFT_SAMPLES = 12  # changes of block means measured before the drift counts
+_DRIFT_PRIOR = 0.5  # the drift assumed, in sigmas of the step-to-step noise, until it is measured
 _WAITER_FLOOR_S = 1e-4  # net waits below this (s/step) say nothing
 
 
@@ -205,7 +206,9 @@ class StragglerDetector:
     def reference(self, st: _State) -> tuple[float, float]:
         """(k, h): the CUSUM's per-step reference and its threshold."""
         sigma = self.noise_s(st) or 0.0
-        drift = self.drift_s(st) or 0.0
+        drift = self.drift_s(st)
+        if drift is None:  # not measured yet: at least half the step-to-step noise (white noise averaged
+            drift = _DRIFT_PRIOR * sigma  # over 8 steps is 0.35 of it; clean dp2 runs on 2 cores measured ~1.0)
         return (max(self.k0, self.cfg.noise_k * sigma, self.cfg.drift_k * drift),
                 max(self.cfg.cusum_threshold, self.cfg.noise_h * sigma))
 
