@@ -138,7 +138,7 @@ class _State:
         self.kh = (0.0, 0.0)  # the CUSUM reference and threshold of the last judged step
         self.lr_hist = np.full((0, _ONSET_STEPS), np.nan)  # column i: log ratio at the i-th latest judged step
         self.hist_steps: deque[int] = deque(maxlen=_ONSET_STEPS)  # the judged steps those columns are for
-        self.own_hist = np.full((0, _ONSET_STEPS), np.nan)  # column i: log compute at the rank's i-th latest judged step
+        self.own_hist = np.full((0, _ONSET_STEPS), np.nan)  # column i: log compute at the i-th latest judged step
         self.paired = np.zeros(0, bool)  # judged against a single peer at its last step
 
     def ensure(self, n: int) -> None:
@@ -166,6 +166,7 @@ class _State:
 
     def footprint(self) -> dict[str, int]:
         return {"episodes": len(self.episodes), "rank_slots": len(self.cusum), "noise": len(self.noise),
+                "drift": len(self.drift),
                 "stage_levels": sum(len(d) for d in self.stage_levels.values()),
                 **self.waits.footprint()}
 
@@ -339,7 +340,8 @@ class StragglerDetector:
         known = len(st.noise) >= _MIN_NOISE_SAMPLES and st.num_steps_judged >= _MIN_JUDGED_STEPS
         costly = st.excess >= cfg.min_share * st.step_s  # a few ms of a long step is contention, not a fault
         firing = np.flatnonzero((st.cusum >= h) & (popcount(st.mask & self.full) >= cfg.min_slow_steps)
-                                & (st.ratio >= cfg.min_ratio) & costly & self._slowed(st)) if known else np.zeros(0, np.int64)
+                                & (st.ratio >= cfg.min_ratio) & costly & self._slowed(st)) \
+            if known else np.zeros(0, np.int64)
         # culprits: the firing ranks and the open incidents' members; a culprit that waits for
         # another culprit is held back by it (the rank everyone waits for is the culprit)
         culprits = set(firing.tolist()) | {r for ep in st.episodes.values() for r in ep.members}
