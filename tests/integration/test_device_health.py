@@ -6,8 +6,10 @@ ECC errors isolate the node, memory pressure checkpoints at once.
 Two nodes of one rank each (node0: rank 0, node1: rank 1), ~45 tiny steps a second here. Samples
 come once per heartbeat (1 s), so the rules shorten the memory window to 2 s. The tiny model's lone
 grad spikes are not the subject and stay out of it (the bar raised out of reach, as in
-tests/e2e/test_healing.py). Any other incident (a crash when the isolated job restarts, a straggler,
-a stall) fails the test."""
+tests/e2e/test_healing.py), and so are stragglers: on 2 shared cores a dp2 run's two ranks drift
+apart by 1.15-1.5x for stretches, and over 300-400 steps the straggler detector, whose own tests
+cover it, named one now and then (a CI run failed on it). Any other incident (a crash when the
+isolated job restarts, a stall) fails the test."""
 
 import pytest
 
@@ -18,7 +20,7 @@ from tests.integration.trainer_run import run_trainer
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.e2e]
 
 DP = ("--telemetry", "--policy", "auto", "--dp", "2", "--nodes", "2", "--micro-batches", "2")
-RULES = "[device_health]\nmemory_window_s = 2.0\n[grad_spike]\nalone_z_threshold = 1000.0\n"
+RULES = "[device_health]\nmemory_window_s = 2.0\n[grad_spike]\nalone_z_threshold = 1000.0\n[straggler]\nenabled = false\n"
 ONSET = 40
 
 
@@ -32,7 +34,7 @@ def run(tmp_path, what: str, steps: int) -> Healed:
 
 def the_incident(o: Healed, cause: str) -> dict:
     """The run's one incident: a device_health of `cause` on rank 1, node1, from a sample after onset."""
-    assert [(i["kind"], i["evidence"]["cause"]) for i in o.incidents] == [("device_health", cause)], o.report()
+    assert [(i["kind"], i["evidence"].get("cause")) for i in o.incidents] == [("device_health", cause)], o.report()
     (inc,) = o.incidents
     assert (inc["rank"], inc["node"]) == (1, "node1"), o.report()
     # the first faulty sample: never before onset, and within the scoring's window
