@@ -75,25 +75,31 @@ def test_the_rank_whose_own_gradients_overflowed_is_named():
     assert named[-1].step_from == 31 and named[-1].evidence["overflow_steps_per_rank"]["1"] >= 5
 
 
-def test_an_overflow_in_the_last_stage_is_named_there_not_upstream():
-    """Backward runs from the last stage: rank 3's infinite gradients reach rank 1 (its stage-0 peer
-    in the pipeline) too, so both report non-finite local gradients; the origin is the later stage."""
+def feed_overflow(mesh: str, overflow_steps: range, overflowing: tuple[int, ...]):
+    """Four ranks on two nodes (ranks 0, 1 on node0; 2, 3 on node1) whose scale halves at each of
+    `overflow_steps`, when the ranks `overflowing` report non-finite own gradients."""
     from analysis.frames import runs_frame
 
     a = Analyzer(detectors=["loss_scale_collapse"])
     runs = runs_frame([{"run_id": "r", "world_size": 4, "status": "running", "config": "{}",
-                        "mesh": '{"dp": 2, "tp": 1, "pp": 2}', "node_map": '{"0": "node0", "1": "node0", '
-                        '"2": "node1", "3": "node1"}'}])
+                        "mesh": mesh, "node_map": '{"0": "node0", "1": "node0", "2": "node1", "3": "node1"}'}])
     out = a.feed(Frames(runs=runs), now=0.0)
     s = 65536.0
     for step in range(1, 61):
-        overflow = 31 <= step <= 37
+        overflow = step in overflow_steps
         if overflow:
             s /= 2
         rows = [{"run_id": "r", "attempt": 0, "step": step, "rank": r, "ts": float(step), "loss": 2.0,
-                 "grad_norm": 1.0, "loss_scale": s, "finite_bwd": 0 if overflow and r in (1, 3) else 1}
+                 "grad_norm": 1.0, "loss_scale": s, "finite_bwd": 0 if overflow and r in overflowing else 1}
                 for r in range(4)]
         out += a.feed(Frames(steps=steps_frame(rows)), now=float(step))
+    return out
+
+
+def test_an_overflow_in_the_last_stage_is_named_there_not_upstream():
+    """Backward runs from the last stage: rank 3's infinite gradients reach rank 1 (its stage-0 peer
+    in the pipeline) too, so both report non-finite local gradients; the origin is the later stage."""
+    out = feed_overflow('{"dp": 2, "tp": 1, "pp": 2}', range(31, 38), (1, 3))
     named = [f for f in out if f.rank is not None]
     assert named and {(f.rank, f.node) for f in named} == {(3, "node1")}
 
@@ -102,23 +108,9 @@ def test_tensor_parallel_partners_overflowing_alike_name_their_node_not_one_rank
     """Seen on a real dp2 x tp2 run: rank 3's injected overflow crossed the tp all-reduce in backward,
     so ranks 2 and 3 reported non-finite own gradients at the same 8 steps, and the tie went to
     rank 2. Nothing tells them apart: the incident names their node and both as suspects."""
-    from analysis.frames import runs_frame
     from analysis.scoring import suspects_of
 
-    a = Analyzer(detectors=["loss_scale_collapse"])
-    runs = runs_frame([{"run_id": "r", "world_size": 4, "status": "running", "config": "{}",
-                        "mesh": '{"dp": 2, "tp": 2, "pp": 1}', "node_map": '{"0": "node0", "1": "node0", '
-                        '"2": "node1", "3": "node1"}'}])
-    out = a.feed(Frames(runs=runs), now=0.0)
-    s = 65536.0
-    for step in range(1, 61):
-        overflow = 39 <= step <= 46
-        if overflow:
-            s /= 2
-        rows = [{"run_id": "r", "attempt": 0, "step": step, "rank": r, "ts": float(step), "loss": 2.0,
-                 "grad_norm": 1.0, "loss_scale": s, "finite_bwd": 0 if overflow and r in (2, 3) else 1}
-                for r in range(4)]
-        out += a.feed(Frames(steps=steps_frame(rows)), now=float(step))
+    out = feed_overflow('{"dp": 2, "tp": 2, "pp": 1}', range(39, 47), (2, 3))
     assert out and {(f.rank, f.node) for f in out} == {(None, "node1")}
     last = out[-1]
     assert last.evidence["overflow_suspects"] == [2, 3] and "overflow_rank" not in last.evidence
