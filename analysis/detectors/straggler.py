@@ -94,6 +94,23 @@ _DRIFT_PRIOR = 0.5  # the drift assumed, in sigmas of the step-to-step noise, un
 _WAITER_FLOOR_S = 1e-4  # net waits below this (s/step) say nothing
 
 
+def _change_sigma(changes: deque, min_samples: int) -> float | None:
+    """The sigma of a level from |changes| between its consecutive values (a robust MAD: the
+    difference of two has sqrt(2) times its sigma), None with fewer than `min_samples`."""
+    if len(changes) < min_samples:
+        return None
+    return MAD_TO_SIGMA * float(np.median(np.fromiter(changes, float))) / math.sqrt(2.0)
+
+
+def _grow_rows(a: np.ndarray, n: int) -> np.ndarray:
+    """`a` (a row per rank) with at least `n` rows, the new ones NaN (doubling, as _grow)."""
+    if len(a) >= n:
+        return a
+    grown = np.full((max(n, 2 * len(a)), a.shape[1]), np.nan)
+    grown[:len(a)] = a
+    return grown
+
+
 class _Episode:
     __slots__ = ("key", "node", "members", "onset", "fired_at", "ever", "held")
 
@@ -154,14 +171,8 @@ class _State:
         self.block_sum = _grow(self.block_sum, n, 0.0)
         self.block_n = _grow(self.block_n, n, 0)
         self.last_block = _grow(self.last_block, n, np.nan)
-        if len(self.lr_hist) < n:
-            grown = np.full((max(n, 2 * len(self.lr_hist)), _ONSET_STEPS), np.nan)
-            grown[:len(self.lr_hist)] = self.lr_hist
-            self.lr_hist = grown
-        if len(self.own_hist) < n:
-            grown = np.full((max(n, 2 * len(self.own_hist)), _ONSET_STEPS), np.nan)
-            grown[:len(self.own_hist)] = self.own_hist
-            self.own_hist = grown
+        self.lr_hist = _grow_rows(self.lr_hist, n)
+        self.own_hist = _grow_rows(self.own_hist, n)
         self.paired = _grow(self.paired, n, False)
 
     def footprint(self) -> dict[str, int]:
@@ -188,10 +199,7 @@ class StragglerDetector:
     # -- the noise-adaptive reference and threshold ----------------------------------
     def noise_s(self, st: _State) -> float | None:
         """Step-to-step noise of a rank's log ratio (a sigma), None until enough is seen."""
-        if len(st.noise) < _MIN_NOISE_SAMPLES:
-            return None
-        d = np.fromiter(st.noise, float)
-        return MAD_TO_SIGMA * float(np.median(d)) / math.sqrt(2.0)
+        return _change_sigma(st.noise, _MIN_NOISE_SAMPLES)
 
     def drift_s(self, st: _State) -> float | None:
         """Noise of a rank's mean log ratio over `window_steps` steps (a sigma, from the
@@ -199,10 +207,7 @@ class StragglerDetector:
         step-to-step noise averages out over a block (sigma / sqrt(window_steps)); ranks
         that drift apart for tens of steps (processes sharing cores) do not. A level shift
         (a straggler's onset) is one large change among many and leaves the median alone."""
-        if len(st.drift) < _MIN_DRIFT_SAMPLES:
-            return None
-        d = np.fromiter(st.drift, float)
-        return MAD_TO_SIGMA * float(np.median(d)) / math.sqrt(2.0)
+        return _change_sigma(st.drift, _MIN_DRIFT_SAMPLES)
 
     def reference(self, st: _State) -> tuple[float, float]:
         """(k, h): the CUSUM's per-step reference and its threshold."""
