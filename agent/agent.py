@@ -202,6 +202,7 @@ class Agent(Recorder):
         self._run_info = scrub_secrets(json_safe(run_info)) if run_info is not None else None
         self._batch_seq = 0
         self._seq_source: Callable[[], int | tuple] | None = None
+        self._pollers: list[Callable[[], object]] = []
         # urgent flushes: the training thread asks (`_urgent`), the flusher serves
         self._urgent_ok_at = -math.inf  # monotonic: no urgent wake before this (the rate limit)
         self._urgent_requested = False  # a wake is pending
@@ -318,6 +319,20 @@ class Agent(Recorder):
         the op, axis and group name the collective it waits in). Called on the
         flusher thread: it must only read."""
         self._seq_source = fn
+
+    def add_poller(self, fn: Callable[[], object]) -> None:
+        """Call `fn()` on the flusher thread at the start of every flush cycle, before the
+        heartbeat: a source that records rows of its own (agent/flight.py, the Flight
+        Recorder's collectives). It must be quick and never touch the training thread's
+        state; one that raises is logged once and called again next cycle."""
+        self._pollers.append(fn)
+
+    def clock_offset(self) -> tuple[float, float]:
+        """(offset_s, error_s): add offset_s to this host's clock to read the collector's,
+        to within error_s (agent/clock.py; (0, 0) with the collector on this host)."""
+        client = self._shipper.client if self._shipper is not None else None
+        sync = getattr(client, "clock", None)
+        return (sync.offset_s, sync.error_s) if sync is not None else (0.0, math.inf)
 
     def set_health_overlay(self, fn: Callable[[tuple, int], tuple] | None) -> None:
         """`fn(sample, step) -> sample` rewrites each device-health sample (the values of
@@ -493,6 +508,11 @@ class Agent(Recorder):
     def _cycle(self, deadline: float | None) -> bool:
         """One flush. `deadline` None: periodic; else (flush, close) cut a batch and
         deliver it and the spool by then (monotonic), backoff or not."""
+        for poll in self._pollers:
+            try:
+                poll()
+            except Exception as e:  # noqa: BLE001 - a source's failure costs its rows, never the cycle
+                self._log_once(f"poll-{getattr(poll, '__qualname__', poll)}", "llmwatch agent: a source failed: %r", e)
         now = time.monotonic()
         if now >= self._next_hb:
             self._next_hb = now + self.config.heartbeat_interval_s

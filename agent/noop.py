@@ -28,8 +28,14 @@ class NoopAgent:
         return None
 
     def collective(self, step, seq, group_seq, op, axis, group_id, peer, nbytes, start_ts, duration_s,
-                   wait_s) -> None:
+                   wait_s, attempt=None) -> None:
         return None
+
+    def add_poller(self, fn: Callable[[], object]) -> None:
+        return None
+
+    def clock_offset(self) -> tuple[float, float]:
+        return 0.0, 0.0
 
     def record_scalar(self, step, name, value) -> None:
         return None

@@ -291,8 +291,10 @@ class Recorder:
         self.num_urgent += 1
 
     def collective(self, step, seq, group_seq, op, axis, group_id, peer, nbytes, start_ts, duration_s,
-                   wait_s) -> None:
-        """One completed communication op: exactly `trainer.comm.CommSink`."""
+                   wait_s, attempt=None) -> None:
+        """One completed communication op: exactly `trainer.comm.CommSink`. `attempt`: the
+        op's lineage when not the current one (agent/flight.py reads ops a while after they
+        ran, perhaps across a rollback)."""
         lock = self._lock
         lock.acquire()
         try:
@@ -301,7 +303,7 @@ class Recorder:
             if i < buf.capacity:
                 c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11 = buf.cols
                 c0[i] = step
-                c1[i] = self.attempt
+                c1[i] = self.attempt if attempt is None else attempt
                 c2[i] = seq
                 c3[i] = group_seq
                 c4[i] = self._op_codes[op]
@@ -316,8 +318,8 @@ class Recorder:
             else:
                 buf.num_dropped += 1
         except Exception:
-            self._store_slow(self._coll_buf, (step, self.attempt, seq, group_seq, op, axis, group_id, peer, nbytes,
-                                              start_ts, duration_s, wait_s))
+            self._store_slow(self._coll_buf, (step, self.attempt if attempt is None else attempt, seq, group_seq, op,
+                                              axis, group_id, peer, nbytes, start_ts, duration_s, wait_s))
         finally:
             lock.release()
 

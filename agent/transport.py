@@ -59,6 +59,7 @@ from typing import Callable
 from urllib.parse import urlsplit
 
 from agent import wire
+from agent.clock import ClockSync, is_loopback
 from agent.ring import STATS_KINDS
 from agent.spool import QUARANTINE, Spool, SpoolBusy
 
@@ -128,6 +129,7 @@ class HttpClient:
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
         self._conn: http.client.HTTPConnection | None = None
+        self.clock = ClockSync(local=is_loopback(self._host))  # this host's clock against the collector's
 
     def __repr__(self) -> str:
         return f"HttpClient({'https' if self._https else 'http'}://{self._host}:{self._port})"
@@ -164,9 +166,11 @@ class HttpClient:
     def _post_once(self, body: bytes, timeout_s: float) -> PostResult:
         conn = self._connection(timeout_s)
         conn.sock.settimeout(timeout_s)
+        t0 = time.time()
         conn.request("POST", self._path, body=body, headers=self._headers)
         resp = conn.getresponse()
         data = resp.read()
+        t1 = time.time()
         code = resp.status
         if resp.will_close:
             self.close()
@@ -175,6 +179,8 @@ class HttpClient:
                 parsed = json.loads(data) if data else {}
             except ValueError:
                 parsed = None
+            if isinstance(parsed, dict):
+                self.clock.add(t0, t1, parsed.get("server_ts"))
             return PostResult("ok", code, parsed if isinstance(parsed, dict) else None)
         reason = self._redact(f"HTTP {code}: {data[:300].decode('utf-8', 'replace')}")
         if code in _REFUSED_TOKEN:

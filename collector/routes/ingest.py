@@ -23,6 +23,8 @@ bounds `otlp.decode_request` enforces (413 past them).
 
 from __future__ import annotations
 
+import time
+
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
@@ -93,8 +95,9 @@ class IngestEndpoint:
             return e.status, dumps({"error": str(e)}), []
         except QueueFull as e:
             return 503, dumps({"error": f"busy, retry later: {e}"}), [(b"retry-after", b"1")]
+        # server_ts: this collector's clock, for the agents' offset estimates (agent/clock.py)
         return 200, dumps({"accepted": outcome.accepted, "duplicate": outcome.duplicate,
-                           "commands": outcome.commands}), []
+                           "commands": outcome.commands, "server_ts": time.time()}), []
 
     @staticmethod
     async def _read(receive: Receive, limit: int) -> bytes:
