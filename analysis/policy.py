@@ -109,6 +109,9 @@ class RunPolicy:
     crashes: dict[str, int] = field(default_factory=dict)  # node -> crash incidents
     acted: set[int] = field(default_factory=set)  # incidents an action was decided for
     slow_since: dict[int, float] = field(default_factory=dict)  # straggler incident -> costly since
+    # the most the run itself allows ("shadow", "off"; None: the policy's mode): a job we did not
+    # write (llmwatch-instrument) is acted on in shadow unless it opts in
+    mode_cap: str | None = None
 
 
 def _number(value: Any) -> float | None:
@@ -258,8 +261,10 @@ class Policy:
                   args: dict[str, Any] | None = None, node: str | None = None, refused: str | None = None,
                   cooldown: bool = True) -> list[Decision]:
         mode = self.mode_of(kind)
-        if mode == "off":
+        if mode == "off" or st.mode_cap == "off":
             return []
+        if st.mode_cap == "shadow":
+            mode = "shadow"
         if refused is None and cooldown and self.cooling(st, kind, now):
             return []  # not now: decided when the cooldown is over (the incident is not marked acted)
         if inc.get("id") is not None:

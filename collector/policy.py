@@ -201,7 +201,7 @@ class PolicyRunner:
         st = self._runs.get(run_id)
         if st is None:
             st = self._runs[run_id] = RunPolicy(run_id=run_id)
-            self._refresh_run(run_id)
+            st.mode_cap = self._refresh_run(run_id)
             nodes = self.storage.read(_nodes_of, run_id)
             st.nodes = sorted(set(self._node_map.get(run_id, {}).values()) | set(nodes["all"]))
             st.isolated = set(nodes["isolated"])
@@ -214,14 +214,17 @@ class PolicyRunner:
         self._node_map[run_id] = info["node_map"]
         return info
 
-    def _refresh_run(self, run_id: str) -> None:
-        """A run the runner meets for the first time: its layout and how far it got. The
+    def _refresh_run(self, run_id: str) -> str | None:
+        """A run the runner meets for the first time: its layout and how far it got, and
+        the policy the run itself asked for at most (its config's `policy`: "shadow" or
+        "off"; llmwatch-instrument asks for shadow unless the job opts in). The
         database may be ahead of the feed here; later, only the feed moves `_reached`
         (a pending action must be judged against rows in the order they were committed)."""
         info = self._refresh_layout(run_id)
         reached = self._reached.setdefault(run_id, {})
         for attempt, step in info["reached"].items():
             reached[attempt] = max(reached.get(attempt, 0), step)
+        return info["policy"]
 
     def _incident(self, row: dict[str, Any]) -> None:
         st = self._state(row["run_id"])
@@ -459,12 +462,14 @@ def _nodes_of(cur: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, Any]:
 
 
 def _run_layout(cur: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, Any]:
-    row = cur.execute("SELECT world_size, node_map::VARCHAR FROM runs WHERE run_id = ?", [run_id]).fetchone()
-    world, node_map = row if row else (None, None)
+    row = cur.execute("SELECT world_size, node_map::VARCHAR, json_extract_string(config, '$.policy') FROM runs "
+                      "WHERE run_id = ?", [run_id]).fetchone()
+    world, node_map, policy = row if row else (None, None, None)
     try:
         nodes = {int(k): str(v) for k, v in json.loads(node_map).items()} if node_map else {}
     except (ValueError, AttributeError):
         nodes = {}
     reached = dict(cur.execute("SELECT attempt, max(step) FROM steps WHERE run_id = ? GROUP BY attempt",
                                [run_id]).fetchall())
-    return {"world_size": world, "node_map": nodes, "reached": reached}
+    return {"world_size": world, "node_map": nodes, "reached": reached,
+            "policy": policy if policy in ("shadow", "off") else None}
