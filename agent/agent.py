@@ -325,7 +325,10 @@ class Agent(Recorder):
         heartbeat: a source that records rows of its own (agent/flight.py, the Flight
         Recorder's collectives). It must be quick and never touch the training thread's
         state; one that raises is logged once and called again next cycle."""
-        self._pollers.append(fn)
+        self._pollers = [*self._pollers, fn]  # a new list: the flusher iterates the old one
+
+    def remove_poller(self, fn: Callable[[], object]) -> None:
+        self._pollers = [p for p in self._pollers if p != fn]
 
     def clock_offset(self) -> tuple[float, float]:
         """(offset_s, error_s): add offset_s to this host's clock to read the collector's,

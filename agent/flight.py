@@ -181,7 +181,16 @@ class FlightReader:
             log.warning("llmwatch: this torch has no Flight Recorder dump (torch._C._distributed_c10d."
                         "_dump_fr_trace): collectives are not recorded; steps, phases and heartbeats are")
             return None
-        return cls(dump, sink, **kw)
+        reader = cls(dump, sink, **kw)
+        reader.skip_existing()
+        return reader
+
+    def skip_existing(self) -> None:
+        """Start after what the buffer holds now: ops of before the watch (a model's set-up
+        broadcasts, a previous fit's steps) are no rows of this one."""
+        entries = pickle.loads(self._dump()).get("entries") or []
+        if entries:
+            self._seen_upto = int(entries[-1]["record_id"]) + 1
 
     def last_entered(self):
         """`Agent.bind_seq_source`'s answer: (record_id, op, axis, group_id, group_seq) of

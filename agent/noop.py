@@ -34,6 +34,9 @@ class NoopAgent:
     def add_poller(self, fn: Callable[[], object]) -> None:
         return None
 
+    def remove_poller(self, fn: Callable[[], object]) -> None:
+        return None
+
     def clock_offset(self) -> tuple[float, float]:
         return 0.0, 0.0
 

@@ -50,6 +50,7 @@ once and stops measuring.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import threading
@@ -213,9 +214,13 @@ class Watch:
 
     def __init__(self, agent, model=None, optimizers: Iterable = (), *, owns_agent: bool = False,
                  flight_recorder: bool = True, axes: dict | None = None, mesh=None, start_step: int = 0,
-                 grad_norm: bool = True, clock: Callable[[], float] = time.perf_counter) -> None:
+                 grad_norm: bool = True, record: bool = True, clock: Callable[[], float] = time.perf_counter) -> None:
+        """`record=False`: a probe for a framework callback that records the step rows itself
+        (agent/integrations): each step's values wait for `take(step)`."""
         self.agent = agent
         self._owns_agent = owns_agent
+        self._record = record
+        self._rows: dict[int, dict] = {}  # record=False: the rows waiting for take()
         self._clock = clock
         self.step = int(start_step)  # optimizer steps done
         self.active = True
@@ -239,14 +244,18 @@ class Watch:
             log.info("llmwatch: %d optimizers: the first one's step is the step boundary, the others' count "
                      "towards opt_s", len(optimizers))
         _Patches.add(self)
+        self._pollers = [self._tell_offset]
         if flight_recorder:
             self.reader = FlightReader.create(agent, step_of=self._bounds.step_of, groups=Groups(axes, mesh),
                                               offset_s=lambda: agent.clock_offset()[0])
             if self.reader is not None:
-                agent.add_poller(self.reader.poll)
+                self._pollers.insert(0, self.reader.poll)
                 agent.bind_seq_source(self.reader.last_entered)
         self._offset_told = math.nan
-        agent.add_poller(self._tell_offset)
+        for poll in self._pollers:
+            agent.add_poller(poll)
+        if owns_agent:
+            atexit.register(self.close)  # before the agent's own close (atexit runs newest first)
 
     # -- forwarded to the agent ------------------------------------------------------
     def commands(self):
@@ -280,6 +289,25 @@ class Watch:
         except AttributeError:
             self._told_losses.append(float(tensor))
 
+    def align(self, steps_done: int) -> None:
+        """The loop's own count of optimizer steps done (a framework's global step: it may
+        skip an optimizer step under fp16, or resume from a checkpoint)."""
+        if steps_done != self.step:
+            self.step = int(steps_done)
+            self._bounds.add(time.time_ns(), self.step + 1, self.agent.attempt)
+
+    def take(self, step: int) -> dict:
+        """record=False: the values measured for `step` (record_step's keywords), once; its
+        timings alone while its loss and norm are still on their way from the device."""
+        self._drain(wait=False)
+        row = self._rows.pop(step, None)
+        if row is not None:
+            return row
+        for pending in self._pending:
+            if pending[0] == step:
+                return dict(pending[1])
+        return {}
+
     def step_boundary(self) -> None:
         """A step ended (for a loop without an optimizer watch() could hook)."""
         self._step_end(opt_s=None)
@@ -295,10 +323,16 @@ class Watch:
             except Exception:  # noqa: BLE001
                 pass
         _Patches.remove(self)
+        for poll in self._pollers:
+            self.agent.remove_poller(poll)
+        if self.reader is not None:
+            self.reader.poll(force=True)  # the last collectives, before the agent's last batch
+            self.agent.bind_seq_source(None)
         self._drain(wait=True)
         if self._owns_agent:
+            atexit.unregister(self.close)
             self.agent.close()
-        else:
+        elif self._record:
             self.agent.flush(timeout_s=5.0)
 
     # -- hooks -------------------------------------------------------------------------
@@ -431,10 +465,15 @@ class Watch:
             self._pending.pop(0)
             vals = host.tolist() if host is not None else []
             loss, finite, norm = (vals.pop(0) if got else None for got in have)
-            self.agent.record_step(
-                step, local_loss=loss, grad_norm=None if sharded or norm is None else norm,
-                finite_fwd=-1 if finite is None else int(finite == 1.0),
-                finite_bwd=-1 if norm is None else int(math.isfinite(norm)), **timings)
+            row = dict(timings, local_loss=loss, grad_norm=None if sharded or norm is None else norm,
+                       finite_fwd=-1 if finite is None else int(finite == 1.0),
+                       finite_bwd=-1 if norm is None else int(math.isfinite(norm)))
+            if self._record:
+                self.agent.record_step(step, **row)
+            else:
+                self._rows[step] = row
+                while len(self._rows) > 64:  # never taken (a callback that skips steps)
+                    self._rows.pop(next(iter(self._rows)))
 
     def _tell_offset(self) -> None:
         """Flusher thread: an event when this host's clock offset to the collector is first

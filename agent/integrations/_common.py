@@ -136,6 +136,7 @@ class Telemetry:
         self._clock = clock
         self._last_end: float | None = None
         self._flag = None  # the broadcast flag tensor, on the default group's device (made at the first boundary)
+        self.probe = None  # agent.watch.Watch(record=False): phases, local signals, collectives
 
     # -- the fit ---------------------------------------------------------------
     def begin_fit(self, *, rank: int, world_size: int, step: int, config: dict | None = None) -> None:
@@ -166,6 +167,33 @@ class Telemetry:
                     checkpoint=pending.path, diagnose=False)
         agent.ack(pending.command_id, "done", f"resumed from {pending.path} (step {step}) as attempt {agent.attempt}")
 
+    def attach(self, model, optimizer, *, step: int) -> None:
+        """Watch the fit's model and optimizer (agent/watch.py, as a probe): each step's
+        row gains fwd/bwd/opt/data seconds, the local loss and finiteness, and every
+        collective comes from torch's Flight Recorder. Call after `begin_fit`. A model or
+        optimizer that cannot be hooked leaves the rows as they were (a warning)."""
+        self.detach()
+        if self.agent is None or isinstance(self.agent, NoopAgent):
+            return
+        import torch
+
+        inner = getattr(optimizer, "optimizer", None)  # accelerate's AcceleratedOptimizer wraps the torch one
+        if isinstance(inner, torch.optim.Optimizer):
+            optimizer = inner
+        try:
+            from agent.watch import Watch
+
+            self.probe = Watch(self.agent, model, [optimizer] if optimizer is not None else [], record=False,
+                               start_step=step)
+        except Exception as e:  # noqa: BLE001 - the callback's own rows go on
+            log.warning("llmwatch: cannot watch the %s model and optimizer (%r): rows without phases and "
+                        "collectives", self.framework, e)
+
+    def detach(self) -> None:
+        if self.probe is not None:
+            self.probe.close()
+            self.probe = None
+
     def step_started(self) -> None:
         """The first step of a fit begins (its step time counts from here)."""
         if self._last_end is None:
@@ -178,7 +206,11 @@ class Telemetry:
         return None if last is None else now - last
 
     def record(self, step: int, **values: Any) -> None:
-        """One optimizer step (agent.record_step's keywords; None: not measured)."""
+        """One optimizer step (agent.record_step's keywords; None: not measured), with what
+        the probe measured of it (the callback's own values win)."""
+        if self.probe is not None:
+            measured = self.probe.take(step)
+            values = {**measured, **{k: v for k, v in values.items() if v is not None or k not in measured}}
         self.agent.record_step(step, **values)
 
     def end_fit(self, step: int) -> None:
@@ -187,6 +219,7 @@ class Telemetry:
         agent made here is closed."""
         if self.agent is None:
             return
+        self.detach()
         if self._rollback is not None:
             self.agent.flush(timeout_s=5.0)
             return

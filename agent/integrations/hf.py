@@ -15,6 +15,10 @@ and `loss` and `grad_norm` where the Trainer logs them (every `logging_steps`: i
 loss is the mean over the logging window); NULL on the other steps. The Trainer
 calls `on_step_end` before `on_log` of the same step, so a step is held until its
 log (or the next step's end, or the fit's) and recorded exactly once.
+The model and optimizer are watched as `agent.watch` does (a probe: the row gains
+`fwd_s`, `bwd_s`, `opt_s`, `data_s`, the rank's `local_loss` and finiteness), and
+every collective (DDP's bucket all-reduces, FSDP's gathers) comes from torch's
+Flight Recorder: the straggler and hang detectors name ranks in a Trainer job too.
 
 Commands (agent/integrations/_common.py): `stop` sets
 `control.should_training_stop` (and `should_save` unless `save_strategy` is
@@ -60,14 +64,18 @@ class LlmwatchCallback(TelemetryCallback, TrainerCallback):
                                    token=token, token_file=token_file, config=config)
         self._held: dict | None = None  # the step waiting for its log: {"step", "step_s", "lr", ...}
 
-    def on_train_begin(self, args, state, control, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._held = None
         self.telemetry.begin_fit(rank=args.process_index, world_size=args.world_size, step=state.global_step,
                                  config={"max_steps": state.max_steps, "logging_steps": args.logging_steps,
                                          "output_dir": args.output_dir})
+        if model is not None:
+            self.telemetry.attach(model, optimizer, step=state.global_step)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.telemetry.step_started()
+        if self.telemetry.probe is not None:
+            self.telemetry.probe.align(state.global_step)
 
     def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs):
         self._release()

@@ -15,7 +15,10 @@ One row per optimizer step (`trainer.global_step`, 1 for the first) and rank
 `training_step` returned (its `.item()` is a host sync per step, like
 `self.log(..., prog_bar=True)`), `grad_norm` the total 2-norm of the gradients
 before clipping (`on_before_optimizer_step`), `lr` of the first optimizer's first
-group, `step_s` the wall time since the previous step ended.
+group, `step_s` the wall time since the previous step ended. The LightningModule
+and the first optimizer are watched as `agent.watch` does (a probe: phases, the
+local loss and finiteness), and every collective comes from torch's Flight
+Recorder (agent/flight.py).
 
 Commands (agent/integrations/_common.py): `stop` sets `trainer.should_stop`;
 `rollback` stops the fit and names in `resume_from` the newest ModelCheckpoint
@@ -67,9 +70,13 @@ class LlmwatchCallback(TelemetryCallback, Callback):
         self._recorded_step = trainer.global_step
         self.telemetry.begin_fit(rank=trainer.global_rank, world_size=trainer.world_size, step=trainer.global_step,
                                  config={"max_steps": trainer.max_steps})
+        self.telemetry.attach(pl_module, trainer.optimizers[0] if trainer.optimizers else None,
+                              step=trainer.global_step)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.telemetry.step_started()
+        if self.telemetry.probe is not None:
+            self.telemetry.probe.align(trainer.global_step)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         import torch
