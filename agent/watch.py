@@ -51,6 +51,7 @@ once and stops measuring.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import math
 import threading
@@ -162,11 +163,12 @@ class _Patches:
             w = cls.current()
             if w is None or not w.active:
                 return backward(self, *args, **kwargs)
-            t0 = w.on_backward(self)
+            t0 = w.on_backward(self)  # None when the watch failed
             try:
                 return backward(self, *args, **kwargs)
             finally:
-                w.bwd_s += time.perf_counter() - t0
+                if t0 is not None:
+                    w.bwd_s += w._clock() - t0
 
         def watched_clip(*args, **kwargs):
             norm = clip(*args, **kwargs)
@@ -179,11 +181,11 @@ class _Patches:
             w = cls.current()
             if w is None or not w.active:
                 return save(*args, **kwargs)
-            w.agent.set_phase("checkpoint", w.step + 1)
+            w._set_phase("checkpoint")
             try:
                 return save(*args, **kwargs)
             finally:
-                w.agent.set_phase("data", w.step + 1)
+                w._set_phase("data")
 
         watched_backward.__wrapped__ = backward
         torch.Tensor.backward = watched_backward
@@ -207,6 +209,22 @@ class _Patches:
         cls.saved = {}
 
 
+def _guarded(hook):
+    """A hook (or a call the loop makes) that never raises into the loop: a failure is
+    logged once and the watch stops measuring; close() still takes it out."""
+
+    @functools.wraps(hook)
+    def guarded(self, *args, **kwargs):
+        try:
+            return hook(self, *args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - never raise into the loop
+            self._log_once("failed", "llmwatch: watch() failed in %s and stops measuring: %r", hook.__name__, e)
+            self.active = False
+            return None
+
+    return guarded
+
+
 class Watch:
     """The hooks on one model and its optimizer(s), recording into one agent (see the
     module docstring). Made by `watch()`; the Agent's loop-side calls (`commands`,
@@ -223,7 +241,8 @@ class Watch:
         self._rows: dict[int, dict] = {}  # record=False: the rows waiting for take()
         self._clock = clock
         self.step = int(start_step)  # optimizer steps done
-        self.active = True
+        self.active = True  # False once closed, or after a failure
+        self._closed = False
         self._grad_norm = grad_norm
         self._handles: list = []
         self._params: list = []
@@ -239,7 +258,8 @@ class Watch:
         for i, opt in enumerate(optimizers):
             self._hook_optimizer(opt, primary=i == 0)
         if not optimizers:
-            log.warning("llmwatch: watch() without an optimizer: call w.step() at every step boundary")
+            log.warning("llmwatch: watch() without an optimizer: call w.step_boundary() at every step "
+                        "boundary")
         elif len(optimizers) > 1:
             log.info("llmwatch: %d optimizers: the first one's step is the step boundary, the others' count "
                      "towards opt_s", len(optimizers))
@@ -280,6 +300,7 @@ class Watch:
         return out
 
     # -- what the loop may tell ------------------------------------------------------
+    @_guarded
     def loss(self, tensor) -> None:
         """This step's loss, when the loop knows it better than the model's output (a
         loss computed outside the model under a GradScaler). Called per micro-batch, the
@@ -308,14 +329,17 @@ class Watch:
                 return dict(pending[1])
         return {}
 
+    @_guarded
     def step_boundary(self) -> None:
         """A step ended (for a loop without an optimizer watch() could hook)."""
-        self._step_end(opt_s=None)
+        if self.active:
+            self._step_end(opt_s=None)
 
     def close(self) -> None:
         """Record what is still waiting, take the hooks out, close an agent made here."""
-        if not self.active:
+        if self._closed:
             return
+        self._closed = True
         self.active = False
         for h in self._handles:
             try:
@@ -325,10 +349,13 @@ class Watch:
         _Patches.remove(self)
         for poll in self._pollers:
             self.agent.remove_poller(poll)
-        if self.reader is not None:
-            self.reader.poll(force=True)  # the last collectives, before the agent's last batch
-            self.agent.bind_seq_source(None)
-        self._drain(wait=True)
+        try:
+            if self.reader is not None:
+                self.reader.poll(force=True)  # the last collectives, before the agent's last batch
+                self.agent.bind_seq_source(None)
+            self._drain(wait=True)
+        except Exception as e:  # noqa: BLE001 - never raise into the loop
+            self._log_once("failed", "llmwatch: watch() failed in close: %r", e)
         if self._owns_agent:
             atexit.unregister(self.close)
             self.agent.close()
@@ -359,6 +386,7 @@ class Watch:
         self.clipped_norm = None
         self._in_eval = False
 
+    @_guarded
     def _fwd_pre(self, module, args) -> None:
         if not self.active:
             return
@@ -374,6 +402,7 @@ class Watch:
         self._fwd_t0 = now
         self.agent.set_phase("fwd", self.step + 1)
 
+    @_guarded
     def _fwd_post(self, module, args, output) -> None:
         if not self.active:
             return
@@ -389,13 +418,20 @@ class Watch:
         if loss is not None:
             self._model_losses.append(loss.detach())
 
+    @_guarded
     def on_backward(self, tensor) -> float:
-        """Tensor.backward was called on `tensor`: the phase, and a loss candidate."""
+        """Tensor.backward was called on `tensor`: the phase, and a loss candidate; the
+        time it starts (None when the watch failed)."""
         if tensor.dim() == 0 and tensor.is_floating_point():
             self._bwd_losses.append(tensor.detach())
         self.agent.set_phase("bwd", self.step + 1)
         return self._clock()
 
+    @_guarded
+    def _set_phase(self, phase: str) -> None:
+        self.agent.set_phase(phase, self.step + 1)
+
+    @_guarded
     def _opt_pre(self, opt, args, kwargs) -> None:
         if not self.active:
             return
@@ -403,19 +439,21 @@ class Watch:
         self._inner_s = self.fwd_s + self.bwd_s  # a closure (Lightning) runs forward and backward inside step()
         self.agent.set_phase("opt", self.step + 1)
 
+    @_guarded
     def _opt_post_other(self, opt, args, kwargs) -> None:
-        if self.active and self._opt_t0 is not None:
+        if self.active:
+            self._add_opt_s()
+
+    def _add_opt_s(self) -> None:
+        if self._opt_t0 is not None:
             self.opt_s += self._clock() - self._opt_t0 - (self.fwd_s + self.bwd_s - self._inner_s)
 
+    @_guarded
     def _opt_post(self, opt, args, kwargs) -> None:
         if not self.active:
             return
-        try:
-            self._opt_post_other(opt, args, kwargs)
-            self._step_end(opt_s=self.opt_s)
-        except Exception as e:  # noqa: BLE001 - never raise into the loop
-            self._log_once("step", "llmwatch: watch() failed at a step and stops measuring: %r", e)
-            self.active = False
+        self._add_opt_s()
+        self._step_end(opt_s=self.opt_s)
 
     # -- the step's row ------------------------------------------------------------------
     def _step_end(self, *, opt_s: float | None) -> None:
