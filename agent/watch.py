@@ -14,9 +14,12 @@ What it hooks, and what each gives (one `steps` row per optimizer step and rank)
 - the optimizer's step hooks: the step boundary (`step` counts from `start_step`
   + 1), `opt_s` (the step itself), `step_s` (between two steps);
 - the root module's forward hooks: `fwd_s` (every forward of the step, so
-  gradient accumulation is summed), `data_s` (the previous step's end to the
-  first forward), and the loss: the output's `.loss`, its `"loss"` key, the
-  output itself or the first 0-dim float tensor of a tuple;
+  gradient accumulation is summed), and the loss: the output's `.loss`, its
+  `"loss"` key, the output itself or the first 0-dim float tensor of a tuple;
+- a torch `DataLoader`'s `__next__` (wrapped): `data_s`, the time blocked
+  fetching the step's batches (NULL for a loop without one: the gap between two
+  steps holds a framework's logging and its blocking collectives too, no data
+  wait to judge);
 - `Tensor.backward` (wrapped while a watch is open): `bwd_s`, and the loss when
   the model does not return it (the 0-dim tensor backward is called on);
   `GradScaler.scale` (wrapped): the unscaled loss of an AMP loop; `w.loss(t)`
@@ -150,8 +153,21 @@ class _Patches:
 
         backward, clip, save = torch.Tensor.backward, nn_utils.clip_grad_norm_, torch.save
         scale = torch.amp.GradScaler.scale
+        from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+        fetch = _BaseDataLoaderIter.__next__
         cls.saved = {"backward": backward, "clip": clip, "clip_mod": clip_mod.clip_grad_norm_, "save": save,
-                     "scale": scale}
+                     "scale": scale, "fetch": fetch}
+
+        def watched_fetch(self):
+            w = cls.current()
+            if w is None or not w.active:
+                return fetch(self)
+            t0 = time.perf_counter()
+            try:
+                return fetch(self)
+            finally:
+                w.data_s = (w.data_s or 0.0) + time.perf_counter() - t0
 
         def watched_scale(self, outputs):
             w = cls.current()
@@ -192,6 +208,7 @@ class _Patches:
         nn_utils.clip_grad_norm_ = clip_mod.clip_grad_norm_ = watched_clip
         torch.save = watched_save
         torch.amp.GradScaler.scale = watched_scale
+        _BaseDataLoaderIter.__next__ = watched_fetch
 
     @classmethod
     def _uninstall(cls) -> None:
@@ -206,6 +223,9 @@ class _Patches:
             clip_mod.clip_grad_norm_ = s["clip_mod"]
             torch.save = s["save"]
             torch.amp.GradScaler.scale = s["scale"]
+            from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+            _BaseDataLoaderIter.__next__ = s["fetch"]
         cls.saved = {}
 
 
@@ -377,7 +397,6 @@ class Watch:
     def _reset_step(self, now: float) -> None:
         self.fwd_s = self.bwd_s = self.opt_s = 0.0
         self.data_s = None
-        self._step_end_t = now
         self._fwd_t0 = None
         self._opt_t0 = None
         self._model_losses: list = []
@@ -397,8 +416,6 @@ class Watch:
             self._in_eval = True
             self.agent.set_phase("eval", self.step + 1)
             return
-        if self.data_s is None:
-            self.data_s = now - self._step_end_t
         self._fwd_t0 = now
         self.agent.set_phase("fwd", self.step + 1)
 
@@ -530,7 +547,12 @@ class Watch:
 def _scalar(v):
     import torch
 
-    return v.detach().float().reshape(()) if isinstance(v, torch.Tensor) else torch.tensor(float(v))
+    if not isinstance(v, torch.Tensor):
+        return torch.tensor(float(v))
+    to_local = getattr(v, "to_local", None)  # a DTensor (FSDP2's clip_grad_norm_ answers a replicated one)
+    if to_local is not None:
+        v = to_local()
+    return v.detach().float().reshape(())
 
 
 def _all_finite(values: list):

@@ -1,0 +1,117 @@
+"""Jobs we did not write, fully diagnosed: a plain DDP loop and an FSDP2 loop under
+`llmwatch-instrument` (zero code), the DDP loop with one `watch()` call, a Hugging Face
+Trainer and a Lightning fit with their one-line callbacks. Two gloo ranks under torchrun,
+faults injected by the harness (loops/faults.py), detection by the collector alone:
+
+- a clean run opens no incident;
+- a rank made ~1.5x slower is named a straggler, with its cost;
+- a rank that hangs before a forward is named, with the collective it never entered,
+  within 10 s of the hang;
+- a noisy batch on one replica is a loss spike at its step naming that rank, and a NaN in
+  one rank's loss names that rank as the origin.
+
+One run per (loop, scenario), shared by the assertions that read it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.foreign_run import ForeignRun, run_loop
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
+
+LOOPS = ["ddp", "fsdp2", "hf", "lightning"]
+# the straggler's extra forward time: about half a step of each loop on two idle cores
+SLOW_MS = {"ddp": 30, "fsdp2": 30, "hf": 40, "lightning": 25}
+STRAGGLER_FROM, HANG_AT, NOISE_AT, NAN_AT = 40, 30, 30, 45
+
+
+def scenario(loop: str, name: str) -> dict:
+    return {
+        "clean": dict(steps=100),
+        "straggler": dict(steps=100, faults=f"straggler:rank=1,step={STRAGGLER_FROM},ms={SLOW_MS[loop]}"),
+        "hang": dict(steps=400, faults=f"hang:rank=1,step={HANG_AT}", hang=True),
+        "data": dict(steps=55, faults=f"noise:rank=0,step={NOISE_AT};nan:rank=1,step={NAN_AT}",
+                     collector_args=("--policy", "auto")),
+    }[name]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    done: dict[tuple[str, str], ForeignRun] = {}
+
+    def get(loop: str, name: str) -> ForeignRun:
+        if (loop, name) not in done:
+            done[loop, name] = run_loop(tmp_path_factory.mktemp(f"{loop}-{name}"), loop, **scenario(loop, name))
+        return done[loop, name]
+
+    return get
+
+
+def _finished(run: ForeignRun, steps: int, nproc: int = 2) -> None:
+    assert run.returncode == 0, run.output[-3000:]
+    assert run.num_steps_rows == steps * nproc, f"{run.num_steps_rows} step rows\n{run.output[-2000:]}"
+    assert run.num_collectives > steps * nproc, "the collectives come from the Flight Recorder"
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_clean_run_opens_no_incident(runs, loop):
+    run = runs(loop, "clean")
+    _finished(run, 100)
+    assert run.incidents == [], run.summary()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_slow_rank_is_named_a_straggler_with_its_cost(runs, loop):
+    run = runs(loop, "straggler")
+    _finished(run, 100)
+    found = run.of("straggler")
+    assert found, run.summary()
+    inc = found[0]
+    assert inc["rank"] == 1, run.summary()
+    assert STRAGGLER_FROM - 1 <= inc["step_from"] <= STRAGGLER_FROM + 20, run.summary()
+    cost = inc["evidence"]["cost_s_per_step"] if "cost_s_per_step" in inc["evidence"] else None
+    assert cost is None or cost > 0.3 * SLOW_MS[loop] / 1e3, inc["evidence"]
+    assert {i["kind"] for i in run.incidents} <= {"straggler"}, run.summary()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_hung_rank_is_named_with_its_collective_within_10_s(runs, loop):
+    run = runs(loop, "hang")
+    found = run.of("hang")
+    assert found, f"{run.summary()}\n{run.output[-2000:]}"
+    inc = found[0]
+    assert inc["rank"] == 1, run.summary()
+    collective = inc["evidence"]["collective"]
+    assert collective and collective["axis"] == "dp" and collective["group_seq"] > 0, inc["evidence"]
+    hang_started = run.steps[HANG_AT - 1]  # the hung rank's last step ended then
+    assert inc["opened_ts"] - hang_started <= 10.0, (inc["opened_ts"] - hang_started, run.summary())
+    assert {i["kind"] for i in run.incidents} == {"hang"}, run.summary()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_noisy_batch_and_a_nan_name_their_rank_and_step(runs, loop):
+    run = runs(loop, "data")
+    spikes = run.of("loss_spike")
+    assert spikes, run.summary()
+    assert spikes[0]["step_from"] == NOISE_AT and spikes[0]["rank"] == 0, run.summary()
+    nans = run.of("nan")
+    assert nans, run.summary()
+    assert nans[0]["step_from"] == NAN_AT and nans[0]["rank"] == 1, run.summary()
+    assert "rank 1" in nans[0]["root_cause"], nans[0]["root_cause"]
+
+
+def test_zero_code_runs_ask_for_shadow_and_every_decision_is_still_recorded(runs):
+    run = runs("ddp", "data")
+    assert run.config.get("source") == "instrument" and run.config.get("policy") == "shadow", run.config
+    assert run.actions, "the policy decided something about the NaN"
+    assert {a["status"] for a in run.actions} == {"shadow"}, run.actions
+
+
+def test_one_watch_call_in_the_loop_gets_the_same_diagnosis(tmp_path):
+    run = run_loop(tmp_path, "ddp_watch", steps=55, faults=f"noise:rank=0,step={NOISE_AT};nan:rank=1,step={NAN_AT}")
+    _finished(run, 55)
+    assert run.config.get("source") == "watch", run.config
+    assert [(i["kind"], i["rank"], i["step_from"]) for i in run.incidents] == [
+        ("loss_spike", 0, NOISE_AT), ("nan", 1, NAN_AT)], run.summary()
