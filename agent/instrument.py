@@ -222,7 +222,8 @@ class _Discovery:
             rdzv = os.environ.get("TORCHELASTIC_RUN_ID", "")
             if os.environ.get("LLMWATCH_RUN_ID_GENERATED") and rdzv and rdzv != "none":
                 run_id = f"rdzv-{rdzv}"  # every node of a multi-node torchrun shares it
-            self.watch = watch(best, opt, run_id=run_id,
+            # found at the end of a step (a closure's): that step is done, the watch counts from the next
+            self.watch = watch(best, opt, run_id=run_id, start_step=1 if final else 0,
                                run_info={"source": "instrument", "policy": policy, "argv": sys.argv[:32]})
         except Exception as e:  # noqa: BLE001 - the job goes on unwatched
             self.watch = False
