@@ -148,8 +148,24 @@ def test_timings_come_from_the_hooks_on_the_injected_clock(agent):
         model(x, y).backward()
         opt.step()
     got = steps(agent)
-    # one tick from each phase's start to its end, and from a step's end to the next forward
-    assert [(r["fwd_s"], r["bwd_s"], r["opt_s"], r["data_s"]) for r in got] == [(1.0, 1.0, 1.0, 1.0)] * 3
+    # one tick from each phase's start to its end
+    assert [(r["fwd_s"], r["bwd_s"], r["opt_s"]) for r in got] == [(1.0, 1.0, 1.0)] * 3
+    assert all(is_null(r["data_s"]) for r in got)  # no DataLoader: no data wait to judge
+
+
+def test_data_s_is_the_time_blocked_in_a_dataloader(agent):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model, opt, w = make(agent)
+    x, y = torch.randn(12, 4), torch.randn(12, 1)
+    loader = DataLoader(TensorDataset(x, y), batch_size=4)
+    for xb, yb in loader:
+        opt.zero_grad()
+        model(xb, yb).backward()
+        opt.step()
+    got = steps(agent)
+    assert [r["step"] for r in got] == [1, 2, 3]
+    assert all(0.0 < r["data_s"] < 5.0 for r in got)
 
 
 def test_gradient_accumulation_sums_the_times_and_averages_the_loss(agent):
@@ -168,7 +184,7 @@ def test_gradient_accumulation_sums_the_times_and_averages_the_loss(agent):
     got = steps(agent)
     assert [r["step"] for r in got] == [1, 2, 3]
     assert [r["local_loss"] for r in got] == pytest.approx(means, rel=1e-6)
-    assert [(r["fwd_s"], r["bwd_s"], r["opt_s"], r["data_s"]) for r in got] == [(2.0, 2.0, 1.0, 1.0)] * 3
+    assert [(r["fwd_s"], r["bwd_s"], r["opt_s"]) for r in got] == [(2.0, 2.0, 1.0)] * 3
 
 
 # -- finiteness and the grad norm -----------------------------------------------------------
@@ -369,8 +385,10 @@ def test_a_grad_scalers_input_is_the_loss(agent):
 
 # -- close, failures ------------------------------------------------------------------------
 def _patched():
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
     return (torch.Tensor.backward, torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad.clip_grad_norm_,
-            torch.save, torch.amp.GradScaler.__dict__["scale"])
+            torch.save, torch.amp.GradScaler.__dict__["scale"], _BaseDataLoaderIter.__dict__["__next__"])
 
 
 def test_close_takes_every_hook_out_and_restores_torch(agent):
