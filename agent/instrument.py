@@ -49,7 +49,7 @@ _BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstra
 INSTRUMENT_ENV, POLICY_ENV = "LLMWATCH_INSTRUMENT", "LLMWATCH_POLICY"
 
 
-def parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="llmwatch-instrument",
         description="Run COMMAND (e.g. torchrun ... train.py) with every rank watched by llmwatch: steps, losses, "
@@ -90,7 +90,7 @@ def environment(args: argparse.Namespace, environ: dict[str, str]) -> dict[str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]

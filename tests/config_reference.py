@@ -41,7 +41,7 @@ PACKAGES = ("agent", "collector", "trainer", "dashboard", "analysis")
 
 # (the command as typed, the module whose build_parser() defines it)
 CLIS = (("trainer", "trainer.cli"), ("collector", "collector.cli"), ("dashboard", "dashboard.cli"),
-        ("python -m agent.replay", "agent.replay"))
+        ("python -m agent.replay", "agent.replay"), ("llmwatch-instrument", "agent.instrument"))
 
 _BEGIN = "<!-- BEGIN GENERATED: {} -->"
 _END = "<!-- END GENERATED: {} -->"
@@ -82,11 +82,20 @@ ENV_VARS: dict[str, tuple[str, str]] = {
                              "the launcher is gone."),
     "CUDA_VISIBLE_DEVICES": ("you", "The agent's device-health sampler maps `LOCAL_RANK` through it to the GPU "
                                     "NVML reads (an index or a UUID entry)."),
-    "LLMWATCH_URL": ("you", "`agent.integrations` callbacks: the collector's URL (when none is passed)."),
-    "LLMWATCH_TOKEN_FILE": ("you", "`agent.integrations` callbacks: a file holding the ingest token (when no "
-                                   "token is passed and `LLMWATCH_TOKEN` is unset)."),
-    "LLMWATCH_RUN_ID": ("trainer", "Set for the `--on-isolate` command: the run. The `agent.integrations` "
-                                   "callbacks read it as the run id when none is passed."),
+    "LLMWATCH_URL": ("you", "`agent.watch.watch()`, `llmwatch-instrument` and the `agent.integrations` "
+                            "callbacks: the collector's URL (when none is passed)."),
+    "LLMWATCH_TOKEN_FILE": ("you", "`watch()`, `llmwatch-instrument` and the `agent.integrations` callbacks: a "
+                                   "file holding the ingest token (when no token is passed and `LLMWATCH_TOKEN` "
+                                   "is unset)."),
+    "LLMWATCH_RUN_ID": ("trainer", "Set for the `--on-isolate` command: the run. `watch()`, "
+                                   "`llmwatch-instrument` and the `agent.integrations` callbacks read it as the "
+                                   "run id when none is passed."),
+    "LLMWATCH_INSTRUMENT": ("launcher", "`1` in the processes `llmwatch-instrument` starts: its `sitecustomize` "
+                                        "arms the watch there (do not set it yourself)."),
+    "LLMWATCH_POLICY": ("you", "`llmwatch-instrument`: the most the collector may do about the run (`auto`, "
+                               "`shadow`, `off`) when `--policy` is not given; default `shadow`."),
+    "LLMWATCH_RUN_ID_GENERATED": ("launcher", "`1` when `llmwatch-instrument` made the run id up: a rank under "
+                                              "a multi-node torchrun then uses the rendezvous id instead."),
     "LLMWATCH_NODE": ("trainer", "Set for the `--on-isolate` command: the node being isolated."),
     "LLMWATCH_REASON": ("trainer", "Set for the `--on-isolate` command: why."),
     "RANK": ("torchrun", "The process's global rank; with `WORLD_SIZE` and `LOCAL_RANK` it means \"running "
@@ -96,6 +105,10 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "LOCAL_WORLD_SIZE": ("torchrun", "Ranks per node."),
     "TORCHELASTIC_RUN_ID": ("torchrun", "torchrun's `--rdzv-id`: the run id when `--run-id` is not given."),
     "TORCHELASTIC_RESTART_COUNT": ("torchrun", "The elastic agent's restart count (the rank's incarnation)."),
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": ("you", "torch's older name of `TORCH_FR_BUFFER_SIZE`, the Flight Recorder's "
+                                            "entries per process: `llmwatch-instrument` sets the newer one only "
+                                            "when neither is set (agent/flight.py)."),
+    "PYTHONPATH": ("launcher", "`llmwatch-instrument` puts its `sitecustomize` folder first, before yours."),
     "OMP_NUM_THREADS": ("you", "Threads per rank for torch on CPU (the embedded launcher sets it from the "
                         "cores per rank unless you did)."),
 }
