@@ -5,6 +5,7 @@ into a NoopAgent, and the script says what it found)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -15,13 +16,10 @@ from pathlib import Path
 import pytest
 
 from agent.flight import BUFFER_ENV, NCCL_TIMING_ENV
-from agent.instrument import _BOOTSTRAP, INSTRUMENT_ENV, POLICY_ENV, environment, main, parser
+from agent.instrument import _BOOTSTRAP, INSTRUMENT_ENV, POLICY_ENV, environment, main
 
 INSTRUMENT = Path(sys.executable).parent / "llmwatch-instrument"
-
-
-def env_of(argv: list[str], environ: dict | None = None) -> dict[str, str]:
-    return environment(parser().parse_args(argv), dict(environ or {}))
+_OURS = ("PYTHONPATH", BUFFER_ENV, NCCL_TIMING_ENV, "TORCH_NCCL_TRACE_BUFFER_SIZE")
 
 
 def clean_env(**extra) -> dict[str, str]:
@@ -29,6 +27,37 @@ def clean_env(**extra) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMWATCH_") and k != "PYTHONPATH"}
     env.update(OMP_NUM_THREADS="1", **extra)
     return env
+
+
+@pytest.fixture
+def launch(monkeypatch):
+    """`launch(argv, environ)`: run `main(argv)` in this process with `environ` as the parent's
+    llmwatch/torch variables, the exec caught: (its exit code, the command, the command's environment)."""
+    execs = []
+
+    def execvpe(file, args, env):
+        execs.append((file, list(args), dict(env)))  # returns: main() then says 0
+
+    monkeypatch.setattr(os, "execvpe", execvpe)
+
+    def run_main(argv: list[str], environ: dict | None = None):
+        for k in list(os.environ):
+            if k.startswith("LLMWATCH_") or k in _OURS:
+                monkeypatch.delenv(k)
+        for k, v in (environ or {}).items():
+            monkeypatch.setenv(k, v)
+        code = main(argv)
+        if not execs:
+            return code, None, None
+        file, args, env = execs.pop()
+        assert file == args[0]
+        return code, args, env
+
+    return run_main
+
+
+def env_of(launch, argv: list[str], environ: dict | None = None) -> dict[str, str]:
+    return launch(argv, environ)[2]
 
 
 # -- usage ----------------------------------------------------------------------------------
@@ -55,59 +84,74 @@ def test_an_unknown_policy_is_refused_by_argparse(capsys):
     assert e.value.code == 2
 
 
+def test_the_command_keeps_its_own_arguments_after_the_separator(launch):
+    code, args, env = launch(["--run-id", "r", "--", "torchrun", "--nproc-per-node", "2", "t.py", "--run-id", "x"])
+    assert args == ["torchrun", "--nproc-per-node", "2", "t.py", "--run-id", "x"]
+    assert env["LLMWATCH_RUN_ID"] == "r"
+    assert launch(["python", "t.py"])[1] == ["python", "t.py"]  # without the separator too
+
+
+def test_without_a_collector_the_command_still_runs_and_says_so(launch, capsys):
+    code, args, env = launch(["--", "python", "t.py"])
+    assert args == ["python", "t.py"] and "LLMWATCH_URL" not in env
+    assert "no collector" in capsys.readouterr().err
+
+
 # -- the command's environment --------------------------------------------------------------
-def test_the_environment_arms_every_python_process_of_the_command():
-    env = env_of(["--", "torchrun", "train.py"], {"PATH": "/usr/bin", "PYTHONPATH": "/work/src:/opt/lib"})
+def test_the_environment_arms_every_python_process_of_the_command(launch):
+    env = env_of(launch, ["--", "torchrun", "train.py"], {"PYTHONPATH": "/work/src:/opt/lib"})
     assert env[INSTRUMENT_ENV] == "1"
     assert env["PYTHONPATH"].split(os.pathsep) == [_BOOTSTRAP, "/work/src", "/opt/lib"]  # the bootstrap first
     assert os.path.isfile(os.path.join(env["PYTHONPATH"].split(os.pathsep)[0], "sitecustomize.py"))
-    assert env["PATH"] == "/usr/bin"  # the rest passes through
+    assert env["PATH"] == os.environ["PATH"]  # the rest passes through
     assert (env[BUFFER_ENV], env[NCCL_TIMING_ENV]) == ("2000", "1")  # the Flight Recorder, before any group
 
 
-def test_the_environment_without_a_pythonpath_is_the_bootstrap_alone():
-    assert env_of(["--", "python", "x.py"])["PYTHONPATH"] == _BOOTSTRAP
+def test_the_environment_without_a_pythonpath_is_the_bootstrap_alone(launch):
+    assert env_of(launch, ["--", "python", "x.py"])["PYTHONPATH"] == _BOOTSTRAP
 
 
-def test_the_environment_leaves_the_parents_alone():
+def test_the_environment_leaves_this_processes_alone(launch):
+    env_of(launch, ["--", "x"], {"PYTHONPATH": "/a"})
+    assert os.environ["PYTHONPATH"] == "/a" and INSTRUMENT_ENV not in os.environ and BUFFER_ENV not in os.environ
     parent = {"PYTHONPATH": "/a"}
-    environment(parser().parse_args(["--", "x"]), parent)
+    environment(argparse.Namespace(collector=None, token_file=None, run_id=None, policy=None, command=["x"]), parent)
     assert parent == {"PYTHONPATH": "/a"}
 
 
-def test_the_run_id_given_wins_then_the_environments_then_a_new_one():
-    assert env_of(["--run-id", "given", "--", "x"], {"LLMWATCH_RUN_ID": "env"})["LLMWATCH_RUN_ID"] == "given"
-    env = env_of(["--", "x"], {"LLMWATCH_RUN_ID": "env"})
+def test_the_run_id_given_wins_then_the_environments_then_a_new_one(launch):
+    assert env_of(launch, ["--run-id", "given", "--", "x"], {"LLMWATCH_RUN_ID": "env"})["LLMWATCH_RUN_ID"] == "given"
+    env = env_of(launch, ["--", "x"], {"LLMWATCH_RUN_ID": "env"})
     assert env["LLMWATCH_RUN_ID"] == "env" and "LLMWATCH_RUN_ID_GENERATED" not in env
-    a, b = env_of(["--", "x"]), env_of(["--", "x"])
+    a, b = env_of(launch, ["--", "x"]), env_of(launch, ["--", "x"])
     assert a["LLMWATCH_RUN_ID"].startswith("run-") and a["LLMWATCH_RUN_ID"] != b["LLMWATCH_RUN_ID"]
     assert a["LLMWATCH_RUN_ID_GENERATED"] == "1"  # a rank may prefer torchrun's rendezvous id
 
 
-def test_the_policy_is_shadow_unless_asked():
-    assert env_of(["--", "x"])[POLICY_ENV] == "shadow"
-    assert env_of(["--", "x"], {POLICY_ENV: "off"})[POLICY_ENV] == "off"
-    assert env_of(["--policy", "auto", "--", "x"], {POLICY_ENV: "off"})[POLICY_ENV] == "auto"
+def test_the_policy_is_shadow_unless_asked(launch):
+    assert env_of(launch, ["--", "x"])[POLICY_ENV] == "shadow"
+    assert env_of(launch, ["--", "x"], {POLICY_ENV: "off"})[POLICY_ENV] == "off"
+    assert env_of(launch, ["--policy", "auto", "--", "x"], {POLICY_ENV: "off"})[POLICY_ENV] == "auto"
 
 
-def test_the_collector_url_is_passed_on():
-    assert env_of(["--collector", "http://10.0.0.2:8428", "--", "x"])["LLMWATCH_URL"] == "http://10.0.0.2:8428"
-    assert env_of(["--", "x"], {"LLMWATCH_URL": "http://c:1"})["LLMWATCH_URL"] == "http://c:1"
+def test_the_collector_url_is_passed_on(launch):
+    url = "http://10.0.0.2:8428"
+    assert env_of(launch, ["--collector", url, "--", "x"])["LLMWATCH_URL"] == url
+    assert env_of(launch, ["--", "x"], {"LLMWATCH_URL": "http://c:1"})["LLMWATCH_URL"] == "http://c:1"
 
 
-def test_the_token_files_path_travels_never_the_token(tmp_path, monkeypatch):
+def test_the_token_files_path_travels_never_the_token(launch, tmp_path, monkeypatch):
     (tmp_path / "ingest").write_text("s3cret-token-value\n")
     monkeypatch.chdir(tmp_path)
-    env = env_of(["--token-file", "ingest", "--", "x"])
+    env = env_of(launch, ["--token-file", "ingest", "--", "x"])
     assert env["LLMWATCH_TOKEN_FILE"] == str(tmp_path / "ingest")  # absolute: the ranks may run elsewhere
     assert not any("s3cret" in v for v in env.values())
     assert "LLMWATCH_TOKEN" not in env
 
 
-def test_the_command_keeps_its_own_arguments_after_the_separator():
-    assert parser().parse_args(["--run-id", "r", "--", "torchrun", "--nproc-per-node", "2", "t.py",
-                                "--run-id", "x"]).command[-6:] == ["torchrun", "--nproc-per-node", "2", "t.py",
-                                                                  "--run-id", "x"]
+def test_the_flight_recorder_settings_the_user_made_stay(launch):
+    env = env_of(launch, ["--", "x"], {BUFFER_ENV: "20000", NCCL_TIMING_ENV: "0"})
+    assert (env[BUFFER_ENV], env[NCCL_TIMING_ENV]) == ("20000", "0")
 
 
 # -- finding the model (in this process) ----------------------------------------------------
