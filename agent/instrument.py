@@ -148,9 +148,16 @@ def arm() -> None:
 
     enable_env(os.environ)
     if "torch" in sys.modules:
-        _Discovery().install()
+        _on_torch()
     else:
-        sys.meta_path.insert(0, _AfterImport("torch", lambda: _Discovery().install()))
+        sys.meta_path.insert(0, _AfterImport("torch", _on_torch))
+
+
+def _on_torch() -> None:
+    from agent.watch import _Patches
+
+    _Patches.preinstall_clip()  # before the script's own `from torch.nn.utils import clip_grad_norm_`
+    _Discovery().install()
 
 
 class _Discovery:

@@ -117,6 +117,20 @@ def _loss_of(output) -> Any:
     return None
 
 
+def _clip_wrapper(clip):
+    """`clip_grad_norm_` that hands its result (the norm before clipping) to the open watch."""
+
+    def watched_clip(*args, **kwargs):
+        norm = clip(*args, **kwargs)
+        w = _Patches.current()
+        if w is not None and w.active:
+            w.clipped_norm = norm
+        return norm
+
+    watched_clip._llmwatch_wrapped = clip
+    return watched_clip
+
+
 class _Patches:
     """The process-wide wraps (`Tensor.backward`, `clip_grad_norm_`, `torch.save`), put in
     place by the first open watch and taken out with the last; they call the newest one."""
@@ -186,13 +200,6 @@ class _Patches:
                 if t0 is not None:
                     w.bwd_s += w._clock() - t0
 
-        def watched_clip(*args, **kwargs):
-            norm = clip(*args, **kwargs)
-            w = cls.current()
-            if w is not None and w.active:
-                w.clipped_norm = norm
-            return norm
-
         def watched_save(*args, **kwargs):
             w = cls.current()
             if w is None or not w.active:
@@ -205,10 +212,23 @@ class _Patches:
 
         watched_backward.__wrapped__ = backward
         torch.Tensor.backward = watched_backward
-        nn_utils.clip_grad_norm_ = clip_mod.clip_grad_norm_ = watched_clip
+        if not hasattr(clip, "_llmwatch_wrapped"):  # llmwatch-instrument put it in place for good
+            nn_utils.clip_grad_norm_ = clip_mod.clip_grad_norm_ = _clip_wrapper(clip)
         torch.save = watched_save
         torch.amp.GradScaler.scale = watched_scale
         _BaseDataLoaderIter.__next__ = watched_fetch
+
+    @classmethod
+    def preinstall_clip(cls) -> None:
+        """Wrap `clip_grad_norm_` now, for good: a script that does `from torch.nn.utils
+        import clip_grad_norm_` before any watch exists (llmwatch-instrument calls this as
+        soon as torch is imported) still hands its norm over. Inactive, it costs one call."""
+        import torch.nn.utils as nn_utils
+        import torch.nn.utils.clip_grad as clip_mod
+
+        clip = nn_utils.clip_grad_norm_
+        if not hasattr(clip, "_llmwatch_wrapped"):
+            nn_utils.clip_grad_norm_ = clip_mod.clip_grad_norm_ = _clip_wrapper(clip)
 
     @classmethod
     def _uninstall(cls) -> None:
@@ -219,8 +239,9 @@ class _Patches:
         s = cls.saved
         if s:
             torch.Tensor.backward = s["backward"]
-            nn_utils.clip_grad_norm_ = s["clip"]
-            clip_mod.clip_grad_norm_ = s["clip_mod"]
+            if not hasattr(s["clip"], "_llmwatch_wrapped"):  # else it stays: it was there before us
+                nn_utils.clip_grad_norm_ = s["clip"]
+                clip_mod.clip_grad_norm_ = s["clip_mod"]
             torch.save = s["save"]
             torch.amp.GradScaler.scale = s["scale"]
             from torch.utils.data.dataloader import _BaseDataLoaderIter
@@ -416,6 +437,7 @@ class Watch:
             self._in_eval = True
             self.agent.set_phase("eval", self.step + 1)
             return
+        self._in_eval = False  # (an eval forward that raised never reached its post hook)
         self._fwd_t0 = now
         self.agent.set_phase("fwd", self.step + 1)
 

@@ -240,6 +240,26 @@ def test_the_clip_module_path_is_wrapped_too(agent):
     assert steps(agent)[0]["grad_norm"] == norm
 
 
+def test_a_clip_bound_before_the_watch_hands_its_norm_over_once_preinstalled(agent, monkeypatch):
+    from torch.nn.utils import clip_grad
+
+    from agent.watch import _Patches
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", torch.nn.utils.clip_grad_norm_)
+    monkeypatch.setattr(clip_grad, "clip_grad_norm_", clip_grad.clip_grad_norm_)
+    _Patches.preinstall_clip()  # what llmwatch-instrument does once torch is imported
+    bound = torch.nn.utils.clip_grad_norm_  # the script's `from torch.nn.utils import clip_grad_norm_`
+    model, opt, w = make(agent)
+    x, y = batches(1)[0]
+    model(x, y).backward()
+    norm = bound(model.parameters(), 1e-3).item()
+    opt.step()
+    w.close()
+    assert steps(agent)[0]["grad_norm"] == norm
+    assert torch.nn.utils.clip_grad_norm_ is bound  # it stays (inert without a watch)
+    assert bound(model.parameters(), 1.0) is not None
+
+
 def test_no_grad_norm_when_asked_and_none_clipped(agent):
     model, opt, w = make(agent, grad_norm=False)
     x, y = batches(1)[0]
