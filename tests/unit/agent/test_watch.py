@@ -254,8 +254,8 @@ def test_a_clip_bound_before_the_watch_hands_its_norm_over_once_preinstalled(age
     model(x, y).backward()
     norm = bound(model.parameters(), 1e-3).item()
     opt.step()
-    w.close()
     assert steps(agent)[0]["grad_norm"] == norm
+    w.close()
     assert torch.nn.utils.clip_grad_norm_ is bound  # it stays (inert without a watch)
     assert bound(model.parameters(), 1.0) is not None
 
