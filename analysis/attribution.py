@@ -25,7 +25,44 @@ when waited, in step s+1). Final collectives feed moving averages over steps:
   included), decayed together, and pruned beyond a bound proportional to the
   ranks seen.
 
-Only those averages and the rows of the last few steps are kept.
+Inferred waits (a job we did not write). torch's Flight Recorder gives each op's
+enqueue time but not how long the rank was blocked on it: its rows have `wait_s`
+NULL (not measured), and treating that as 0 would leave a straggler's peers with
+no wait at all. For such a row the wait is inferred from the arrival skew: with
+`L` the last arrival of the collective's members and `a_next` the rank's arrival
+at its next op of any group (by `seq`, among the rows held), the rank waited
+`L - a` if `a_next` is unknown or `a_next >= L` (it could not have moved on
+before the last member came), else 0 (it moved on: an async op, a DDP bucket,
+whose wait is paid at the step's last op). DDP then waits the skew at the step's
+final bucket, once, and blocking ops (an FSDP all-gather) the sum of theirs.
+
+Enqueue times alone cannot tell an async op whose next op came after `L` (the
+skew is smaller than the ops' spacing: a clean DDP run, buckets 5 ms apart and
+ranks 3 ms apart) from a blocking one: "behind by the same lag at every op" is
+both a lag carried through async ops and a peer slow by that much between every
+pair of blocking ops. Counting each such op waited makes a clean DDP rank that
+is 3 ms early wait 4 x 3 ms: on simulated clean DDP runs (+-20% jitter per
+phase) that tripled the noise of the ranks' compute and opened false stragglers.
+So the book learns, per `(axis, group_id, op)`, whether the ops are async: a
+blocking op's rank cannot move on before its last member came, so a share of
+`async_min_share` or more moved-on rows among those that were not the rank's
+last of their kind in the step (once `_ASYNC_MIN_OPS` are seen) proves them async
+(DDP's bucket all-reduces: ~10% with 4 buckets in clean runs, all of them behind
+a straggler; a blocking broadcast or an FSDP all-gather: none). Of an async kind
+a rank waits only at its last op of the step (its sync point, where DDP blocks:
+`L - a` unless it moved on); the ones before are 0. A kind never seen to move on
+keeps the rule above. Limitation: prefetched (async) FSDP2 all-gathers, whose
+waits are paid at each layer, count only the last.
+
+A point-to-point row without `wait_s` waited 0 (its peer's arrival says nothing
+about a send posted early). A row with `wait_s` is measured and taken as it is
+(our trainer), as above.
+
+The per-rank totals of inferred waits of the last `_INFERRED_STEPS` final steps
+are kept (`inferred_waits`): the straggler detector nets them out of a foreign
+job's phase times, which include the time blocked.
+
+Only those averages, the rows of the last few steps and those totals are kept.
 """
 
 from __future__ import annotations
@@ -39,6 +76,9 @@ from analysis.topology import _grow
 
 _PAIR_BITS = 24  # a pair key is waiter << _PAIR_BITS | waited-for (ranks below 2**24)
 _PAIR_FLOOR_S = 1e-6  # decayed below this, a pair is forgotten when the book prunes
+_INFERRED_STEPS = 64  # final steps whose per-rank inferred waits are kept (the straggler reads them at once)
+_ASYNC_MIN_OPS = 16  # ambiguous rows of an op kind seen before it can be called async
+_ASYNC_MEMORY = 4096  # past this many rows of a kind its counts are halved (recent evidence weighs more)
 
 
 def _distinct(x: np.ndarray) -> np.ndarray:
@@ -51,11 +91,16 @@ def _distinct(x: np.ndarray) -> np.ndarray:
 
 class WaitBook:
     __slots__ = ("alpha", "_chunks", "_axes", "caused_wait_s", "last_ops", "all_ops", "num_final", "_pair_keys",
-                 "_pair_s", "_pairs_at", "_best", "_best_at")
+                 "_pair_s", "_pairs_at", "_best", "_best_at", "inferring", "final_key", "_inferred", "_ops",
+                 "async_min_share", "clock_error_s", "_kinds")
 
-    def __init__(self, *, alpha: float) -> None:
+    def __init__(self, *, alpha: float, async_min_share: float = 0.05, clock_error_s: float = 0.0) -> None:
         self.alpha = alpha
+        self.async_min_share = async_min_share
+        self.clock_error_s = clock_error_s
         self._axes = Interner()
+        self._ops = Interner()
+        self._kinds: dict[int, list[float]] = {}  # (axis, op, group) key -> [moved-on rows, ambiguous + moved-on]
         self._chunks: list[dict[str, np.ndarray]] = []  # collective rows of steps not final yet, as they came
         self.caused_wait_s = np.zeros(0)  # EWMA over steps of the others' wait this rank caused
         self.last_ops = np.zeros(0)  # EWMA over steps of collectives it entered last
@@ -66,10 +111,24 @@ class WaitBook:
         self._pairs_at = 0
         self._best: dict[int, tuple[int | None, float]] = {}  # rank -> whom it waits for most, net (a cache)
         self._best_at = -1  # num_final the cache is for
+        self.inferring = False  # rows without a measured wait_s were seen (a job we did not write)
+        self.final_key = -1  # (attempt << 40) + step: every step up to it is final
+        self._inferred: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # step key -> (ranks, inferred wait s)
 
     def footprint(self) -> dict[str, int]:
         return {"open_collective_rows": sum(len(c["rank"]) for c in self._chunks),
-                "wait_pairs": len(self._pair_keys)}
+                "wait_pairs": len(self._pair_keys), "inferred_steps": len(self._inferred),
+                "op_kinds": len(self._kinds)}
+
+    def is_final(self, attempt: int, step: int) -> bool:
+        """The step's collectives were closed (a later row of it would be matched alone)."""
+        return (int(attempt) << 40) + int(step) <= self.final_key
+
+    def inferred_waits(self, attempt: int, step: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """(ranks, seconds): each rank's inferred wait summed over the step's final collectives,
+        for the ranks that had rows without `wait_s` in it; None when it had none (or the
+        step is older than the last `_INFERRED_STEPS` final ones)."""
+        return self._inferred.get((int(attempt) << 40) + int(step))
 
     def _decay(self) -> float:
         return (1.0 - self.alpha) ** (self.num_final - self._pairs_at)
@@ -132,17 +191,20 @@ class WaitBook:
         if coll is None or not coll.height:
             return
         # numpy columns, the axis as a small int: no string work per row later
+        wait_s = coll["wait_s"].to_numpy().astype(float)  # NaN: not measured (inferred when final)
+        self.inferring = self.inferring or bool(np.isnan(wait_s).any())
         self._chunks.append({"attempt": ints(coll["attempt"], 0),
-                             "step": ints(coll["step"], -1),
-                             "axis": self._axes.codes(coll["axis"]), "group_id": ints(coll["group_id"], -1),
+                             "step": ints(coll["step"], -1), "seq": ints(coll["seq"], -1),
+                             "axis": self._axes.codes(coll["axis"]), "op": self._ops.codes(coll["op"]),
+                             "group_id": ints(coll["group_id"], -1),
                              "group_seq": ints(coll["group_seq"], -1),
                              "rank": ints(coll["rank"], -1), "peer": ints(coll["peer"], -1),
-                             "start_ts": coll["start_ts"].to_numpy().astype(float),
-                             "wait_s": np.nan_to_num(coll["wait_s"].to_numpy().astype(float))})
+                             "start_ts": coll["start_ts"].to_numpy().astype(float), "wait_s": wait_s})
 
     def finalize(self, attempt: int, upto_step: int, max_open_steps: int = 16) -> None:
         """Close the collectives of `attempt`'s steps up to `upto_step` (and of older
         attempts), and of anything more than `max_open_steps` behind it."""
+        self.final_key = max(self.final_key, (int(attempt) << 40) + int(upto_step))
         if not self._chunks:
             return
         rows = self._chunks[0] if len(self._chunks) == 1 else \
@@ -152,8 +214,12 @@ class WaitBook:
         if not final.any():
             self._chunks = [rows]
             return
+        if np.isnan(rows["wait_s"][final]).any():  # the rank's next arrival, from every row held
+            rows["next_ts"] = _next_arrival(rows)
+        else:
+            rows["next_ts"] = np.full(len(rows["rank"]), np.nan)
         rest = ~final
-        self._chunks = [{k: v[rest] for k, v in rows.items()}] if rest.any() else []
+        self._chunks = [{k: v[rest] for k, v in rows.items() if k != "next_ts"}] if rest.any() else []
         f = {k: v[final] for k, v in rows.items()}
         f = {k: v[f["rank"] >= 0] for k, v in f.items()}
         if not len(f["rank"]):
@@ -174,7 +240,13 @@ class WaitBook:
         ends = np.r_[starts[1:], len(order)].astype(np.int64) - 1 if len(order) else order
         last = order[ends]
         of = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, len(order)]))  # collective of each sorted row
-        waited = np.minimum(c["wait_s"][order], np.maximum(0.0, c["start_ts"][last][of] - c["start_ts"][order]))
+        last_in = c["start_ts"][last][of]  # L: the last member's arrival
+        gap = np.maximum(0.0, last_in - c["start_ts"][order])
+        measured = c["wait_s"][order]
+        inferred = np.isnan(measured)
+        waited = np.minimum(measured, gap)  # measured: blocked, less the transfer once all were in
+        if inferred.any():
+            waited[inferred] = self._infer(c, c_key, order[inferred], last_in[inferred], gap[inferred])
         waited[ends] = 0.0  # the last one waited for nobody
         caused_s = np.add.reduceat(waited, starts) if len(order) else waited
         many = np.diff(np.r_[starts, len(order)]) >= 2
@@ -182,7 +254,7 @@ class WaitBook:
         # pairs: (waiter, waited-for, seconds) from collectives and from point-to-point ops
         pa = np.concatenate([c["rank"][order], f["rank"][p2p]])
         pb = np.concatenate([c["rank"][last][of], f["peer"][p2p]])
-        pw = np.concatenate([waited, f["wait_s"][p2p]])
+        pw = np.concatenate([waited, np.nan_to_num(f["wait_s"][p2p])])  # p2p not measured: 0
         ps = np.concatenate([c_key[order], step_key[p2p]])
         keep = (pw > 0) & (pa != pb)
         pa, pb, pw, ps = pa[keep], pb[keep], pw[keep], ps[keep]
@@ -198,6 +270,8 @@ class WaitBook:
             for arr, new in ((self.caused_wait_s, caused), (self.last_ops, lasts), (self.all_ops, took)):
                 arr[part] = alpha * new[part] + (1 - alpha) * arr[part]
         self.num_final = n0 + len(keys)
+        if inferred.any():
+            self._keep_inferred(c_key[order][inferred], c["rank"][order][inferred], waited[inferred])
         if len(pa):
             # every step of this call at once: the j-th final step's waits weigh alpha (1 - alpha)^(J-1-j)
             j = np.searchsorted(keys, ps)
@@ -218,9 +292,74 @@ class WaitBook:
             self._pairs_at = self.num_final
         self._prune(size)
 
+    def _infer(self, c: dict[str, np.ndarray], c_key: np.ndarray, idx: np.ndarray, last_in: np.ndarray,
+               gap: np.ndarray) -> np.ndarray:
+        """The waits of the rows `idx` of `c` without `wait_s` (see the module doc), learning
+        from them which op kinds are async."""
+        moved = c["next_ts"][idx] < last_in  # NaN (unknown) compares False: it could have waited
+        kind = (c["axis"][idx] << 48) | (c["op"][idx] << 32) | (c["group_id"][idx] & 0xFFFFFFFF)
+        o = np.lexsort((c["seq"][idx], kind, c["rank"][idx], c_key[idx]))  # the rank's ops of a kind in a step
+        seg = np.stack([c_key[idx][o], c["rank"][idx][o], kind[o]])
+        sync = np.zeros(len(idx), bool)
+        sync[o[np.r_[np.any(seg[:, 1:] != seg[:, :-1], axis=0), True]]] = True  # its last of the kind
+        seen = ~sync & (gap > 0) & np.isfinite(c["next_ts"][idx])
+        if seen.any():
+            self._learn_kinds(kind[seen], moved[seen])
+        uk, at = np.unique(kind, return_inverse=True)  # a few kinds: DDP's buckets, a broadcast
+        is_async = np.array([self._is_async(k) for k in uk.tolist()], bool)[at]
+        return np.where(moved | (is_async & ~sync), 0.0, np.maximum(0.0, gap - self.clock_error_s))
+
+    def _learn_kinds(self, kind: np.ndarray, moved: np.ndarray) -> None:
+        uk, at = np.unique(kind, return_inverse=True)
+        n_moved = np.bincount(at, weights=moved.astype(float), minlength=len(uk))
+        n_all = np.bincount(at, minlength=len(uk))
+        for k, m, n in zip(uk.tolist(), n_moved.tolist(), n_all.tolist()):
+            got = self._kinds.setdefault(k, [0.0, 0.0])
+            got[0] += m
+            got[1] += n
+            if got[1] > _ASYNC_MEMORY:
+                got[0] *= 0.5
+                got[1] *= 0.5
+
+    def _is_async(self, kind: int) -> bool:
+        got = self._kinds.get(kind)
+        return got is not None and got[1] >= _ASYNC_MIN_OPS and got[0] >= self.async_min_share * got[1]
+
+    def _keep_inferred(self, keys: np.ndarray, ranks: np.ndarray, waited: np.ndarray) -> None:
+        """Sum the inferred waits per (step, rank) into `_inferred` (merged with what an
+        earlier call closed of the same step), keeping the newest `_INFERRED_STEPS` steps."""
+        o = np.lexsort((ranks, keys))
+        keys, ranks, waited = keys[o], ranks[o], waited[o]
+        first = np.flatnonzero(np.r_[True, (keys[1:] != keys[:-1]) | (ranks[1:] != ranks[:-1])])
+        k, r, w = keys[first], ranks[first], np.add.reduceat(waited, first)
+        bounds = np.flatnonzero(np.r_[True, k[1:] != k[:-1], True])
+        for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+            key = int(k[lo])
+            got = self._inferred.get(key)
+            if got is None:
+                self._inferred[key] = (r[lo:hi], w[lo:hi])
+                continue
+            both_r, both_w = np.concatenate([got[0], r[lo:hi]]), np.concatenate([got[1], w[lo:hi]])
+            uniq, at = np.unique(both_r, return_inverse=True)
+            self._inferred[key] = (uniq, np.bincount(at, weights=both_w, minlength=len(uniq)))
+        if len(self._inferred) > _INFERRED_STEPS:
+            for key in sorted(self._inferred)[:len(self._inferred) - _INFERRED_STEPS]:
+                del self._inferred[key]
+
     def _prune(self, num_ranks: int) -> None:
         """Bound the pairs: forget those decayed to nothing once there are many."""
         if len(self._pair_keys) <= 4096 + 16 * num_ranks:
             return
         live = self._pair_s * self._decay() >= _PAIR_FLOOR_S
         self._pair_keys, self._pair_s = self._pair_keys[live], self._pair_s[live]
+
+
+def _next_arrival(rows: dict[str, np.ndarray]) -> np.ndarray:
+    """Per row, the `start_ts` of the same rank's next op (the next `seq` held, of any
+    group, in the same attempt); NaN where none is held."""
+    order = np.lexsort((rows["seq"], rows["rank"], rows["attempt"]))
+    same = (rows["rank"][order][1:] == rows["rank"][order][:-1]) & \
+        (rows["attempt"][order][1:] == rows["attempt"][order][:-1])
+    out = np.full(len(order), np.nan)
+    out[order[:-1][same]] = rows["start_ts"][order][1:][same]
+    return out

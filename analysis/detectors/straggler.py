@@ -68,6 +68,18 @@ and its share of the step time, and the attribution from collective waits: how
 often the rank was the last to enter its collectives, how much waiting it
 caused, and the ranks found to wait for it. An incident resolves when it has no
 member left.
+
+A job we did not write (torch's Flight Recorder rows, `wait_s` not measured):
+its phase times are not net of communication (DDP's `bwd_s` holds the wait for
+the bucket all-reduces), so the waiters would look slow. Once the book has seen
+such rows, a released step is held until its collectives are final (one step
+later: `collective_lag_steps`), and a rank's compute is then `fwd_s + bwd_s +
+opt_s` (or `step_s` where those are not given: a Trainer callback) less its
+waits inferred from the arrival skew at that step's collectives
+(analysis/attribution.py). A step without inferred waits, or a rank without
+them, is not judged there (its time is not net); the rest is as above. Held
+steps are bounded (`_MAX_HELD_STEPS`; beyond it the oldest are dropped,
+counted in `num_unjudged_steps`).
 """
 
 from __future__ import annotations
@@ -92,6 +104,7 @@ _MIN_JUDGED_STEPS = 16  # and judged steps: a run's first steps after its warm-u
 _MIN_DRIFT_SAMPLES = 12  # changes of block means measured before the drift counts
 _DRIFT_PRIOR = 0.5  # the drift assumed, in sigmas of the step-to-step noise, until it is measured
 _WAITER_FLOOR_S = 1e-4  # net waits below this (s/step) say nothing
+_MAX_HELD_STEPS = 64  # released steps held for their collectives to be final (a job without measured waits)
 
 
 def _change_sigma(changes: deque, min_samples: int) -> float | None:
@@ -128,9 +141,10 @@ class _State:
     __slots__ = ("cusum", "mask", "calm", "ratio", "excess", "compute", "onset", "judged", "last_lr", "noise",
                  "episodes", "waits", "last_judged", "step_s", "num_steps_judged", "stage_levels", "kh",
                  "lr_hist", "hist_steps", "block_sum", "block_n", "last_block", "drift",
-                 "own_hist", "paired")
+                 "own_hist", "paired", "held", "num_unjudged_steps")
 
-    def __init__(self, alpha: float, noise_window: int) -> None:
+    def __init__(self, alpha: float, noise_window: int, async_min_share: float = 0.05,
+                 clock_error_s: float = 0.0) -> None:
         self.cusum = np.zeros(0)
         self.mask = np.zeros(0, np.int64)  # bit i: slow at the i-th latest judged step
         self.calm = np.zeros(0, np.int64)  # judged steps in a row with the sum below half the threshold
@@ -147,7 +161,7 @@ class _State:
         # recent |change of a rank's block mean from its previous block|: the drift
         self.drift: deque[float] = deque(maxlen=max(_MIN_DRIFT_SAMPLES, noise_window // 4))
         self.episodes: dict[int, _Episode] = {}  # node code (or -1 - rank) -> open episode
-        self.waits = WaitBook(alpha=alpha)
+        self.waits = WaitBook(alpha=alpha, async_min_share=async_min_share, clock_error_s=clock_error_s)
         self.last_judged: tuple[int, int] | None = None
         self.step_s = 0.0  # median step_s of the last judged step
         self.num_steps_judged = 0
@@ -157,6 +171,8 @@ class _State:
         self.hist_steps: deque[int] = deque(maxlen=_ONSET_STEPS)  # the judged steps those columns are for
         self.own_hist = np.full((0, _ONSET_STEPS), np.nan)  # column i: log compute at the i-th latest judged step
         self.paired = np.zeros(0, bool)  # judged against a single peer at its last step
+        self.held: deque[tuple[int, int, pl.DataFrame]] = deque()  # released steps waiting for their waits
+        self.num_unjudged_steps = 0  # held steps dropped past _MAX_HELD_STEPS
 
     def ensure(self, n: int) -> None:
         self.cusum = _grow(self.cusum, n, 0.0)
@@ -178,7 +194,7 @@ class _State:
     def footprint(self) -> dict[str, int]:
         return {"episodes": len(self.episodes), "rank_slots": len(self.cusum), "noise": len(self.noise),
                 "drift": len(self.drift),
-                "stage_levels": sum(len(d) for d in self.stage_levels.values()),
+                "stage_levels": sum(len(d) for d in self.stage_levels.values()), "held_steps": len(self.held),
                 **self.waits.footprint()}
 
 
@@ -194,7 +210,7 @@ class StragglerDetector:
         self.full = (1 << self.cfg.window_steps) - 1
 
     def new_state(self) -> _State:
-        return _State(self.cfg.ewma_alpha, self.cfg.noise_window)
+        return _State(self.cfg.ewma_alpha, self.cfg.noise_window, self.cfg.async_min_share, self.cfg.clock_error_s)
 
     # -- the noise-adaptive reference and threshold ----------------------------------
     def noise_s(self, st: _State) -> float | None:
@@ -226,6 +242,9 @@ class StragglerDetector:
         marks, topo = p.run.marks, p.topo
         last_attempt, last_step = split_key(int(step_keys(rel).max()))
         st.waits.finalize(last_attempt, last_step - self.cfg.collective_lag_steps)
+        if st.waits.inferring or st.held:
+            self._judge_inferred(p, st, rel)
+            return
         for attempt, step, rows in iter_steps(rel):
             if marks.is_excluded(attempt, step, topo):
                 continue
@@ -233,10 +252,48 @@ class StragglerDetector:
                 st.last_judged = (attempt, step)
                 self._episodes(p, st)  # per step: a pass may release many (a replay, a backlog)
 
-    # -- one step ------------------------------------------------------------------
-    def _judge(self, st: _State, topo, step: int, rows: pl.DataFrame) -> bool:
+    def _judge_inferred(self, p, st: _State, rel: pl.DataFrame) -> None:
+        """A job without measured waits: judge the held steps whose collectives are final, their
+        compute net of the inferred waits."""
+        marks, topo = p.run.marks, p.topo
+        st.held.extend(iter_steps(rel))
+        while len(st.held) > _MAX_HELD_STEPS:
+            st.held.popleft()
+            st.num_unjudged_steps += 1
+        while st.held and st.waits.is_final(st.held[0][0], st.held[0][1]):
+            attempt, step, rows = st.held.popleft()
+            if marks.is_excluded(attempt, step, topo):
+                continue
+            got = self._net_compute(st, attempt, step, rows)
+            if got is not None and self._judge(st, topo, step, got[0], compute=got[1]):
+                st.last_judged = (attempt, step)
+                self._episodes(p, st)
+
+    @staticmethod
+    def _net_compute(st: _State, attempt: int, step: int, rows: pl.DataFrame):
+        """(rows, compute s) of the ranks with inferred waits at the step: `fwd_s + bwd_s +
+        opt_s` (else `step_s`) less the rank's inferred wait; None when the step had none."""
+        got = st.waits.inferred_waits(attempt, step)
+        if got is None:
+            return None
+        ranks, waited = got
         r = rows["rank"].to_numpy().astype(np.int64)
-        c = sum(rows[col].to_numpy().astype(float) for col in ("fwd_s", "bwd_s", "opt_s"))
+        at = np.searchsorted(ranks, r)
+        at = np.minimum(at, len(ranks) - 1)
+        known = ranks[at] == r
+        if not known.any():
+            return None
+        phases = sum(rows[col].to_numpy().astype(float) for col in ("fwd_s", "bwd_s", "opt_s"))
+        c = np.where(np.isfinite(phases), phases, rows["step_s"].to_numpy().astype(float)) - waited[at]
+        return rows.filter(pl.Series(known)), c[known]
+
+    # -- one step ------------------------------------------------------------------
+    def _judge(self, st: _State, topo, step: int, rows: pl.DataFrame, compute: np.ndarray | None = None) -> bool:
+        """Judge one step; `compute` (s, per row) when the caller netted it, else the
+        rows' `fwd_s + bwd_s + opt_s` (our trainer's, already net of communication)."""
+        r = rows["rank"].to_numpy().astype(np.int64)
+        c = compute if compute is not None else \
+            sum(rows[col].to_numpy().astype(float) for col in ("fwd_s", "bwd_s", "opt_s"))
         ok = np.isfinite(c) & (c > 0) & (r >= 0)
         if ok.sum() < 2:
             return False

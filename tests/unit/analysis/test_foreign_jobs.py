@@ -1,0 +1,131 @@
+"""Jobs we did not write (a plain DDP loop, a Trainer callback): Flight Recorder collectives without
+`wait_s`, phase times not net of communication, no global loss, each rank its own replica."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from analysis import Analyzer
+from analysis.attribution import WaitBook
+from analysis.frames import collectives_frame
+from tests.unit.analysis.foreign import DdpRun, Delay
+from tests.unit.analysis.sim import Layout, feed, last_of, opened
+
+
+# -- WaitBook: waits inferred from the arrival skew ------------------------------------------------
+def _fr(step: int, rank: int, seq: int, gseq: int, start: float, op: str = "all_reduce") -> dict:
+    """A Flight Recorder row: no wait_s (not measured)."""
+    return {"run_id": "r", "attempt": 0, "step": step, "rank": rank, "seq": seq, "group_seq": gseq, "op": op,
+            "axis": "dp", "group_id": 0, "peer": -1, "start_ts": start, "wait_s": None}
+
+
+def _waits(book: WaitBook, step: int) -> dict[int, float]:
+    ranks, waited = book.inferred_waits(0, step)
+    return dict(zip(ranks.tolist(), waited.tolist()))
+
+
+def test_blocking_ops_wait_their_skews_summed():
+    """Rank 1 enters each op 30 ms after rank 0, which cannot enter the next before it came."""
+    book = WaitBook(alpha=0.5)
+    rows = []
+    for k in range(3):
+        t = 10.0 + k * 0.1
+        rows += [_fr(1, 0, k, k, t, "_allgather_base"), _fr(1, 1, k, k, t + 0.03, "_allgather_base")]
+    book.add(collectives_frame(rows))
+    book.finalize(0, 1)
+    assert _waits(book, 1) == pytest.approx({0: 0.09, 1: 0.0})
+    assert book.waited_for(0, 1) == pytest.approx(0.5 * 0.09)
+    assert book.last_share(np.array([1]))[0] == 1.0
+
+
+def test_async_buckets_wait_only_the_skew_at_the_last_one():
+    """DDP: rank 1 enqueues every bucket 40 ms late, 5 ms apart; rank 0 moved on to its next bucket
+    before rank 1 came (async), and waits at the end of backward only: the last bucket's skew."""
+    book = WaitBook(alpha=0.5)
+    rows = []
+    for step in (1, 2):
+        t0 = 10.0 * step
+        for j in range(4):
+            g = (step - 1) * 4 + j
+            rows += [_fr(step, 0, g, g, t0 + 0.005 * j), _fr(step, 1, g, g, t0 + 0.005 * j + 0.04)]
+    book.add(collectives_frame(rows))
+    book.finalize(0, 1)
+    assert _waits(book, 1) == pytest.approx({0: 0.04, 1: 0.0})
+    assert not book.is_final(0, 2) and book.inferred_waits(0, 2) is None
+    book.finalize(0, 2)
+    assert book.is_final(0, 2) and _waits(book, 2) == pytest.approx({0: 0.04, 1: 0.0})
+
+
+def test_a_kind_seen_to_move_on_is_async_and_waits_only_at_its_sync_point():
+    """Skews smaller than the buckets' spacing: 'behind by the same lag at every op' reads as blocking
+    until the ops are seen to move on; once they are (async), only the step's last one is waited."""
+    book = WaitBook(alpha=0.5, async_min_share=0.05)
+    rng = np.random.default_rng(0)
+    rows, g = [], 0
+    for step in range(1, 41):
+        t0 = 10.0 * step
+        lag = 0.003 if step % 2 else 0.007  # every other step the skew outgrows the 5 ms spacing
+        for j in range(4):
+            t = t0 + 0.005 * j + rng.uniform(0, 1e-4)
+            rows += [_fr(step, 0, g, g, t), _fr(step, 1, g, g, t + lag)]
+            g += 1
+    book.add(collectives_frame(rows))
+    book.finalize(0, 2)
+    assert _waits(book, 1)[0] == pytest.approx(4 * 0.003, abs=1e-3)  # not yet known async: the rule's sum
+    book.finalize(0, 40)
+    assert _waits(book, 39)[0] == pytest.approx(0.003, abs=2e-4)  # async: the last bucket alone
+    assert _waits(book, 40)[0] == pytest.approx(0.007, abs=2e-4)
+    assert book.footprint()["op_kinds"] == 1 and book.footprint()["inferred_steps"] <= 64
+
+
+def test_measured_waits_are_taken_as_they_are():
+    """Our trainer's rows (wait_s measured): nothing inferred, nothing kept per step."""
+    book = WaitBook(alpha=0.5)
+    rows = [{**_fr(1, 0, 0, 0, 10.0), "wait_s": 0.01}, {**_fr(1, 1, 0, 0, 10.03), "wait_s": 0.0}]
+    book.add(collectives_frame(rows))
+    book.finalize(0, 1)
+    assert not book.inferring and book.inferred_waits(0, 1) is None
+    assert book.waited_for(0, 1) == pytest.approx(0.5 * 0.01)  # min(wait_s, skew)
+
+
+# -- stragglers --------------------------------------------------------------------------------------
+def _kinds(findings) -> list[tuple]:
+    return [(f.kind, f.rank) for f in opened(findings).values()]
+
+
+@pytest.mark.parametrize("world, rank, broadcast, timings", [
+    (2, 1, False, True), (4, 2, False, True), (4, 3, True, True), (4, 0, False, False)],
+    ids=["dp2", "dp4", "dp4-broadcast-buffers", "dp4-step-time-only"])
+def test_a_slow_ddp_rank_is_named_with_its_cost(world, rank, broadcast, timings):
+    """40 ms more forward on one rank of a 35 ms step: every rank's step_s doubles, the peers' bwd_s
+    holds the wait, the slow rank enqueues every bucket ~40 ms after them. Named within a few steps,
+    cost ~ the delay; a Trainer callback (step_s alone) is judged the same way."""
+    onset = 100
+    sim = DdpRun(layout=Layout(dp=world, nodes=2), steps=220, seed=world + rank, broadcast_buffers=broadcast,
+                 timings=timings, faults=(Delay(rank=rank, start=onset, extra_s=0.040),))
+    findings = feed(Analyzer(), sim.build())
+    assert _kinds(findings) == [("straggler", rank)], [f.summary() for f in opened(findings).values()]
+    f = next(iter(opened(findings).values()))
+    assert onset <= f.evidence["fired_at_step"] < onset + 10
+    assert onset - 3 <= f.step_from <= onset + 1
+    last = last_of(findings)[f.key]
+    assert 0.03 < last.evidence["cost_s_per_step"] < 0.05
+    assert last.evidence["waited_on"]["last_share"] >= 0.75  # last at every bucket (not at a broadcast)
+    assert last.evidence["per_rank"][str(rank)]["caused_wait_s_per_step"] > 0.02
+
+
+@pytest.mark.parametrize("world, broadcast, timings, seed", [
+    (2, False, True, 1), (4, False, True, 2), (4, True, True, 3), (2, True, False, 4)],
+    ids=["dp2", "dp4", "dp4-broadcast-buffers", "dp2-step-time-only"])
+def test_clean_ddp_runs_open_nothing(world, broadcast, timings, seed):
+    """+-20% jitter on every phase of every rank, skews of a few ms either way, 1 ms clock error."""
+    sim = DdpRun(layout=Layout(dp=world, nodes=2), steps=450, seed=seed, broadcast_buffers=broadcast,
+                 timings=timings)
+    commits = sim.build()
+    analyzer = Analyzer()
+    findings = feed(analyzer, commits, tick_to=commits[-1][0] + 10.0)
+    assert [f.summary() for f in findings] == []
+    st = analyzer.runs["sim"].detectors["straggler"]
+    assert st.num_steps_judged > 400 and st.num_unjudged_steps == 0
+    assert max(analyzer.runs["sim"].footprint()["straggler.held_steps"], 0) <= 64
