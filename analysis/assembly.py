@@ -11,7 +11,8 @@ detector reads rows as they arrive, so a late non-finite row is still seen.
 Rows are counted, not deduplicated: the collector stores each batch once.
 
 Each pass also yields a first sight of the steps whose first rows came in it
-(`StepSight`: the median over the ranks seen so far). Loss, grad-norm and
+(`StepSight`: the median over the ranks seen so far; None where every row's
+value is NULL, not measured: a job that reports no global loss). Loss, grad-norm and
 loss-scale are global (identical on every rank), so the first rows suffice: the
 spike and loss-scale verdicts need not wait for the slowest rank's flush.
 
@@ -105,7 +106,10 @@ class StepAssembler:
 
         def med(col: str) -> float | None:
             v = rows[col].to_numpy()[m].astype(float)
-            v = v[~np.isnan(v)] if col != "loss" else v  # a NaN loss is kept: it is the finding
+            if col != "loss":
+                v = v[~np.isnan(v)]
+            elif rows[col].null_count():  # a NaN loss is kept (it is the finding), a NULL one is not measured
+                v = v[~rows[col].is_null().to_numpy()[m]]
             return float(np.median(v)) if len(v) else None
 
         ts = rows["ts"].to_numpy()[m]

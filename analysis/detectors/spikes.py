@@ -24,6 +24,24 @@ which data-parallel replica's `local_loss` jumped, against its own baseline
 (or against the other replicas while that is short), and that replica's sample
 window (`sample_epoch/from/to`), which the healing skips.
 
+A job we did not write reports no global loss (`loss` NULL: it is not known
+without a new collective) but each replica's `local_loss`. Its steps are judged
+when complete, not at first sight: the global series is then the mean of the
+replicas' local losses (and the grad norm the median of the complete rows).
+A poisoned batch on one replica of many hardly moves that mean (1.7x on one of
+eight is 1.09x), so such a step is also judged replica against replicas: each
+replica's log local loss less the leave-one-out median of the others' (its
+*peer ratio*), less that replica's own usual offset (an EWMA over its unflagged
+steps: shards differ in difficulty), against a robust per-run scale (the median
+over the last `window_steps` complete steps of each step's median |adjusted
+peer ratio|, as a sigma; at least `replica_min_log_scale`). Replicas' local
+losses differ by batch noise every step, heavier-tailed than a normal, so the
+bar is high: `replica_z_threshold` sigmas and `replica_min_ratio` times the
+peers' median, after the same warm-up (`min_history_steps` complete steps). The
+replica highest above it opens a `loss_spike` naming it (and its rank, when the
+replica is one rank) at that step, with its local loss and the peers' median.
+Our trainer's rows carry the global loss and take the path above unchanged.
+
 A grad-norm spike at a step whose loss spiked too, or at the step right after
 one (the poisoned update's aftermath), is the same cause: it is added to the
 loss spike's evidence rather than opened on its own; a grad-norm spike alone is a
@@ -43,9 +61,10 @@ import numpy as np
 import polars as pl
 
 from analysis.findings import Finding, json_number
-from analysis.frames import has
+from analysis.frames import has, iter_steps
 from analysis.registry import register
-from analysis.robust import RollingBaseline, RollingBaselines
+from analysis.robust import MAD_TO_SIGMA, RollingBaseline, RollingBaselines, loo_median
+from analysis.topology import _grow
 
 
 class _Episode:
@@ -64,7 +83,8 @@ class _Episode:
 
 
 class _State:
-    __slots__ = ("baseline", "steps", "attempt", "replicas", "ep", "consecutive", "num_flagged")
+    __slots__ = ("baseline", "steps", "attempt", "replicas", "ep", "consecutive", "num_flagged", "peer_spread",
+                 "peer_offset", "peer_seen", "peer_flags", "peer_streak")
 
     def __init__(self, window: int) -> None:
         self.baseline = RollingBaseline(window)
@@ -74,10 +94,17 @@ class _State:
         self.ep: _Episode | None = None
         self.consecutive = 0
         self.num_flagged = 0
+        # replica against replicas (a job without a global loss)
+        self.peer_spread = RollingBaseline(window)  # per complete step: median |adjusted peer ratio|
+        self.peer_offset = np.zeros(0)  # per replica: EWMA of its peer ratio (its usual offset)
+        self.peer_seen = np.zeros(0, np.int64)  # per replica: steps in that EWMA
+        self.peer_flags: dict[tuple[int, int], dict] = {}  # steps flagged replica against replicas, not enriched
+        self.peer_streak = (-1, -1, 0)  # (replica, last step, consecutive steps) it was flagged against its peers
 
     def footprint(self) -> dict[str, int]:
         return {"baseline": len(self.baseline), "episode_steps": len(self.ep.steps) if self.ep else 0,
-                "replica_series": self.replicas.num_series}
+                "replica_series": self.replicas.num_series, "peer_replicas": len(self.peer_offset),
+                "peer_flags": len(self.peer_flags)}
 
 
 class _SpikeDetector:
@@ -104,38 +131,67 @@ class _SpikeDetector:
         if st.ep is not None and st.ep.closing:
             self._close(p, st)
         for sight in p.first_sight:
+            if sight.loss is None:
+                continue  # no global loss in its first rows (a job we did not write): judged when complete
             self._judge(p, st, sight.attempt, sight.step, getattr(sight, self.column))
+        rel = p.released
+        if rel is not None and rel.height and rel["loss"].null_count():
+            for attempt, step, rows in iter_steps(rel):
+                if rows["loss"].null_count() == rows.height:
+                    self._judge_complete(p, st, attempt, step, rows)
         self._complete(p, st)
 
+    def _judge_complete(self, p, st: _State, attempt: int, step: int, rows: pl.DataFrame) -> None:
+        """A complete step without a global loss: the column's median over its rows."""
+        v = rows[self.column].drop_nulls().to_numpy().astype(float)
+        v = v[np.isfinite(v)]
+        got = self._judge(p, st, attempt, step, float(np.median(v)) if len(v) else None, report=False,
+                          count_clean=False)
+        if got is False:
+            self._clean(p, st, step)
+
     # -- verdicts at first sight ------------------------------------------------------
-    def _judge(self, p, st: _State, attempt: int, step: int, value) -> None:
+    def _judge(self, p, st: _State, attempt: int, step: int, value, *, report: bool = True,
+               count_clean: bool = True) -> bool | None:
+        """Judge one step's value: True flagged, False clean, None not judged (no value, the
+        warm-up, an old attempt). `report` False: a complete step, reported once enriched in
+        this pass (`_complete`); `count_clean` False: the caller counts a clean step itself."""
         cfg = self.cfg
         if attempt != st.attempt:
             if attempt < st.attempt:
-                return  # a late row of a lineage a rollback replaced
+                return None  # a late row of a lineage a rollback replaced
             self._rewind(st, step)
             st.attempt = attempt
         if value is None or not math.isfinite(value) or value <= 0:
-            return  # non-finite: the nan detector's
+            return None  # non-finite: the nan detector's
         lx = math.log(value)
         if len(st.baseline) < cfg.min_history_steps:
             self._add(st, step, lx)
-            return
+            return None
         med, scale = st.baseline.level_scale(cfg.level_steps)
         scale = max(scale, cfg.min_log_scale)
         z = (lx - med) / scale
         ratio = math.exp(lx - med)
         if z >= cfg.z_threshold and ratio >= cfg.min_ratio and \
-                self._flag(p, st, attempt, step, value=value, z=z, ratio=ratio, baseline=math.exp(med)):
-            return
+                self._flag(p, st, attempt, step, report=report, value=value, z=z, ratio=ratio,
+                           baseline=math.exp(med)):
+            return True
         self._add(st, step, lx)
+        if count_clean:
+            self._clean(p, st)
+        return False
+
+    def _clean(self, p, st: _State, step: int | None = None) -> None:
+        """An unflagged step: the open episode is one step closer to its close. `step`: a
+        complete step, which counts only when after the episode's last (complete steps may
+        come out of order: one whose rows were flushed at once is complete before older ones)."""
         st.consecutive = 0
         ep = st.ep
-        if ep is not None:
+        if ep is not None and (step is None or step > ep.last):
             ep.clean += 1
             self._maybe_resolve(p, st)
 
-    def _flag(self, p, st: _State, attempt: int, step: int, **numbers) -> bool:
+    def _flag(self, p, st: _State, attempt: int, step: int, *, report: bool = True, **numbers) -> bool:
         """Flag the step; False: not a spike after all (the value joins the baseline)."""
         folded = self._fold(p, attempt, step, numbers)
         if not folded and not self._alone(numbers):
@@ -157,8 +213,10 @@ class _SpikeDetector:
         ep.unenriched.add((attempt, step))
         if not ep.peak or numbers["z"] > ep.peak["z"]:
             ep.peak = info
-        self._report(p, ep)
-        if st.consecutive >= self.cfg.rebaseline_after_steps:  # not a spike: a new level
+        rebaseline = st.consecutive >= self.cfg.rebaseline_after_steps
+        if report or rebaseline:
+            self._report(p, ep)
+        if rebaseline:  # not a spike: a new level
             p.resolve(ep.key, evidence={**p.book.get(ep.key).evidence, "resolved_because": "level shift"})
             st.ep, st.consecutive = None, 0
             st.baseline.clear()
@@ -215,9 +273,12 @@ class _SpikeDetector:
                     "num_steps_flagged": len(ep.steps), "z_threshold": cfg.z_threshold, "min_ratio": cfg.min_ratio,
                     "window_steps": cfg.window_steps, **ep.extra}
         root = ep.extra.get("_root") or self._default_root(peak)
+        rank = ep.extra.get("_rank")  # named only for a replica of one rank without a global loss
         evidence.pop("_root", None)
+        evidence.pop("_rank", None)
         p.report(Finding(kind=self.kind, key=ep.key, run_id=p.run.run_id,
                          severity="critical" if float(peak["ratio"]) >= 2.0 else "warning",
+                         rank=rank, node=p.topo.node_name(rank),
                          step_from=ep.first, step_to=ep.last, evidence=evidence, root_cause=root,
                          confidence=round(0.6 + 0.4 * min(1.0, (z - cfg.z_threshold) / cfg.z_threshold), 3)))
 
@@ -254,6 +315,84 @@ class LossSpikeDetector(_SpikeDetector):
         super().run(p, st)
         self._learn_replicas(p, st)
 
+    def _judge_complete(self, p, st: _State, attempt: int, step: int, rows: pl.DataFrame) -> None:
+        """A complete step without a global loss: the mean of its replicas' local losses,
+        then each replica against the others."""
+        if not has(rows, "local_loss"):
+            self._judge(p, st, attempt, step, None, report=False)
+            return
+        per = self._replica_losses(p, rows)
+        val = per["local_loss"].to_numpy().astype(float)
+        got = self._judge(p, st, attempt, step, float(np.mean(val)) if len(val) else None, report=False,
+                          count_clean=False)
+        if attempt != st.attempt:
+            return  # a late step of a lineage a rollback replaced
+        if not self._against_peers(p, st, attempt, step, per, flagged=got is True) and got is False:
+            self._clean(p, st, step)
+
+    def _against_peers(self, p, st: _State, attempt: int, step: int, per: pl.DataFrame, *, flagged: bool) -> bool:
+        """Flag the replica whose local loss is far above its peers' at this step (see the module
+        doc); otherwise learn the step's spread and each replica's usual offset. `flagged`: the
+        global mean spiked at this step already; a replica far above its peers is then its
+        suspect (no second flag), and the step is kept out of what is learned. True: a
+        replica was flagged here."""
+        cfg = self.cfg
+        rep = per["replica"].to_numpy().astype(np.int64)
+        val = per["local_loss"].to_numpy().astype(float)
+        ok = np.isfinite(val) & (val > 0)
+        rep, val = rep[ok], val[ok]
+        if len(rep) < 2:
+            return False
+        lv = np.log(val)
+        ref, _ = loo_median(lv, np.zeros(len(lv), np.int64))
+        d = lv - ref
+        n = int(rep.max()) + 1
+        st.peer_offset = _grow(st.peer_offset, n, 0.0)
+        st.peer_seen = _grow(st.peer_seen, n, 0)
+        known = st.peer_seen[rep] >= cfg.min_history_steps
+        adj = d - np.where(known, st.peer_offset[rep], 0.0)
+        if len(st.peer_spread) >= cfg.min_history_steps:
+            scale = max(MAD_TO_SIGMA * st.peer_spread.median_scale()[0], cfg.replica_min_log_scale)
+            z = adj / scale
+            i = int(np.argmax(z))
+            if z[i] >= cfg.replica_z_threshold and math.exp(adj[i]) >= cfg.replica_min_ratio \
+                    and not self._new_level(p, st, step, int(rep[i]), float(d[i]), flagged):
+                info = {"replica": int(rep[i]), "local_loss": json_number(val[i], 5),
+                        "peers_median": json_number(math.exp(ref[i]), 5),
+                        "ratio_to_peers": json_number(math.exp(d[i]), 4),
+                        "usual_ratio": json_number(math.exp(d[i] - adj[i]), 4), "z": json_number(z[i], 4),
+                        "scale": json_number(scale, 4), "num_replicas": int(len(rep))}
+                if flagged or self._flag(p, st, attempt, step, report=False, value=float(val[i]), z=float(z[i]),
+                                         ratio=math.exp(float(adj[i])), baseline=math.exp(float(ref[i]))):
+                    st.peer_flags[(attempt, step)] = info
+                    while len(st.peer_flags) > 64:  # bounded: each is popped when its step is enriched
+                        st.peer_flags.pop(next(iter(st.peer_flags)))
+                    return not flagged
+        if flagged:
+            return False
+        st.peer_spread.add(float(np.median(np.abs(adj))))
+        a = 1.0 / cfg.window_steps
+        st.peer_offset[rep] = np.where(st.peer_seen[rep] > 0, (1 - a) * st.peer_offset[rep] + a * d, d)
+        st.peer_seen[rep] += 1
+        return False
+
+    def _new_level(self, p, st: _State, step: int, replica: int, d: float, flagged: bool) -> bool:
+        """Whether `replica`, far above its peers for `rebaseline_after_steps` complete steps in a
+        row, is there to stay (a harder shard, not a spike): its usual offset becomes this
+        step's and the incident closes, as a level shift of the global loss does."""
+        last_replica, last_step, n = st.peer_streak
+        n = n + 1 if (last_replica, last_step) == (replica, step - 1) else 1
+        st.peer_streak = (replica, step, n)
+        if n < self.cfg.rebaseline_after_steps or flagged:
+            return False
+        st.peer_offset[replica] = d
+        st.peer_streak = (-1, -1, 0)
+        ep, st.ep = st.ep, None
+        if ep is not None and p.book.is_open(ep.key):
+            p.resolve(ep.key, evidence={**p.book.get(ep.key).evidence,
+                                        "resolved_because": f"replica {replica}'s level shift"})
+        return True
+
     def _learn_replicas(self, p, st: _State) -> None:
         """Per-replica baselines of log(local_loss), from complete unflagged steps."""
         rel = p.released
@@ -277,6 +416,43 @@ class LossSpikeDetector(_SpikeDetector):
                 .sort("replica"))
 
     def _enrich(self, p, st: _State, ep: _Episode, key: tuple[int, int], rows: pl.DataFrame) -> None:
+        peer = st.peer_flags.pop(key, None)
+        if peer is not None:
+            self._enrich_peer(p, ep, key, rows, peer)
+            return
+        self._enrich_global(p, st, ep, key, rows)
+        ep.extra.pop("replica_vs_peers", None)
+        ep.extra.pop("_rank", None)
+        if rows["loss"].null_count() == rows.height and ep.extra.get("suspect_replica") is not None:
+            d = ep.extra["suspect_replica"]  # no global loss: name the replica's rank, show its peers
+            per = self._replica_losses(p, rows)
+            mine = per.filter(pl.col("replica") == d)["local_loss"]
+            others = per.filter(pl.col("replica") != d)["local_loss"].drop_nans().drop_nulls()
+            ep.extra["replica_vs_peers"] = {
+                "replica": d, "local_loss": json_number(mine[0], 5) if mine.len() else None,
+                "peers_median": json_number(others.median(), 5) if others.len() else None}
+            ep.extra["_rank"] = self._only_rank(p, rows, d)
+
+    def _enrich_peer(self, p, ep: _Episode, key: tuple[int, int], rows: pl.DataFrame, peer: dict) -> None:
+        """A step flagged replica against replicas: that replica is the suspect."""
+        d, step = peer["replica"], key[1]
+        rank = self._only_rank(p, rows, d)
+        w = self._windows(p, rows).get(d)
+        ep.extra.update({"suspect_replica": d, "replica_vs_peers": peer, "samples": w, "_rank": rank,
+                         "num_replicas": peer["num_replicas"]})
+        who = f"replica {d}" + (f" (rank {rank})" if rank is not None else "")
+        where = f"samples {w['from']}-{w['to'] - 1} (epoch {w['epoch']})" if w else "batch"
+        ep.extra["_root"] = (f"data: {who}'s {where} at step {step}: local loss {peer['local_loss']}, "
+                             f"{peer['ratio_to_peers']}x its peers' median {peer['peers_median']}")
+
+    @staticmethod
+    def _only_rank(p, rows: pl.DataFrame, replica: int) -> int | None:
+        """The rank of a replica of one rank (None: several ranks, or none)."""
+        ranks = rows["rank"].to_numpy().astype(np.int64)
+        mine = ranks[p.topo.replica_of(ranks) == replica]
+        return int(mine[0]) if len(mine) == 1 else None
+
+    def _enrich_global(self, p, st: _State, ep: _Episode, key: tuple[int, int], rows: pl.DataFrame) -> None:
         cfg = self.cfg
         suspects: list[int] = []
         num_replicas = 0
@@ -336,7 +512,7 @@ class LossSpikeDetector(_SpikeDetector):
         ranks = rows["rank"].to_numpy().astype(np.int64)
         epoch = pl.col("sample_epoch") if "sample_epoch" in rows.columns else pl.lit(0)
         per = (rows.with_columns(pl.Series("replica", p.topo.replica_of(ranks)), epoch.alias("_epoch"))
-               .drop_nulls(["sample_from", "sample_to"])
+               .drop_nulls(["sample_from", "sample_to"]).filter(pl.col("sample_from") >= 0)  # -1: not known
                .group_by("replica")
                .agg(pl.col("_epoch").first(), pl.col("sample_from").min(), pl.col("sample_to").max())
                .sort("replica"))

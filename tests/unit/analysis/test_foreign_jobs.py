@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
-from analysis import Analyzer
+from analysis import Analyzer, Frames
 from analysis.attribution import WaitBook
-from analysis.frames import collectives_frame
-from tests.unit.analysis.foreign import DdpRun, Delay
+from analysis.frames import collectives_frame, ranks_frame, runs_frame, steps_frame
+from tests.unit.analysis.foreign import DdpRun, Delay, ReplicaSpike
 from tests.unit.analysis.sim import Layout, feed, last_of, opened
 
 
@@ -129,3 +131,69 @@ def test_clean_ddp_runs_open_nothing(world, broadcast, timings, seed):
     st = analyzer.runs["sim"].detectors["straggler"]
     assert st.num_steps_judged > 400 and st.num_unjudged_steps == 0
     assert max(analyzer.runs["sim"].footprint()["straggler.held_steps"], 0) <= 64
+
+
+# -- loss spikes without a global loss ---------------------------------------------------------------
+@pytest.mark.parametrize("world, rank", [(8, 0), (4, 0), (2, 1)])
+def test_one_replicas_poisoned_batch_is_named_against_its_peers(world, rank):
+    """1.7x on one replica: the mean moves 1.09x (of 8), 1.18x (of 4), 1.35x (of 2). Named at its step,
+    with its local loss and the peers' median."""
+    step = 150
+    sim = DdpRun(layout=Layout(dp=world, nodes=2), steps=220, seed=world, loss_noise=0.03,
+                 faults=(ReplicaSpike(rank=rank, step=step, factor=1.7),))
+    findings = feed(Analyzer(), sim.build())
+    assert _kinds(findings) == [("loss_spike", rank)], [f.summary() for f in opened(findings).values()]
+    f = next(iter(opened(findings).values()))
+    assert f.step_from == step and f.ts - sim.step_end_ts(step) < 2.5
+    last = last_of(findings)[f.key]
+    assert last.rank == rank and last.node == sim.layout.node(rank) and last.resolved
+    peers = last.evidence["replica_vs_peers"]
+    assert peers["replica"] == rank and last.evidence["suspect_replica"] == rank
+    assert peers["local_loss"] / peers["peers_median"] == pytest.approx(1.7, rel=0.15)
+    assert f"replica {rank} (rank {rank})" in last.root_cause and last.evidence["samples"] is None
+
+
+@pytest.mark.parametrize("world, noise, seed", [(2, 0.05, 11), (4, 0.05, 12), (8, 0.03, 13), (16, 0.05, 14)])
+def test_replicas_batch_noise_opens_no_spike(world, noise, seed):
+    sim = DdpRun(layout=Layout(dp=world, nodes=2), steps=500, seed=seed, loss_noise=noise)
+    findings = feed(Analyzer(detectors=["loss_spike", "grad_spike"]), sim.build())
+    assert [f.summary() for f in findings] == []
+
+
+def test_a_replica_that_stays_above_its_peers_is_a_level_shift_not_a_string_of_spikes():
+    """One shard 1.6x harder from step 120 on: one incident, closed as that replica's level shift."""
+    sim = DdpRun(layout=Layout(dp=4, nodes=2), steps=260, seed=7,
+                 faults=(ReplicaSpike(rank=2, step=120, factor=1.6, grad_factor=1.0, end=1 << 20),))
+    findings = feed(Analyzer(detectors=["loss_spike", "grad_spike"]), sim.build())
+    assert _kinds(findings) == [("loss_spike", 2)], [f.summary() for f in opened(findings).values()]
+    last = next(iter(last_of(findings).values()))
+    assert last.resolved and last.evidence["resolved_because"] == "replica 2's level shift"
+    assert last.step_from == 120 and last.step_to < 120 + 30
+
+
+def _foreign_row(step: int, rank: int, local: float, **kw) -> dict:
+    return {"run_id": "r", "attempt": 0, "step": step, "rank": rank, "ts": float(step), "loss": None,
+            "grad_norm": 1.0, "loss_scale": None, "step_s": 0.1, "local_loss": local, "finite_fwd": 1,
+            "finite_bwd": 1, **kw}
+
+
+def _foreign_analyzer(world: int) -> Analyzer:
+    a = Analyzer(detectors=["loss_spike", "grad_spike", "nan"])
+    meta = Frames(runs=runs_frame([{"run_id": "r", "world_size": world, "mesh": f'{{"dp": {world}}}'}]),
+                  ranks=ranks_frame([{"run_id": "r", "rank": r, "node": f"n{r}", "dp": r, "tp": 0, "pp": 0}
+                                     for r in range(world)]))
+    a.feed(meta, now=0.0)
+    return a
+
+
+def test_a_step_without_a_global_loss_is_judged_when_complete_not_at_first_sight():
+    a = _foreign_analyzer(4)
+    rng = np.random.default_rng(3)
+    for step in range(1, 41):
+        rows = [_foreign_row(step, r, 3.0 * math.exp(rng.normal(0, 0.02))) for r in range(4)]
+        assert a.feed(Frames(steps=steps_frame(rows)), now=float(step)) == []
+    out = a.feed(Frames(steps=steps_frame([_foreign_row(41, 0, 5.1)])), now=41.0)  # the poisoned replica first
+    assert out == []
+    out = a.feed(Frames(steps=steps_frame([_foreign_row(41, r, 3.0) for r in (1, 2, 3)])), now=41.5)
+    assert [(f.kind, f.rank, f.step_from) for f in out] == [("loss_spike", 0, 41)]
+    assert out[0].evidence["replica_vs_peers"]["peers_median"] == pytest.approx(3.0)
