@@ -18,10 +18,15 @@ only the forward signals and the loss count there.
 
 The origin is the first in data-flow order among the non-finite rows of the
 episode's first step: the most local signal level, then the earlier pipeline
-stage (the later one in backward), then the lowest replica and tp rank. It is named only when the signals tell: a unique
-forward/backward flag, or a global value non-finite on some ranks and finite on
-others. When every rank has only the global values non-finite (today's agent,
-which records no local signals), the finding says so and names no rank.
+stage (the later one in backward), then the lowest replica and tp rank. It is named only when the signals tell: a
+forward flag, a backward flag or a global value non-finite on some ranks and
+finite on others (seen at that step), or a replica's loss of one rank. When
+every rank has only the global values non-finite (today's agent, which records
+no local signals), the finding says so and names no rank. A backward flag on
+every rank seen says no more than a global value: a job we did not write checks
+its gradients after DDP's all-reduce, so one rank's NaN clears `finite_bwd` on
+all of them at once, and the first row to arrive must not be named for it (the
+origin's own `finite_fwd` row names it when it comes).
 
 One episode per spread: every non-finite row of the run, on any rank, from its
 first step until `resolve_after_steps` complete all-finite steps, is one
@@ -282,7 +287,7 @@ class NanDetector:
         # a replica's loss names a rank only when the replica is that one rank.
         some_finite = max(len(ep.seen_first), ep.num_rows_first) > len(ep.flagged_first)
         origin: int | None = None
-        if cands and (phase in (0, 2) or (phase == 1 and len(cands) == 1) or (phase == 3 and some_finite)):
+        if cands and (phase == 0 or (phase == 1 and len(cands) == 1) or (phase in (2, 3) and some_finite)):
             origin = cands[0]
         replica = ep.cand_key[2] if ep.cand_key and phase < 3 else None
         if origin is None:
@@ -308,6 +313,10 @@ class NanDetector:
         if origin is None and phase == 1:
             root = (f"non-finite loss first in replica {replica} at step {ep.first_step} (ranks "
                     f"{', '.join(map(str, cands[:8]))}); the rank needs finite_fwd; data or device: a rerun decides")
+        elif origin is None and phase == 2:
+            root = (f"non-finite gradients on every rank seen at step {ep.first_step}: origin unknown (reduced "
+                    "before they were checked, or every rank's backward went bad); a rank's finite_fwd or "
+                    "local_loss names it")
         elif origin is None:
             root = (f"non-finite loss/grad-norm on every rank at step {ep.first_step}: origin unknown "
                     "without per-rank signals (finite_fwd/finite_bwd/local_loss)")

@@ -11,8 +11,10 @@ import pytest
 from analysis import Analyzer, Frames
 from analysis.attribution import WaitBook
 from analysis.frames import collectives_frame, ranks_frame, runs_frame, steps_frame
-from tests.unit.analysis.foreign import DdpRun, Delay, ReplicaSpike
+from tests.unit.analysis.foreign import DdpRun, Delay, ForeignNan, ReplicaSpike
 from tests.unit.analysis.sim import Layout, feed, last_of, opened
+
+NAN = float("nan")
 
 
 # -- WaitBook: waits inferred from the arrival skew ------------------------------------------------
@@ -197,3 +199,29 @@ def test_a_step_without_a_global_loss_is_judged_when_complete_not_at_first_sight
     out = a.feed(Frames(steps=steps_frame([_foreign_row(41, r, 3.0) for r in (1, 2, 3)])), now=41.5)
     assert [(f.kind, f.rank, f.step_from) for f in out] == [("loss_spike", 0, 41)]
     assert out[0].evidence["replica_vs_peers"]["peers_median"] == pytest.approx(3.0)
+
+
+# -- NaN: the origin rank from its own signals -------------------------------------------------------
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_nan_on_one_rank_is_named_there_though_every_ranks_gradients_went_bad(world):
+    """Rank 1: local loss NaN, finite_fwd 0 at step 30; every rank's finite_bwd 0 and grad norm NaN
+    from step 30 (DDP reduced them), every rank's local loss NaN from 31."""
+    sim = DdpRun(layout=Layout(dp=world, nodes=2), steps=60, seed=5, faults=(ForeignNan(rank=1, step=30),))
+    findings = feed(Analyzer(), sim.build())
+    assert _kinds(findings) == [("nan", 1)], [f.summary() for f in opened(findings).values()]
+    assert {f.rank for f in findings} == {1}  # never another rank on the way
+    f = next(iter(opened(findings).values()))
+    assert f.step_from == 30 and f.evidence["origin"]["phase"] == "forward"
+    assert f.ts - sim.step_end_ts(30) <= 1.0
+
+
+def test_reduced_gradient_flags_arriving_first_name_no_rank():
+    """Rank 0's row of the step (its grads NaN after the all-reduce, its own loss finite) is in
+    before rank 1's: no rank is named for it; rank 1's finite_fwd 0 names rank 1."""
+    a = _foreign_analyzer(2)
+    bad_bwd = {"finite_bwd": 0, "grad_norm": NAN}
+    out = a.feed(Frames(steps=steps_frame([_foreign_row(30, 0, 3.0, **bad_bwd)])), now=1.0)
+    assert [(f.kind, f.rank) for f in out] == [("nan", None)]
+    assert "origin unknown" in out[0].root_cause
+    out = a.feed(Frames(steps=steps_frame([_foreign_row(30, 1, NAN, finite_fwd=0, **bad_bwd)])), now=1.2)
+    assert [(f.kind, f.rank, f.step_from) for f in out] == [("nan", 1, 30)]
