@@ -18,7 +18,11 @@ known, `long_phase_timeout_s` for a rank whose heartbeat says checkpoint/eval.
 The collective the group waits in is the culprit's next op: with the
 heartbeats' optional `last_op/last_axis/last_group_id/last_group_seq` it is
 read from its waiting peers (of the collectives they are in, the one of the
-culprit's groups it would enter first; the others are listed); without, it is
+culprit's groups it would enter first; the others are listed), and where they
+entered past the culprit's next one in that group (async ops: DDP's buckets,
+enqueued one after another before the rank blocks at the end of backward) it is
+the one after the culprit's own last there, its op from the prediction below;
+without, it is
 predicted from the culprit's previous step
 (its ops repeat every step: same position, `group_seq` advanced by that group's
 ops per step) and checked against what its group's members completed. The
@@ -189,7 +193,8 @@ class HangDetector:
             what = (f"{collective['op']} on {collective['axis']} group {collective['group_id']} "
                     f"(group_seq {collective['group_seq']})")
         elif collective:
-            what = f"the next collective on {collective['axis']} group {collective['group_id']}"
+            what = f"the next collective on {collective['axis']} group {collective['group_id']}" + (
+                f" (group_seq {collective['group_seq']})" if collective.get("group_seq") is not None else "")
         else:
             what = "its next collective"
         root = (f"rank {c} never entered {what}; {len(waiting)} peer(s) wait there, "
@@ -209,6 +214,7 @@ class HangDetector:
             # peers may wait in several of the culprit's groups; its next op comes first
             best = next((t for t in told if pred and (t["axis"], t["group_id"]) == (pred["axis"], pred["group_id"])),
                         told[0])
+            best = self._first_missed(st, c, rows, best, pred)
             return {**best, "source": "heartbeats", "also_waited_in": told[1:8] if len(told) > 1 else []}
         if pred is None:
             return None
@@ -228,6 +234,30 @@ class HangDetector:
             pred = {**pred, "op": None, "group_seq": mine + 1, "source": "completed rows"}
         pred.pop("peer")
         return {**pred, "members_done_group_seq": done}
+
+    @staticmethod
+    def _first_missed(st: _State, c: int, rows: pl.DataFrame | None, best: dict, pred: dict | None) -> dict:
+        """The collective of `best`'s group the culprit never entered: the one after its own last
+        there (its completed rows, or its heartbeat's last op). The peers' heartbeats name the
+        op they entered *last*; with async ops (DDP's buckets) they enqueued several past the
+        culprit's before blocking, and the first of those is the one it never entered."""
+        axis, gid = best["axis"], best["group_id"]
+        mine = -1
+        if rows is not None:
+            got = rows.filter((pl.col("axis") == axis) & (pl.col("group_id") == gid) & (pl.col("peer") < 0))
+            if got.height:
+                mine = int(got["group_seq"].max())
+        if st.hb_ops is not None:
+            hb = st.hb_ops.filter((pl.col("rank") == c) & (pl.col("last_axis") == axis)
+                                  & (pl.col("last_group_id") == gid)).drop_nulls("last_group_seq")
+            if hb.height:
+                mine = max(mine, int(hb["last_group_seq"].max()))
+        if mine < 0 or best["group_seq"] <= mine + 1:
+            return best
+        nxt = mine + 1
+        same = pred is not None and (pred["axis"], pred["group_id"], pred["group_seq"]) == (axis, gid, nxt)
+        return {**best, "op": pred["op"] if same else None, "group_seq": nxt,
+                "peers_entered_up_to_group_seq": best["group_seq"]}
 
     @staticmethod
     def _told(st: _State, c: int, rows: pl.DataFrame | None, waiting: np.ndarray) -> list[dict]:

@@ -12,7 +12,7 @@ from analysis import Analyzer, Frames
 from analysis.attribution import WaitBook
 from analysis.frames import collectives_frame, ranks_frame, runs_frame, steps_frame
 from tests.unit.analysis.foreign import DdpRun, Delay, ForeignNan, ReplicaSpike
-from tests.unit.analysis.sim import Layout, feed, last_of, opened
+from tests.unit.analysis.sim import Hang, Layout, feed, last_of, opened
 
 NAN = float("nan")
 
@@ -225,3 +225,30 @@ def test_reduced_gradient_flags_arriving_first_name_no_rank():
     assert "origin unknown" in out[0].root_cause
     out = a.feed(Frames(steps=steps_frame([_foreign_row(30, 1, NAN, finite_fwd=0, **bad_bwd)])), now=1.2)
     assert [(f.kind, f.rank, f.step_from) for f in out] == [("nan", 1, 30)]
+
+
+# -- hangs: the rank that never entered the collective ----------------------------------------------
+@pytest.mark.parametrize("world, broadcast", [(2, True), (4, True), (2, False), (4, False)],
+                         ids=["dp2-broadcast", "dp4-broadcast", "dp2-buckets", "dp4-buckets"])
+def test_a_hang_names_the_rank_and_the_collective_it_never_entered(world, broadcast):
+    """Rank 1 never starts step 300's forward (heartbeat at step 299, last_seq its last completed
+    row); its peers enter step 300 and block: in the forward's broadcast (one op pending), or
+    after enqueuing all four bucket all-reduces (the first is the one rank 1 never entered)."""
+    hang = 300
+    sim = DdpRun(layout=Layout(dp=world, nodes=2), steps=400, seed=world, finish=False,
+                 broadcast_buffers=broadcast, faults=(Hang(rank=1, step=hang),))
+    commits = sim.build()
+    last_progress = sim.step_end_ts(hang - 1)
+    analyzer = Analyzer()
+    findings = feed(analyzer, commits, until=last_progress + 20.0)
+    assert _kinds(findings) == [("hang", 1)], [f.summary() for f in opened(findings).values()]
+    f = next(iter(opened(findings).values()))
+    assert f.step_from == hang
+    interval = analyzer.runs["sim"].clock.interval_s
+    assert f.ts - last_progress <= max(5.0, 3 * interval)
+    per_step = 5 if broadcast else 4
+    op = "broadcast" if broadcast else "all_reduce"
+    c = f.evidence["collective"]
+    assert (c["op"], c["axis"], c["group_id"], c["group_seq"]) == (op, "dp", 0, (hang - 1) * per_step)
+    assert f.evidence["num_waiting"] == world - 1
+    assert f"rank 1 never entered {op} on dp group 0 (group_seq {(hang - 1) * per_step})" in f.root_cause
