@@ -203,6 +203,7 @@ class Agent(Recorder):
         self._batch_seq = 0
         self._seq_source: Callable[[], int | tuple] | None = None
         self._pollers: list[Callable[[], object]] = []
+        self._poll_at = math.inf  # monotonic: a poller asked to be called again by then
         # urgent flushes: the training thread asks (`_urgent`), the flusher serves
         self._urgent_ok_at = -math.inf  # monotonic: no urgent wake before this (the rate limit)
         self._urgent_requested = False  # a wake is pending
@@ -323,8 +324,10 @@ class Agent(Recorder):
     def add_poller(self, fn: Callable[[], object]) -> None:
         """Call `fn()` on the flusher thread at the start of every flush cycle, before the
         heartbeat: a source that records rows of its own (agent/flight.py, the Flight
-        Recorder's collectives). It must be quick and never touch the training thread's
-        state; one that raises is logged once and called again next cycle."""
+        Recorder's collectives). It may return the seconds within which it wants to be
+        called again (sooner than the next flush: the flusher wakes for it). It must be
+        quick and never touch the training thread's state; one that raises is logged once
+        and called again next cycle."""
         self._pollers = [*self._pollers, fn]  # a new list: the flusher iterates the old one
 
     def remove_poller(self, fn: Callable[[], object]) -> None:
@@ -463,11 +466,13 @@ class Agent(Recorder):
         fast_until = -math.inf  # monotonic: the follow-up window of the last urgent flush
         recheck = math.inf  # on the `monotonic` clock: look for a rate-limited urgent step then
         while True:
-            wait_s = min(next_flush, self._next_hb) - time.monotonic()
+            wait_s = min(next_flush, self._next_hb, self._poll_at) - time.monotonic()
             if recheck < math.inf:
                 wait_s = min(wait_s, recheck - self._monotonic())
             self._wake.wait(max(0.0, wait_s))
             self._wake.clear()
+            if time.monotonic() >= self._poll_at:
+                self._poll()  # a source that asked to be read between flushes (agent/flight.py)
             stopping = self._stopping
             with self._cv:
                 target = self._flush_requested
@@ -493,6 +498,20 @@ class Agent(Recorder):
                 break
         self._release()
 
+    def _poll(self) -> None:
+        """Run the pollers (flusher thread); each may ask to be called again sooner than the
+        next flush (its answer, in seconds): `_poll_at` is the soonest such time."""
+        soonest = math.inf
+        for poll in self._pollers:
+            try:
+                again = poll()
+            except Exception as e:  # noqa: BLE001 - a source's failure costs its rows, never the cycle
+                self._log_once(f"poll-{getattr(poll, '__qualname__', poll)}", "llmwatch agent: a source failed: %r", e)
+                continue
+            if isinstance(again, (int, float)) and again >= 0:
+                soonest = min(soonest, float(again))
+        self._poll_at = time.monotonic() + soonest
+
     def _cycle_guarded(self, *, deadline: float | None) -> bool:
         # A deadline bounds the wait for the lock too (an inline flush() on another thread).
         wait_s = -1 if deadline is None else max(0.0, deadline - time.monotonic())
@@ -511,11 +530,7 @@ class Agent(Recorder):
     def _cycle(self, deadline: float | None) -> bool:
         """One flush. `deadline` None: periodic; else (flush, close) cut a batch and
         deliver it and the spool by then (monotonic), backoff or not."""
-        for poll in self._pollers:
-            try:
-                poll()
-            except Exception as e:  # noqa: BLE001 - a source's failure costs its rows, never the cycle
-                self._log_once(f"poll-{getattr(poll, '__qualname__', poll)}", "llmwatch agent: a source failed: %r", e)
+        self._poll()
         now = time.monotonic()
         if now >= self._next_hb:
             self._next_hb = now + self.config.heartbeat_interval_s

@@ -28,10 +28,13 @@ data-parallel group), else the group's description, else `pg<name>`; its
 `group_id` the smallest global rank in it (the same on every member, distinct
 between disjoint groups of one axis).
 
-Cost: a dump copies the whole buffer under the GIL, ~12 us an entry (about 25 ms
-for the default 2,000) plus ~3 us to unpickle; it runs once per
-`interval_s` (1 s). bench/bench_flight.py measures it. Entries evicted before a
-read (more than the buffer's size per interval) are counted in `num_lost`.
+Cost: a dump copies the whole buffer under the GIL, ~12-15 us an entry plus ~3 us
+to unpickle, whatever is new: torch's default 2,000 entries cost ~30 ms a read.
+So a read comes once a second, or sooner when ops come fast enough to fill half
+the buffer by then, and `enable_env` (llmwatch-instrument) sets a buffer of 512
+entries where nobody set one: ~8 ms a second up to ~250 ops/s, and about
+2 x 15 us per op above that. bench/bench_watch.py measures it. Entries evicted
+before a read are counted in `num_lost`.
 
 Where torch has no recorder (an old release, a build without distributed) or
 its API changed, `FlightReader.create` logs one warning and returns None: the
@@ -52,7 +55,10 @@ log = logging.getLogger("llmwatch.agent")
 
 BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 NCCL_TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"
-DEFAULT_BUFFER = 2000
+TORCH_DEFAULT_BUFFER = 2000
+# what `enable_env` sets when nobody did: a dump costs every entry the buffer holds, so a
+# smaller buffer read more often (FlightReader.poll) costs less at the same op rate
+DEFAULT_BUFFER = 512
 _ITEMSIZE = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2, "Char": 1,
              "Byte": 1, "Bool": 1, "ComplexFloat": 8, "ComplexDouble": 16, "Float8_e4m3fn": 1, "Float8_e5m2": 1,
              "UInt16": 2, "UInt32": 4, "UInt64": 8}
@@ -70,6 +76,16 @@ def enable_env(environ=os.environ, *, nccl_timing: bool = True) -> dict[str, str
         changed[NCCL_TIMING_ENV] = "1"
     environ.update(changed)
     return changed
+
+
+def buffer_size(environ=os.environ) -> int:
+    """The recorder's entries per process, as torch reads them."""
+    for name in (BUFFER_ENV, "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        try:
+            return max(1, int(environ.get(name, "")))
+        except ValueError:
+            continue
+    return TORCH_DEFAULT_BUFFER
 
 
 def _dumper() -> Callable[[], bytes] | None:
@@ -153,7 +169,8 @@ class FlightReader:
 
     def __init__(self, dump: Callable[[], bytes], sink, *, step_of: Callable[[int], tuple[int, int]],
                  groups: Groups | None = None, offset_s: Callable[[], float] = lambda: 0.0,
-                 interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 interval_s: float = 1.0, min_interval_s: float = 0.05, fill_share: float = 0.5,
+                 capacity: int | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         """`sink`: has `collective(...)` (an Agent, `trainer.comm.CommSink`'s signature);
         `step_of(enqueue time ns)`: (step, attempt) in progress then; `offset_s()`: add to
         this host's clock to get the collector's."""
@@ -163,8 +180,12 @@ class FlightReader:
         self._groups = groups or Groups()
         self._offset_s = offset_s
         self.interval_s = interval_s
+        self.min_interval_s = min_interval_s
+        self.fill_share = fill_share
+        self.capacity = capacity if capacity is not None else buffer_size()
         self._clock = clock
         self._next_read = 0.0
+        self._last_read: float | None = None
         self._seen_upto = 0  # every record_id below this was emitted, or is in _pending
         self._pending: dict[int, None] = {}  # record_ids seen in flight, in order
         self._last_entered: tuple | int = -1
@@ -197,12 +218,19 @@ class FlightReader:
         the op enqueued last, -1 before any. Read on the flusher thread."""
         return self._last_entered
 
+    def tick(self) -> float:
+        """`Agent.add_poller`'s call: read when due; the seconds until the next read."""
+        self.poll()
+        return max(0.0, self._next_read - self._clock())
+
     def poll(self, force: bool = False) -> int:
-        """Read when `interval_s` has passed since the last read (or `force`): rows added."""
+        """Read when due (or `force`): rows added. Due: `interval_s` after the last read, or
+        sooner when the ops come fast, so that at most `fill_share` of the buffer is new
+        between two reads (none is lost): a dump costs the whole buffer, so a read per
+        second is the cheapest until the buffer would wrap."""
         now = self._clock()
         if not force and now < self._next_read:
             return 0
-        self._next_read = now + self.interval_s
         t0 = time.perf_counter()
         trace = pickle.loads(self._dump())
         entries = trace.get("entries") or []
@@ -210,7 +238,17 @@ class FlightReader:
         self.read_s += dt
         self.max_read_s = max(self.max_read_s, dt)
         self.num_reads += 1
-        return self._take(entries)
+        before = self._seen_upto
+        n = self._take(entries)
+        new = self._seen_upto - before
+        elapsed = now - self._last_read if self._last_read is not None else 0.0
+        self._last_read = now
+        interval = self.interval_s
+        if new > 0 and elapsed > 0:
+            capacity = max(len(entries), self.capacity)
+            interval = min(interval, max(self.min_interval_s, self.fill_share * capacity * elapsed / new))
+        self._next_read = now + interval
+        return n
 
     def _take(self, entries: list[dict]) -> int:
         if not entries:

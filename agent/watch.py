@@ -310,7 +310,7 @@ class Watch:
             self.reader = FlightReader.create(agent, step_of=self._bounds.step_of, groups=Groups(axes, mesh),
                                               offset_s=lambda: agent.clock_offset()[0])
             if self.reader is not None:
-                self._pollers.insert(0, self.reader.poll)
+                self._pollers.insert(0, self.reader.tick)
                 agent.bind_seq_source(self.reader.last_entered)
         self._offset_told = math.nan
         for poll in self._pollers:

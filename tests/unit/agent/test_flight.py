@@ -13,7 +13,7 @@ import time
 import pytest
 
 from agent import Agent, AgentConfig, flight, wire
-from agent.flight import BUFFER_ENV, NCCL_TIMING_ENV, FlightReader, Groups, _axis_of_desc, enable_env
+from agent.flight import BUFFER_ENV, DEFAULT_BUFFER, NCCL_TIMING_ENV, FlightReader, Groups, _axis_of_desc, enable_env
 from agent.ring import Recorder
 from tests.polling import wait_until
 
@@ -421,8 +421,8 @@ def test_create_with_the_private_api_returns_a_reader_passing_its_options():
 # -- the environment ------------------------------------------------------------------------
 def test_enable_env_sets_what_is_unset():
     env = {}
-    assert enable_env(env) == {BUFFER_ENV: "2000", NCCL_TIMING_ENV: "1"}
-    assert env == {BUFFER_ENV: "2000", NCCL_TIMING_ENV: "1"}
+    assert enable_env(env) == {BUFFER_ENV: str(DEFAULT_BUFFER), NCCL_TIMING_ENV: "1"}
+    assert env == {BUFFER_ENV: str(DEFAULT_BUFFER), NCCL_TIMING_ENV: "1"}
     assert enable_env(env) == {}  # idempotent
 
 
@@ -433,7 +433,7 @@ def test_enable_env_keeps_what_the_user_set():
     env = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "100"}  # the older name of the buffer size
     assert enable_env(env) == {NCCL_TIMING_ENV: "1"}
     env = {BUFFER_ENV: ""}  # set empty: unset
-    assert enable_env(env, nccl_timing=False) == {BUFFER_ENV: "2000"}
+    assert enable_env(env, nccl_timing=False) == {BUFFER_ENV: str(DEFAULT_BUFFER)}
     assert NCCL_TIMING_ENV not in env
 
 
@@ -469,3 +469,25 @@ def test_a_real_gloo_groups_all_reduces_become_rows(tmp_path):
     assert all(is_null(x["duration_s"]) and is_null(x["wait_s"]) for x in got)  # gloo: no timing
     assert last == (got[-1]["seq"], "all_reduce", "dp", 0, 3)
     assert not math.isnan(r.max_read_s)
+
+
+def test_reads_come_sooner_when_ops_would_fill_half_the_buffer_before_the_next():
+    now = [0.0]
+    dump = Dump()
+    r = FlightReader(dump, Recorder(1024), step_of=lambda ns: (1, 0), interval_s=1.0, capacity=100,
+                     clock=lambda: now[0])
+    r.poll(force=True)
+    assert r.tick() == pytest.approx(1.0)  # nothing new: once a second
+    now[0] = 1.0
+    dump.entries = [entry(i) for i in range(100, 200)]  # 200 ops a second into a buffer of 100 (it wrapped)
+    r.poll()
+    assert r.tick() == pytest.approx(0.25)  # half the buffer is 50 ops: a quarter of a second
+    now[0] = 1.25
+    dump.entries = [entry(i) for i in range(150, 250)]
+    r.poll()
+    assert r.tick() == pytest.approx(0.25)
+    r.min_interval_s = 0.4
+    now[0] = 1.5
+    dump.entries = [entry(i) for i in range(200, 300)]
+    r.poll()
+    assert r.tick() == pytest.approx(0.4)  # never more often than min_interval_s

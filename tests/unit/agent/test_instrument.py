@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.flight import BUFFER_ENV, NCCL_TIMING_ENV
+from agent.flight import BUFFER_ENV, DEFAULT_BUFFER, NCCL_TIMING_ENV
 from agent.instrument import _BOOTSTRAP, INSTRUMENT_ENV, POLICY_ENV, environment, main
 
 INSTRUMENT = Path(sys.executable).parent / "llmwatch-instrument"
@@ -104,7 +104,7 @@ def test_the_environment_arms_every_python_process_of_the_command(launch):
     assert env["PYTHONPATH"].split(os.pathsep) == [_BOOTSTRAP, "/work/src", "/opt/lib"]  # the bootstrap first
     assert os.path.isfile(os.path.join(env["PYTHONPATH"].split(os.pathsep)[0], "sitecustomize.py"))
     assert env["PATH"] == os.environ["PATH"]  # the rest passes through
-    assert (env[BUFFER_ENV], env[NCCL_TIMING_ENV]) == ("2000", "1")  # the Flight Recorder, before any group
+    assert (env[BUFFER_ENV], env[NCCL_TIMING_ENV]) == (str(DEFAULT_BUFFER), "1")  # the Flight Recorder, before any group
 
 
 def test_the_environment_without_a_pythonpath_is_the_bootstrap_alone(launch):
@@ -296,7 +296,7 @@ def test_the_bootstrap_arms_only_when_asked_and_runs_the_next_sitecustomize(tmp_
              "os.environ.get('TORCH_FR_BUFFER_SIZE'))")
     path = os.pathsep.join([_BOOTSTRAP, str(other)])
     armed = run([sys.executable, "-c", probe], env=clean_env(PYTHONPATH=path, LLMWATCH_INSTRUMENT="1"))
-    assert armed.stdout.split() == ["yes", "True", "2000"], armed.stderr
+    assert armed.stdout.split() == ["yes", "True", str(DEFAULT_BUFFER)], armed.stderr
     unarmed = run([sys.executable, "-c", probe], env=clean_env(PYTHONPATH=path))
     assert unarmed.stdout.split() == ["yes", "False", "None"], unarmed.stderr
 

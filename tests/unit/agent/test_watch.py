@@ -515,7 +515,7 @@ def test_the_flight_recorder_is_polled_by_the_agent(agent):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     w = watch(model, opt, agent=agent)
     assert w.reader is not None
-    assert w.reader.poll in agent._pollers and agent._seq_source == w.reader.last_entered
+    assert w.reader.tick in agent._pollers and agent._seq_source == w.reader.last_entered
     assert "flight_recorder" in w.stats()
 
 
