@@ -1,7 +1,7 @@
 """What `watch(model, optimizer)` costs a foreign DDP loop, and what reading torch's Flight Recorder costs.
 
     .venv/bin/python bench/bench_watch.py [--blocks 8] [--block-steps 40]             # (a) and (b), ~2-3 min
-    .venv/bin/python bench/bench_watch.py --only b [--pairs 3] [--block-s 5] [--rate 1000] [--buffer 2000]
+    .venv/bin/python bench/bench_watch.py --only b [--pairs 3] [--block-s 5] [--rate 1000] [--buffer 512]
 
 Both figures come from one torchrun job of 2 gloo ranks each (this file, run as
 its own worker), with the two modes interleaved in blocks inside that job, so
@@ -58,6 +58,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from agent.flight import DEFAULT_BUFFER  # noqa: E402  (stdlib only: nothing heavy in the parent)
 
 TOKEN = "bench-token"
 
@@ -206,9 +208,9 @@ def _reader_worker(args: argparse.Namespace) -> dict:
             sink = Recorder(capacity=num_calls + 4 * args.buffer)
             reader = FlightReader.create(sink, step_of=lambda ns: (0, 0), interval_s=1.0)
 
-            def poll_loop(reader=reader):
-                while not stop.wait(reader.interval_s):
-                    reader.poll(force=True)
+            def poll_loop(reader=reader):  # the agent's schedule: once a second, sooner at a high op rate
+                while not stop.wait(reader.tick()):
+                    pass
 
             poller = threading.Thread(target=poll_loop, daemon=True)
             poller.start()
@@ -380,7 +382,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pairs", type=int, default=3, help="(b) pairs of blocks without/with the reader")
     ap.add_argument("--block-s", type=float, default=5.0, help="(b) seconds a block")
     ap.add_argument("--rate", type=float, default=1000.0, help="(b) collectives a second, each rank")
-    ap.add_argument("--buffer", type=int, default=2000, help="the Flight Recorder's entries ($TORCH_FR_BUFFER_SIZE)")
+    ap.add_argument("--buffer", type=int, default=DEFAULT_BUFFER,
+                    help="the Flight Recorder's entries ($TORCH_FR_BUFFER_SIZE; default: what llmwatch-instrument sets)")
     ap.add_argument("--numel", type=int, default=16, help="(b) floats an all_reduce")
     ap.add_argument("--dumps", type=int, default=10, help="(b) timed dumps of a full buffer")
     ap.add_argument("--timeout-s", type=float, default=600.0, help="bound on each torchrun job")
