@@ -224,7 +224,7 @@ class PolicyRunner:
         reached = self._reached.setdefault(run_id, {})
         for attempt, step in info["reached"].items():
             reached[attempt] = max(reached.get(attempt, 0), step)
-        return info["policy"]
+        return info.get("policy")
 
     def _incident(self, row: dict[str, Any]) -> None:
         st = self._state(row["run_id"])

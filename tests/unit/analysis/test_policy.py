@@ -143,6 +143,16 @@ def test_shadow_records_and_off_does_nothing():
     assert policy("off").on_incident(run_state(), incident(1, "hang"), now=0.0) == []
 
 
+def test_a_run_caps_the_mode_it_is_acted_on_in():
+    shadowed = run_state()
+    shadowed.mode_cap = "shadow"  # llmwatch-instrument's job: decided and recorded, never sent
+    assert kinds(policy("auto").on_incident(shadowed, incident(1), now=0.0)) == [(ROLLBACK, "shadow", None)]
+    off = run_state()
+    off.mode_cap = "off"
+    assert policy("auto").on_incident(off, incident(1), now=0.0) == []
+    assert policy("off").on_incident(shadowed, incident(2), now=0.0) == []  # a cap never raises the mode
+
+
 def test_the_flag_overrides_the_rules_mode():
     p = policy("auto", policy={"mode": "shadow"})
     assert kinds(p.on_incident(run_state(), incident(1), now=0.0)) == [(ROLLBACK, "auto", None)]
