@@ -73,10 +73,15 @@ A job we did not write (torch's Flight Recorder rows, `wait_s` not measured):
 its phase times are not net of communication (DDP's `bwd_s` holds the wait for
 the bucket all-reduces), so the waiters would look slow. Once the book has seen
 such rows, a released step is held until its collectives are final (one step
-later: `collective_lag_steps`), and a rank's compute is then `fwd_s + bwd_s +
-opt_s` (or `step_s` where those are not given: a Trainer callback) less its
-waits inferred from the arrival skew at that step's collectives
-(analysis/attribution.py). A step without inferred waits, or a rank without
+later: `collective_lag_steps`), and a rank's compute is then its `step_s` less
+its data wait (`data_s`, when measured: that is the data_stall detector's) and
+less its waits inferred from the arrival skew at that step's collectives
+(analysis/attribution.py). The whole step, not `fwd_s + bwd_s + opt_s`: a wait
+can fall outside the hooked phases (DDP broadcasts its buffers before the inner
+module's forward hook runs; a framework's logging collectives run between
+steps), and every wait lies inside the step (with `fwd_s + bwd_s + opt_s` as
+the base, a rank 0 that logs 4 ms a step in a Hugging Face job was a 1.2x
+straggler). A step without inferred waits, or a rank without
 them, is not judged there (its time is not net); the rest is as above. Held
 steps are bounded (`_MAX_HELD_STEPS`; beyond it the oldest are dropped,
 counted in `num_unjudged_steps`).
@@ -271,8 +276,9 @@ class StragglerDetector:
 
     @staticmethod
     def _net_compute(st: _State, attempt: int, step: int, rows: pl.DataFrame):
-        """(rows, compute s) of the ranks with inferred waits at the step: `fwd_s + bwd_s +
-        opt_s` (else `step_s`) less the rank's inferred wait; None when the step had none."""
+        """(rows, compute s) of the ranks with inferred waits at the step: `step_s` less
+        `data_s` (when measured) less the rank's inferred wait (else `fwd_s + bwd_s + opt_s`
+        less it, for a row without `step_s`); None when the step had none."""
         got = st.waits.inferred_waits(attempt, step)
         if got is None:
             return None
@@ -284,7 +290,9 @@ class StragglerDetector:
         if not known.any():
             return None
         phases = sum(rows[col].to_numpy().astype(float) for col in ("fwd_s", "bwd_s", "opt_s"))
-        c = np.where(np.isfinite(phases), phases, rows["step_s"].to_numpy().astype(float)) - waited[at]
+        step_s = rows["step_s"].to_numpy().astype(float)
+        data_s = np.nan_to_num(rows["data_s"].to_numpy().astype(float)) if "data_s" in rows.columns else 0.0
+        c = np.where(np.isfinite(step_s), step_s - data_s, phases) - waited[at]
         return rows.filter(pl.Series(known)), c[known]
 
     # -- one step ------------------------------------------------------------------
