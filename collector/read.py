@@ -67,7 +67,9 @@ def steps(cur: Cursor, run_id: str, metric: str, *, rank: int | None = None, ste
     chart of a million steps costs one small answer. `metric` is a steps column
     or else a scalar name."""
     if metric in STEP_METRICS:
-        source, params = f"SELECT step, rank, {metric} AS v FROM steps_effective WHERE run_id = ?", [run_id]
+        # a job that records only each rank's own loss (agent.watch): that is its loss curve
+        column = "coalesce(loss, local_loss)" if metric == "loss" else metric
+        source, params = f"SELECT step, rank, {column} AS v FROM steps_effective WHERE run_id = ?", [run_id]
     else:
         source = """SELECT step, rank, value AS v FROM scalars WHERE run_id = ? AND name = ?
                     QUALIFY attempt = max(attempt) OVER (PARTITION BY step, rank)"""
@@ -256,8 +258,8 @@ def step_window(cur: Cursor, run_id: str, *, step_from: int, step_to: int, max_p
     finite values over the ranks, and how many values were non-finite (a NaN step has
     no mean to draw, only its count)."""
     return records(cur, """
-        WITH s AS (SELECT step, loss, grad_norm, loss_scale, skipped FROM steps_effective
-                   WHERE run_id = $r AND step BETWEEN $lo AND $hi),
+        WITH s AS (SELECT step, coalesce(loss, local_loss) AS loss, grad_norm, loss_scale, skipped
+                   FROM steps_effective WHERE run_id = $r AND step BETWEEN $lo AND $hi),
              w AS (SELECT greatest(1, ceil(($hi - $lo + 1) / $n))::BIGINT AS width)
         SELECT min(step) AS step, max(step) AS step_to,
                avg(loss) FILTER (WHERE isfinite(loss)) AS loss,

@@ -50,6 +50,12 @@ def _bucket_width(cur: Cursor, table: str, run_id: str, step_from: int | None, s
     return int(lo), int(hi), int(width)
 
 
+# A job that knows only each rank's own loss (agent.watch, llmwatch-instrument, the Lightning
+# callback) leaves `loss` NULL and records `local_loss`: its curve is their mean over the ranks,
+# which is what data-parallel training averages.
+_STEPS_WITH_LOSS = "SELECT * REPLACE (coalesce(loss, local_loss) AS loss) FROM steps"
+
+
 def overview(cur: Cursor, run_id: str, *, step_from: int | None = None, step_to: int | None = None,
              max_points: int = 1000) -> Rows:
     """The run's training curves per bucket of steps: each step is first reduced over its
@@ -71,7 +77,7 @@ def overview(cur: Cursor, run_id: str, *, step_from: int | None = None, step_to:
                    max(step_s) AS step_s,
                    count(*) FILTER (WHERE NOT isfinite(loss) OR NOT isfinite(grad_norm)) AS num_nonfinite,
                    coalesce(bool_or(skipped), false) AS skipped
-            FROM steps WHERE run_id = $r AND step BETWEEN $lo AND $hi GROUP BY attempt, step),
+            FROM ({_STEPS_WITH_LOSS}) WHERE run_id = $r AND step BETWEEN $lo AND $hi GROUP BY attempt, step),
         per_step AS (SELECT * FROM per_attempt QUALIFY attempt = max(attempt) OVER (PARTITION BY step))
         SELECT min(step) AS step, max(step) AS step_to, max(ts) AS ts,
                min(loss) AS loss_min, avg(loss) AS loss, max(loss) AS loss_max,
@@ -111,10 +117,10 @@ def lineage(cur: Cursor, run_id: str, *, max_points: int = 600) -> Rows:
     if b is None:
         return []
     lo, _, width = b
-    return records(cur, """
+    return records(cur, f"""
         WITH per_attempt AS (
             SELECT attempt, step, avg(loss) FILTER (WHERE isfinite(loss)) AS loss, max(ts) AS ts
-            FROM steps WHERE run_id = $r GROUP BY attempt, step),
+            FROM ({_STEPS_WITH_LOSS}) WHERE run_id = $r GROUP BY attempt, step),
         per_step AS (SELECT *, attempt = max(attempt) OVER (PARTITION BY step) AS effective FROM per_attempt)
         SELECT attempt, effective, min(step) AS step, max(step) AS step_to, avg(loss) AS loss, max(ts) AS ts
         FROM per_step GROUP BY attempt, effective, (step - $lo) // $w ORDER BY attempt, step""",

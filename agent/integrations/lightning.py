@@ -11,9 +11,9 @@
         trainer.fit(model, data, ckpt_path=cb.resume_from)
 
 One row per optimizer step (`trainer.global_step`, 1 for the first) and rank
-(`trainer.global_rank` of `trainer.world_size`): `loss` from what
-`training_step` returned (its `.item()` is a host sync per step, like
-`self.log(..., prog_bar=True)`), `grad_norm` the total 2-norm of the gradients
+(`trainer.global_rank` of `trainer.world_size`): `local_loss` from what
+`training_step` returned (this rank's own; its `.item()` is a host sync per
+step, like `self.log(..., prog_bar=True)`; `loss`, the global one, stays NULL), `grad_norm` the total 2-norm of the gradients
 before clipping (`on_before_optimizer_step`), `lr` of the first optimizer's first
 group, `step_s` the wall time since the previous step ended. The LightningModule
 and the first optimizer are watched as `agent.watch` does (a probe: phases, the
@@ -95,7 +95,9 @@ class LlmwatchCallback(TelemetryCallback, Callback):
         lr = None
         if trainer.optimizers:
             lr = float(trainer.optimizers[0].param_groups[0]["lr"])
-        self.telemetry.record(step, loss=None if loss is None else float(loss.detach()),  # host sync
+        # what training_step returned is this rank's own loss (a global one would take a
+        # collective): local_loss; the read side draws the mean over the ranks as the curve
+        self.telemetry.record(step, local_loss=None if loss is None else float(loss.detach()),  # host sync
                               grad_norm=None if grad_norm is None else float(grad_norm),
                               lr=lr, step_s=self.telemetry.step_time())
         decision = self.telemetry.boundary(step, checkpoints=lambda: lightning_checkpoints(trainer))

@@ -273,7 +273,7 @@ class _SpikeDetector:
                     "num_steps_flagged": len(ep.steps), "z_threshold": cfg.z_threshold, "min_ratio": cfg.min_ratio,
                     "window_steps": cfg.window_steps, **ep.extra}
         root = ep.extra.get("_root") or self._default_root(peak)
-        rank = ep.extra.get("_rank")  # named only for a replica of one rank without a global loss
+        rank = ep.extra.get("_rank")  # named only for a suspect replica of one rank
         evidence.pop("_root", None)
         evidence.pop("_rank", None)
         p.report(Finding(kind=self.kind, key=ep.key, run_id=p.run.run_id,
@@ -420,9 +420,9 @@ class LossSpikeDetector(_SpikeDetector):
         if peer is not None:
             self._enrich_peer(p, ep, key, rows, peer)
             return
-        self._enrich_global(p, st, ep, key, rows)
         ep.extra.pop("replica_vs_peers", None)
         ep.extra.pop("_rank", None)
+        self._enrich_global(p, st, ep, key, rows)
         if rows["loss"].null_count() == rows.height and ep.extra.get("suspect_replica") is not None:
             d = ep.extra["suspect_replica"]  # no global loss: name the replica's rank, show its peers
             per = self._replica_losses(p, rows)
@@ -475,6 +475,8 @@ class LossSpikeDetector(_SpikeDetector):
                 jumped = (ratio >= cfg.min_ratio) & (z >= cfg.z_threshold)
                 order = np.argsort(-ratio)
                 suspects = [int(rep[i]) for i in order if jumped[i]]
+                if not suspects and num_replicas >= 2:
+                    suspects = self._above_peers(st, rep, lv)
                 ep.extra["replicas"] = [{"replica": int(rep[i]), "local_loss": json_number(val[i], 5),
                                          "ratio": json_number(ratio[i], 4),
                                          "z": json_number(z[i], 4) if np.isfinite(z[i]) else None}
@@ -486,6 +488,7 @@ class LossSpikeDetector(_SpikeDetector):
         if suspects and not whole:
             d = suspects[0]
             ep.extra["suspect_replica"] = d
+            ep.extra["_rank"] = self._only_rank(p, rows, d)
             w = windows.get(d)
             ep.extra["samples"] = w
             where = (f"replica {d}'s samples {w['from']}-{w['to'] - 1} (epoch {w['epoch']})" if w
@@ -505,6 +508,29 @@ class LossSpikeDetector(_SpikeDetector):
                                      "no sample positions recorded)")
         if windows:
             ep.extra["sample_windows"] = {str(d): w for d, w in list(windows.items())[:8]}
+
+    def _above_peers(self, st: _State, rep: np.ndarray, lv: np.ndarray) -> list[int]:
+        """At a step whose global loss spiked, the one replica far above its peers there
+        (`replica_min_ratio` over their median, beyond its usual offset; and
+        `replica_z_threshold` sigmas of the replicas' usual spread where that was learned),
+        as a list of none or one. A replica's own baseline lags a steeply falling curve,
+        so early in a run a poisoned replica is plain against its peers and not yet against
+        its own past."""
+        cfg = self.cfg
+        ref, _ = loo_median(lv, np.zeros(len(lv), np.int64))
+        adj = lv - ref
+        n = len(st.peer_offset)
+        known = (rep < n) & (st.peer_seen[np.minimum(rep, max(n - 1, 0))] >= cfg.min_history_steps) if n else \
+            np.zeros(len(rep), bool)
+        adj = adj - np.where(known, st.peer_offset[np.minimum(rep, max(n - 1, 0))] if n else 0.0, 0.0)
+        i = int(np.argmax(adj))
+        if math.exp(adj[i]) < cfg.replica_min_ratio or np.sort(adj)[-2] >= math.log(cfg.replica_min_ratio):
+            return []  # not one replica: several jumped, or none far enough
+        if len(st.peer_spread) >= cfg.min_history_steps:
+            scale = max(MAD_TO_SIGMA * st.peer_spread.median_scale()[0], cfg.replica_min_log_scale)
+            if adj[i] / scale < cfg.replica_z_threshold:
+                return []
+        return [int(rep[i])]
 
     def _windows(self, p, rows: pl.DataFrame) -> dict[int, dict]:
         if not has(rows, "sample_from") or not has(rows, "sample_to"):

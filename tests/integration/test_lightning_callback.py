@@ -65,7 +65,7 @@ def test_rows_once_per_step_and_stop(col, tmp_path):
     at = At(col, cb, "pl", {3: ("isolate", {"node": "n1"}), 5: ("stop", {})})
     trainer = fit(tmp_path, [at, cb], max_steps=40)
     assert trainer.global_step == 5
-    rows = col.sql("SELECT step, loss, grad_norm, lr, step_s FROM steps WHERE run_id = 'pl' ORDER BY step")
+    rows = col.sql("SELECT step, local_loss, grad_norm, lr, step_s FROM steps WHERE run_id = 'pl' ORDER BY step")
     assert [r[0] for r in rows] == [1, 2, 3, 4, 5]
     assert all(loss > 0 and grad_norm > 0 and lr == pytest.approx(0.05) and step_s > 0
                for _, loss, grad_norm, lr, step_s in rows)

@@ -85,6 +85,7 @@ class DdpRun(Sim):
     loss_noise: float = 0.03  # sigma of a replica's log local loss around the curve (batch noise)
     loss_tail_df: float = 0.0  # > 0: that noise heavy-tailed, a Student t with this many degrees of freedom
     hang_tail_s: float = 60.0  # heartbeats go on this long after a hang
+    global_loss: bool = False  # True: `loss` is the replicas' mean, as a Trainer logs it (else NULL)
 
     def __post_init__(self) -> None:
         if self.layout is None:
@@ -207,7 +208,8 @@ class DdpRun(Sim):
         n = len(s_idx)
         df = pl.DataFrame({
             "run_id": [self.run_id] * n, "attempt": np.zeros(n, np.int32), "step": c["step"].astype(np.int64),
-            "rank": r_idx.astype(np.int32), "ts": c["ts"], "loss": nulls, "grad_norm": grad[s_idx],
+            "rank": r_idx.astype(np.int32), "ts": c["ts"],
+            "loss": local.mean(axis=1)[s_idx] if self.global_loss else nulls, "grad_norm": grad[s_idx],
             "loss_scale": nulls, "lr": np.full(n, 1e-3), "step_s": c["step_s"], **phases,
             "data_s": c["data_s"] if self.timings else nulls, "local_loss": local[s_idx, r_idx],
             "finite_fwd": finite_fwd[s_idx, r_idx], "finite_bwd": finite_bwd[s_idx, r_idx],

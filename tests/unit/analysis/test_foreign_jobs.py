@@ -155,6 +155,19 @@ def test_one_replicas_poisoned_batch_is_named_against_its_peers(world, rank):
     assert f"replica {rank} (rank {rank})" in last.root_cause and last.evidence["samples"] is None
 
 
+@pytest.mark.parametrize("step", [40, 150])
+def test_with_a_global_loss_the_spike_names_the_one_replica_far_above_its_peers(step):
+    """A Trainer logs the replicas' mean: the global spike is flagged at first sight, and the
+    replica is named against its peers even early, while its own baseline still lags the
+    falling curve."""
+    sim = DdpRun(layout=Layout(dp=2, nodes=2), steps=step + 40, seed=3, global_loss=True,
+                 faults=(ReplicaSpike(rank=0, step=step, factor=2.5),))
+    findings = feed(Analyzer(detectors=["loss_spike", "grad_spike"]), sim.build())
+    assert [f.kind for f in opened(findings).values()] == ["loss_spike"], [f.summary() for f in findings]
+    last = next(iter(last_of(findings).values()))  # opened at first sight, the replica named once complete
+    assert last.step_from == step and last.evidence["suspect_replica"] == 0 and last.rank == 0, last.summary()
+
+
 @pytest.mark.parametrize("world, noise, seed", [(2, 0.05, 11), (4, 0.05, 12), (8, 0.03, 13), (16, 0.05, 14)])
 def test_replicas_batch_noise_opens_no_spike(world, noise, seed):
     sim = DdpRun(layout=Layout(dp=world, nodes=2), steps=500, seed=seed, loss_noise=noise)

@@ -103,6 +103,28 @@ def test_the_same_answers_live_and_on_the_closed_file(tmp_path):
     assert by_name[("commands", ("run1",), ())][0]["ranks"] == [0, 1]
 
 
+def test_a_job_with_only_local_losses_has_their_mean_as_its_loss_curve(tmp_path):
+    """agent.watch records each rank's own loss (`local_loss`) and no global one: the curves
+    the dashboard draws are the mean over the ranks, what data parallelism averages."""
+    from collector import read_views
+
+    storage = Storage(Settings(db_path=tmp_path / "w.duckdb", group_linger_s=0.0, group_min_interval_s=0.0))
+    try:
+        for rank in (0, 1):
+            storage.ingest_blocking(decode(make_batch(
+                rank=rank, run=RUN if rank == 0 else None,
+                sections={wire.STEP: steps_section(range(1, 4), loss=wire.NULL_F64, local_loss=1.0 + 2 * rank,
+                                                      local_loss_valid=1)})))
+        overview = storage.read(read_views.overview, "run1")
+        window = storage.read(read.step_window, "run1", step_from=1, step_to=3)
+        curve = storage.read(read.steps, "run1", "loss")
+    finally:
+        storage.close()
+    assert [r["loss"] for r in overview] == [2.0, 2.0, 2.0]
+    assert [r["loss"] for r in window] == [2.0, 2.0, 2.0]
+    assert [r["avg"] for r in curve] == [2.0, 2.0, 2.0]
+
+
 def test_a_read_only_connection_cannot_write(tmp_path):
     path = tmp_path / "w.duckdb"
     Storage(Settings(db_path=path)).close()
