@@ -352,7 +352,7 @@ class LossSpikeDetector(_SpikeDetector):
         known = st.peer_seen[rep] >= cfg.min_history_steps
         adj = d - np.where(known, st.peer_offset[rep], 0.0)
         if len(st.peer_spread) >= cfg.min_history_steps:
-            scale = max(MAD_TO_SIGMA * st.peer_spread.median_scale()[0], cfg.replica_min_log_scale)
+            scale = max(MAD_TO_SIGMA * st.peer_spread.level_scale(cfg.level_steps)[0], cfg.replica_min_log_scale)
             z = adj / scale
             i = int(np.argmax(z))
             if z[i] >= cfg.replica_z_threshold and math.exp(adj[i]) >= cfg.replica_min_ratio \
@@ -527,7 +527,7 @@ class LossSpikeDetector(_SpikeDetector):
         if math.exp(adj[i]) < cfg.replica_min_ratio or np.sort(adj)[-2] >= math.log(cfg.replica_min_ratio):
             return []  # not one replica: several jumped, or none far enough
         if len(st.peer_spread) >= cfg.min_history_steps:
-            scale = max(MAD_TO_SIGMA * st.peer_spread.median_scale()[0], cfg.replica_min_log_scale)
+            scale = max(MAD_TO_SIGMA * st.peer_spread.level_scale(cfg.level_steps)[0], cfg.replica_min_log_scale)
             if adj[i] / scale < cfg.replica_z_threshold:
                 return []
         return [int(rep[i])]
