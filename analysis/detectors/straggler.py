@@ -77,7 +77,7 @@ later: `collective_lag_steps`), and a rank's compute is then its `step_s` less
 its data wait (`data_s`, when measured: that is the data_stall detector's) and
 less its waits inferred from the arrival skew at that step's collectives
 (analysis/attribution.py); no verdict comes before the drift is measured (about
-64 judged steps on two ranks) unless a rank is `max_step_ratio` slower. The whole step, not `fwd_s + bwd_s + opt_s`: a wait
+64 judged steps on two ranks). The whole step, not `fwd_s + bwd_s + opt_s`: a wait
 can fall outside the hooked phases (DDP broadcasts its buffers before the inner
 module's forward hook runs; a framework's logging collectives run between
 steps), and every wait lies inside the step (with `fwd_s + bwd_s + opt_s` as
@@ -413,9 +413,9 @@ class StragglerDetector:
         if st.waits.inferring and self.drift_s(st) is None:
             # inferred waits are noisier than measured ones, and early on a shared host two ranks
             # drift apart for tens of steps (clean 2-rank DDP, HF and Lightning runs opened 1.1-1.3x
-            # stragglers at steps 12-37): no verdict before the drift is measured, but for a rank
-            # max_step_ratio or more slower
-            costly = costly & (st.ratio >= cfg.max_step_ratio)
+            # stragglers at steps 8-39, one through a hiccup that took a rank's smoothed ratio past
+            # max_step_ratio for a step): no verdict before the drift is measured
+            known = False
         firing = np.flatnonzero((st.cusum >= h) & (popcount(st.mask & self.full) >= cfg.min_slow_steps)
                                 & (st.ratio >= cfg.min_ratio) & costly & self._slowed(st)) \
             if known else np.zeros(0, np.int64)
