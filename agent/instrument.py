@@ -160,6 +160,14 @@ def _on_torch() -> None:
     _Discovery().install()
 
 
+def _is_llmwatch_trainer() -> bool:
+    """This process is a rank of the llmwatch trainer (`python -m trainer`, under torchrun or
+    its own launcher), not a job that merely imported something of ours."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    return os.environ.get("LLMWATCH_EMBEDDED") == "1" or getattr(spec, "name", "") in ("trainer", "trainer.__main__")
+
+
 class _Discovery:
     """Finds the model and optimizer of the first optimizer step, then watches them."""
 
@@ -202,7 +210,7 @@ class _Discovery:
             self._attach(opt, final=True)
 
     def _attach(self, opt, *, final: bool) -> None:
-        if "trainer.comm" in sys.modules:  # the llmwatch trainer: its own comm layer and agent record it all
+        if _is_llmwatch_trainer():  # its own comm layer and agent record it all: one source
             self.watch = False
             return
         owned = {id(p) for g in opt.param_groups for p in g["params"]}

@@ -347,3 +347,14 @@ def test_a_plain_loop_is_watched_with_no_change_to_its_code(tmp_path):
     assert found == {"watches": 1, "steps": 3, "agent": "NoopAgent", "root_hooked": True, "params": True,
                      "optimizer_hooked": True, "inner_hooked": False}, got.stderr
     assert "no collector" in got.stderr  # said once by the command, once by the rank
+
+
+def test_the_llmwatch_trainer_is_left_alone_and_a_job_that_imported_it_is_not(monkeypatch):
+    import trainer.comm  # noqa: F401 - imported, as a test process or a user's tool may
+
+    from agent.instrument import _is_llmwatch_trainer
+
+    monkeypatch.delenv("LLMWATCH_EMBEDDED", raising=False)
+    assert not _is_llmwatch_trainer()
+    monkeypatch.setenv("LLMWATCH_EMBEDDED", "1")  # a rank the trainer's launcher started
+    assert _is_llmwatch_trainer()
