@@ -160,7 +160,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=12, help="scenarios (~25 s each on two cores)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=60, help="steps of a run (a hang's: until its incident)")
+    ap.add_argument("--steps", type=int, default=140,
+                    help="steps of a run (a hang's: until its incident); a straggler verdict on a foreign job comes "
+                         "once the ranks' drift is measured, ~64 steps in")
     ap.add_argument("--loops", nargs="+", choices=LOOPS, default=list(LOOPS), help="the loops, taken in turn")
     ap.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="draw only these kinds")
     ap.add_argument("--run-timeout-s", type=float, default=120.0,
