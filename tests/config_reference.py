@@ -67,7 +67,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "LLMWATCH_NODE_INDEX": ("you", "Under `torchrun`: this node's index in the job's first layout, set per "
                             "agent; with `LOCAL_RANK` it gives the hardware rank an `--inject` names."),
     "LLMWATCH_EMBEDDED": ("launcher", "`1` in ranks the embedded launcher started (it prints the run's "
-                          "notes once for all ranks)."),
+                          "notes once for all ranks; `llmwatch-instrument` leaves such a rank alone)."),
     "LLMWATCH_PROGRESS": ("launcher", "`1`: rank 0 prints per-step progress (set from `--no-progress`)."),
     "LLMWATCH_HW_RANK": ("launcher", "The rank's slot in the first layout (what `--inject rank=R` means) "
                          "after an elastic restart renumbered the ranks."),
