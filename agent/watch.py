@@ -290,7 +290,7 @@ class Watch:
         self._bounds = _Bounds()
         self._bounds.add(time.time_ns(), self.step + 1, agent.attempt)
         self._pending: list[tuple] = []  # (step, timings, host tensor, event) waiting for their copy
-        self._reset_step(self._clock())
+        self._reset_step()
         self.reader: FlightReader | None = None
         self._logged: set[str] = set()
         optimizers = [o for o in optimizers if o is not None]
@@ -415,7 +415,7 @@ class Watch:
         if not self._params:
             self._params = [p for g in opt.param_groups for p in g["params"]]
 
-    def _reset_step(self, now: float) -> None:
+    def _reset_step(self) -> None:
         self.fwd_s = self.bwd_s = self.opt_s = 0.0
         self.data_s = None
         self._fwd_t0 = None
@@ -498,7 +498,6 @@ class Watch:
     def _step_end(self, *, opt_s: float | None) -> None:
         import torch
 
-        now = self._clock()
         self.step += 1
         step = self.step
         agent = self.agent
@@ -528,7 +527,7 @@ class Watch:
                 host = packed
         self._pending.append((step, timings, have, sharded, host, event))
         self._drain(wait=False)
-        self._reset_step(now)
+        self._reset_step()
         agent.set_phase("data", step + 1)
 
     def _drain(self, *, wait: bool) -> None:
