@@ -5,14 +5,16 @@ real collector: `llmwatch-instrument -- torchrun ... loop.py` (zero code), the l
 
 A run that ends by itself is read after its collector stopped (stopping drains the
 detection of every committed row, so "no incident" is a fact, not a wait). A hang is
-watched live: the job is killed once the collector opened the incident, or at a bound.
+watched live: the job is stopped once the collector holds what the test needs (`stop_when`:
+the incident, and the rows sent before the hang, which may still be on their way from a
+spool), or at a bound. Each run spools under its own directory ($TMPDIR), and a stopped
+run leaves no process behind (tests/procs.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import duckdb
 
+from tests.procs import stop_tree
 from tests.unit.collector.collector_server import CollectorProcess
 from trainer.launch import free_port
 
@@ -48,7 +51,6 @@ class ForeignRun:
     num_steps_rows: int = 0
     num_collectives: int = 0
     config: dict = field(default_factory=dict)
-    hang_started_ts: float | None = None  # the hung rank's last step's end (a hang run)
 
     def of(self, kind: str) -> list[dict]:
         return [i for i in self.incidents if i["kind"] == kind]
@@ -73,25 +75,24 @@ def _command(loop: str, nproc: int, run_id: str, col: CollectorProcess) -> tuple
 
 
 def run_loop(tmp: Path, loop: str, *, faults: str = "", steps: int = 60, nproc: int = 2,
-             collector_args: tuple[str, ...] = ("--policy", "off"), hang: bool = False) -> ForeignRun:
-    """Run `loop` with `faults` to its end (or, with `hang`, until a hang incident opened)
-    and read what the collector stored."""
+             collector_args: tuple[str, ...] = ("--policy", "off"), stop_when: str | None = None) -> ForeignRun:
+    """Run `loop` with `faults` to its end (or until the SQL `stop_when`, `{run_id}` in it
+    filled in, answers true) and read what the collector stored."""
     tmp.mkdir(parents=True, exist_ok=True)
     run_id = f"{loop}-{tmp.name}"
     col = CollectorProcess(tmp / "tel.duckdb", args=collector_args).start()
     try:
         cmd, env = _command(loop, nproc, run_id, col)
-        env.update(LOOP_FAULTS=faults, LOOP_STEPS=str(steps), LOOP_TRUTH=str(tmp / "truth"), LOOP_OUT=str(tmp / "out"))
+        env.update(LOOP_FAULTS=faults, LOOP_STEPS=str(steps), LOOP_TRUTH=str(tmp / "truth"), LOOP_OUT=str(tmp / "out"),
+                   TMPDIR=str(tmp))
         log = open(tmp / "job.log", "w+")
         proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + RUN_TIMEOUT_S
         while proc.poll() is None and time.monotonic() < deadline:
-            if hang and col.sql(f"SELECT count(*) FROM incidents WHERE run_id = '{run_id}' AND kind = 'hang'")[0][0]:
+            if stop_when and col.sql(stop_when.format(run_id=run_id))[0][0]:
                 break
             time.sleep(0.2)
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        stop_tree(proc)
         log.seek(0)
         output = log.read()
         log.close()

@@ -28,13 +28,16 @@ STRAGGLER_FROM, HANG_AT, NOISE_AT, NAN_AT = 40, 30, 30, 45
 # a straggler verdict on inferred waits waits for the ranks' drift to be measured (~64 steps on
 # two ranks): a clean run long past that, a straggler run long enough to be caught after it
 CLEAN_STEPS, STRAGGLER_STEPS = 160, 120
+# a hang run is stopped once the incident is open and the hung rank's last step is stored
+HANG_SEEN = ("SELECT (SELECT count(*) FROM incidents WHERE run_id = '{run_id}' AND kind = 'hang') > 0"
+             f" AND (SELECT count(*) FROM steps WHERE run_id = '{{run_id}}' AND rank = 1 AND step = {HANG_AT - 1}) > 0")
 
 
 def scenario(loop: str, name: str) -> dict:
     return {
         "clean": dict(steps=CLEAN_STEPS),
         "straggler": dict(steps=STRAGGLER_STEPS, faults=f"straggler:rank=1,step={STRAGGLER_FROM},ms={SLOW_MS[loop]}"),
-        "hang": dict(steps=400, faults=f"hang:rank=1,step={HANG_AT}", hang=True),
+        "hang": dict(steps=400, faults=f"hang:rank=1,step={HANG_AT}", stop_when=HANG_SEEN),
         "data": dict(steps=55, faults=f"noise:rank=0,step={NOISE_AT};nan:rank=1,step={NAN_AT}",
                      collector_args=("--policy", "auto")),
     }[name]
@@ -89,6 +92,7 @@ def test_a_hung_rank_is_named_with_its_collective_within_10_s(runs, loop):
     assert inc["rank"] == 1, run.summary()
     collective = inc["evidence"]["collective"]
     assert collective and collective["axis"] == "dp" and collective["group_seq"] > 0, inc["evidence"]
+    assert HANG_AT - 1 in run.steps, f"step {HANG_AT - 1} never stored: {sorted(run.steps)[-5:]}\n{run.output[-2000:]}"
     hang_started = run.steps[HANG_AT - 1]  # the hung rank's last step ended then
     assert inc["opened_ts"] - hang_started <= 10.0, (inc["opened_ts"] - hang_started, run.summary())
     assert {i["kind"] for i in run.incidents} == {"hang"}, run.summary()

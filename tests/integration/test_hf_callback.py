@@ -18,6 +18,7 @@ from agent.integrations.hf import LlmwatchCallback  # noqa: E402
 from tests.integration.framework_run import agent_config, deliver, post_command, settled  # noqa: E402
 from tests.integration.hf_worker import build_trainer  # noqa: E402
 from tests.polling import wait_until  # noqa: E402
+from tests.procs import stop_tree  # noqa: E402
 from tests.unit.collector.collector_server import CollectorProcess  # noqa: E402
 from trainer.launch import free_port  # noqa: E402
 
@@ -112,7 +113,7 @@ def test_two_ranks_under_torchrun_record_every_step_and_stop_at_the_same_step(co
         output = job.communicate(timeout=120)[0]
     finally:
         if job.poll() is None:
-            job.kill()
+            stop_tree(job)
             job.communicate()
     assert job.returncode == 0, output[-4000:]
     results = [json.loads((out / f"rank-{r}.json").read_text()) for r in (0, 1)]

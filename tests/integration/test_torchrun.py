@@ -12,6 +12,7 @@ import pytest
 
 from tests.integration.trainer_run import ROOT, TINY, assert_close, run_trainer
 from tests.polling import wait_until
+from tests.procs import stop_tree
 from tests.unit.collector.collector_server import CollectorProcess
 from trainer.launch import free_port
 
@@ -120,8 +121,7 @@ def test_an_isolated_node_leaves_and_the_job_finishes_on_the_other_two(tmp_path)
         codes = [a.wait(timeout=300) for a in agents]
     finally:
         for a in agents:
-            if a.poll() is None:
-                a.kill()
+            stop_tree(a)
         for log in logs:
             log.close()
         col.stop()
