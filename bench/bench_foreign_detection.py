@@ -133,8 +133,9 @@ def _step_s(ends: dict[int, float], lo: int, hi: int) -> float | None:
 def run_one(sc: Scenario, tmp: Path, steps: int) -> Outcome:
     t0 = time.monotonic()
     try:
-        run = foreign_run.run_loop(tmp, sc.loop, faults=sc.faults(), steps=400 if sc.kind == "hang" else steps,
-                                   hang=sc.kind == "hang")
+        hang = sc.kind == "hang"
+        run = foreign_run.run_loop(tmp, sc.loop, faults=sc.faults(), steps=400 if hang else steps,
+                                   stop_when=foreign_run.hang_seen(sc.rank, sc.step - 1) if hang else None)
     except Exception as e:  # noqa: BLE001 - one failed run must not end the others
         return Outcome(sc, None, time.monotonic() - t0, error=f"{type(e).__name__}: {e}")
     out = Outcome(sc, run, time.monotonic() - t0)

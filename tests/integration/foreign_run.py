@@ -39,6 +39,14 @@ LOOP_SCRIPTS = {"ddp": "ddp_gpt.py", "ddp_watch": "ddp_gpt.py", "fsdp2": "fsdp2_
 INSTRUMENTED = {"ddp", "fsdp2"}
 
 
+def hang_seen(rank: int, last_step: int) -> str:
+    """`stop_when` for a hang run: the hang incident is open, and `rank`'s `last_step` (the
+    last it finished) is stored."""
+    return ("SELECT (SELECT count(*) FROM incidents WHERE run_id = '{run_id}' AND kind = 'hang') > 0"
+            f" AND (SELECT count(*) FROM steps WHERE run_id = '{{run_id}}' AND rank = {rank}"
+            f" AND step = {last_step}) > 0")
+
+
 @dataclass
 class ForeignRun:
     loop: str

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.foreign_run import ForeignRun, run_loop
+from tests.integration.foreign_run import ForeignRun, hang_seen, run_loop
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -28,16 +28,13 @@ STRAGGLER_FROM, HANG_AT, NOISE_AT, NAN_AT = 40, 30, 30, 45
 # a straggler verdict on inferred waits waits for the ranks' drift to be measured (~64 steps on
 # two ranks): a clean run long past that, a straggler run long enough to be caught after it
 CLEAN_STEPS, STRAGGLER_STEPS = 160, 120
-# a hang run is stopped once the incident is open and the hung rank's last step is stored
-HANG_SEEN = ("SELECT (SELECT count(*) FROM incidents WHERE run_id = '{run_id}' AND kind = 'hang') > 0"
-             f" AND (SELECT count(*) FROM steps WHERE run_id = '{{run_id}}' AND rank = 1 AND step = {HANG_AT - 1}) > 0")
 
 
 def scenario(loop: str, name: str) -> dict:
     return {
         "clean": dict(steps=CLEAN_STEPS),
         "straggler": dict(steps=STRAGGLER_STEPS, faults=f"straggler:rank=1,step={STRAGGLER_FROM},ms={SLOW_MS[loop]}"),
-        "hang": dict(steps=400, faults=f"hang:rank=1,step={HANG_AT}", stop_when=HANG_SEEN),
+        "hang": dict(steps=400, faults=f"hang:rank=1,step={HANG_AT}", stop_when=hang_seen(1, HANG_AT - 1)),
         "data": dict(steps=55, faults=f"noise:rank=0,step={NOISE_AT};nan:rank=1,step={NAN_AT}",
                      collector_args=("--policy", "auto")),
     }[name]
