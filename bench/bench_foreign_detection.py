@@ -6,8 +6,9 @@
 Each scenario is one run of a foreign loop (tests/integration/loops/) with 2 gloo
 ranks under torchrun, against a real collector (`--policy off`: detection alone),
 through tests/integration/foreign_run.py `run_loop`; the loops alternate between
-the plain DDP loop under `llmwatch-instrument` (zero code, "ddp") and the Hugging
-Face Trainer with its one-line callback ("hf"). One fault a run, drawn with
+the plain DDP loop under `llmwatch-instrument` (zero code, "ddp"), the Hugging
+Face Trainer with its one-line callback ("hf"), the FSDP2 loop under
+`llmwatch-instrument` ("fsdp2") and the Lightning fit with its callback ("lightning"). One fault a run, drawn with
 `--seed` (the harness's $LOOP_FAULTS, loops/faults.py; the collector never sees it):
 
   clean      none: every incident is a false one;
@@ -51,10 +52,10 @@ from tests.integration import foreign_run  # noqa: E402
 KINDS = ("clean", "straggler", "hang", "nan", "noise")
 EXPECTED = {"clean": None, "straggler": "straggler", "hang": "hang", "nan": "nan", "noise": "loss_spike"}
 AT_THE_STEP = {"nan", "noise"}  # their incident starts at the fault's step
-LOOPS = ("ddp", "hf")
+LOOPS = ("ddp", "hf", "fsdp2", "lightning")
 # a step of each loop with 2 ranks watched, on this machine's two cores (median, clean runs): the
 # straggler's extra forward time is (f - 1) times this
-STEP_MS = {"ddp": 40, "hf": 45}
+STEP_MS = {"ddp": 40, "hf": 45, "fsdp2": 40, "lightning": 30}
 FAULT_STEPS = (25, 40)  # s is drawn in [25, 40): after the loss baseline's 20 steps and the first 5
 
 

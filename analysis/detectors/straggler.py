@@ -32,6 +32,9 @@ Excluded steps (start, checkpoint, eval: analysis/marks.py) neither add nor
 reset.
 
 A rank fires when its sum is over the threshold, enough recent steps were slow,
+its level stands out of the run's noise (`level_sigmas`: the median of its log
+ratios since its climb began, over at least `level_steps` steps, `level_z` sigmas
+up; the sum climbs on a burst of slow steps, the median only when most are slow),
 its smoothed ratio is at least `min_ratio`, its smoothed excess compute is at
 least `min_share` of the step time (on an oversubscribed host a slow link's rank
 and its partner compute a little slower too, ~1.2x of a compute that is a sliver
@@ -147,7 +150,7 @@ class _State:
     __slots__ = ("cusum", "mask", "calm", "ratio", "excess", "compute", "onset", "judged", "last_lr", "noise",
                  "episodes", "waits", "last_judged", "step_s", "num_steps_judged", "stage_levels", "kh",
                  "lr_hist", "hist_steps", "block_sum", "block_n", "last_block", "drift",
-                 "own_hist", "paired", "held", "num_unjudged_steps")
+                 "own_hist", "raw_hist", "paired", "held", "num_unjudged_steps")
 
     def __init__(self, alpha: float, noise_window: int, async_min_share: float = 0.05,
                  clock_error_s: float = 0.0) -> None:
@@ -176,6 +179,7 @@ class _State:
         self.lr_hist = np.full((0, _ONSET_STEPS), np.nan)  # column i: log ratio at the i-th latest judged step
         self.hist_steps: deque[int] = deque(maxlen=_ONSET_STEPS)  # the judged steps those columns are for
         self.own_hist = np.full((0, _ONSET_STEPS), np.nan)  # column i: log compute at the i-th latest judged step
+        self.raw_hist = np.full((0, _ONSET_STEPS), np.nan)  # column i: log ratio, not clipped, at the i-th latest
         self.paired = np.zeros(0, bool)  # judged against a single peer at its last step
         self.held: deque[tuple[int, int, pl.DataFrame]] = deque()  # released steps waiting for their waits
         self.num_unjudged_steps = 0  # held steps dropped past _MAX_HELD_STEPS
@@ -195,6 +199,7 @@ class _State:
         self.last_block = _grow(self.last_block, n, np.nan)
         self.lr_hist = _grow_rows(self.lr_hist, n)
         self.own_hist = _grow_rows(self.own_hist, n)
+        self.raw_hist = _grow_rows(self.raw_hist, n)
         self.paired = _grow(self.paired, n, False)
 
     def footprint(self) -> dict[str, int]:
@@ -239,6 +244,42 @@ class StragglerDetector:
             drift = _DRIFT_PRIOR * sigma  # over 8 steps is 0.35 of it; clean dp2 runs on 2 cores measured ~1.0)
         return (max(self.k0, self.cfg.noise_k * sigma, self.cfg.drift_k * drift),
                 max(self.cfg.cusum_threshold, self.cfg.noise_h * sigma))
+
+    def level_sigmas(self, st: _State) -> np.ndarray:
+        """Per rank: how many sigmas its level lies above its peers': the median of its log
+        ratios (not clipped) over the steps since its climb began, at least `level_steps` of
+        its latest judged steps and at most `_ONSET_STEPS`. The sigma of that median of m
+        steps is the larger of 1.25 x the step-to-step noise over sqrt(m) and the drift (ranks
+        that drift apart on shared cores: a median over a block does not average that out),
+        the drift shrinking as sqrt(2 window_steps / m) once m passes two blocks: a swing of a
+        shared host ends (clean runs on two shared cores: 8-30 steps), a straggler stays, and
+        the longer it stays the surer it is. A median
+        of several steps is what a real straggler moves and a burst of two or three slow
+        steps does not (a clean Lightning rank on shared cores ran 1.5x its peer for three
+        steps in a row)."""
+        n = len(st.cusum)
+        have = len(st.hist_steps)
+        if not n or not have:
+            return np.zeros(n)
+        sigma = self.noise_s(st) or 0.0
+        drift = self.drift_s(st)
+        if drift is None:
+            drift = _DRIFT_PRIOR * sigma
+        steps = np.fromiter(st.hist_steps, np.int64, have)  # newest first
+        since = np.where(st.onset[:n] >= 0, (steps[None, :] >= st.onset[:n, None]).sum(axis=1), 0)
+        m = np.clip(since, min(self.cfg.level_steps, have), have)
+        hist = np.where(np.arange(have)[None, :] < m[:, None], st.raw_hist[:n, :have], np.nan)
+        cnt = np.isfinite(hist).sum(axis=1)
+        out = np.zeros(n)
+        got = cnt > 0
+        if got.any():
+            level = np.nanmedian(hist[got], axis=1)
+            c = cnt[got]
+            settled = 2 * self.cfg.window_steps  # swings of a shared host last up to a few blocks
+            scale = np.maximum(drift * np.sqrt(settled / np.maximum(c, settled)), 1.25 * sigma / np.sqrt(c))
+            with np.errstate(divide="ignore", invalid="ignore"):
+                out[got] = np.where(scale > 0, level / scale, np.where(level > 0, np.inf, 0.0))
+        return out
 
     def run(self, p, st: _State) -> None:
         st.waits.add(p.frames.collectives)
@@ -344,6 +385,8 @@ class StragglerDetector:
         st.mask[r] = ((st.mask[r] << 1) | slow) & self.full
         st.lr_hist[r, 1:] = st.lr_hist[r, :-1]
         st.lr_hist[r, 0] = lr
+        st.raw_hist[r, 1:] = st.raw_hist[r, :-1]
+        st.raw_hist[r, 0] = np.log(ratio)
         st.own_hist[r, 1:] = st.own_hist[r, :-1]
         st.own_hist[r, 0] = np.log(c)
         st.paired[r] = len(r) < 3
@@ -417,7 +460,8 @@ class StragglerDetector:
             # max_step_ratio for a step): no verdict before the drift is measured
             known = False
         firing = np.flatnonzero((st.cusum >= h) & (popcount(st.mask & self.full) >= cfg.min_slow_steps)
-                                & (st.ratio >= cfg.min_ratio) & costly & self._slowed(st)) \
+                                & (st.ratio >= cfg.min_ratio) & costly & self._slowed(st)
+                                & (self.level_sigmas(st) >= cfg.level_z)) \
             if known else np.zeros(0, np.int64)
         # culprits: the firing ranks and the open incidents' members; a culprit that waits for
         # another culprit is held back by it (the rank everyone waits for is the culprit)
