@@ -17,7 +17,7 @@ finished run back into commits for `collector replay`; `score`
 
 from analysis.engine import Analyzer, run_pass
 from analysis.findings import KINDS, OPEN, RESOLVED, Finding, IncidentBook, json_number
-from analysis.frames import Frames, FrameError
+from analysis.frames import FrameError, Frames
 from analysis.registry import build_detectors, detector_names, register
 from analysis.replay import replay_commits
 from analysis.rules import Rules, RulesError, load_rules, rules_from_dict

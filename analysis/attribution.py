@@ -73,7 +73,6 @@ import polars as pl
 from analysis.frames import Interner, ints
 from analysis.topology import _grow
 
-
 _PAIR_BITS = 24  # a pair key is waiter << _PAIR_BITS | waited-for (ranks below 2**24)
 _PAIR_FLOOR_S = 1e-6  # decayed below this, a pair is forgotten when the book prunes
 _INFERRED_STEPS = 64  # final steps whose per-rank inferred waits are kept (the straggler reads them at once)

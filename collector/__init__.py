@@ -6,8 +6,8 @@ queries, on any DuckDB cursor) and `create_app` (the ASGI app around a Storage).
 The CLI is `collector serve` / `collector sql` (collector/cli.py).
 """
 
+from collector.server import create_app
 from collector.settings import Settings
 from collector.storage import Storage
-from collector.server import create_app
 
 __all__ = ["Settings", "Storage", "create_app"]

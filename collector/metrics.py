@@ -112,10 +112,10 @@ class _RunCollector:
         tps = GaugeMetricFamily("llmwatch_run_tokens_per_s", "Tokens per second at the latest step", labels=["run_id"])
         inc = GaugeMetricFamily("llmwatch_run_open_incidents", "Incidents with status open", labels=["run_id"])
         snap = self._gauges.snapshot()
-        for run_id, (s, l, t) in snap.items():
-            step.add_metric([run_id], s)
-            loss.add_metric([run_id], l)
-            tps.add_metric([run_id], t)
+        for run_id, (at_step, at_loss, at_tps) in snap.items():
+            step.add_metric([run_id], at_step)
+            loss.add_metric([run_id], at_loss)
+            tps.add_metric([run_id], at_tps)
         counts = self._open_incidents()
         for run_id in sorted(set(snap) | set(counts)):
             inc.add_metric([run_id], counts.get(run_id, 0))

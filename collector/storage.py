@@ -39,19 +39,25 @@ from prometheus_client import Counter, Gauge
 
 from analysis.policy import Policy
 from collector import read, read_views
-from collector.actions import (ActionsProjection, BadBatchesProjection, RecordAction, SetNodeStatus,
-                               UpdateAction)
+from collector.actions import ActionsProjection, BadBatchesProjection, RecordAction, SetNodeStatus, UpdateAction
 from collector.commands import CommandsProjection, IssueCommand, validate_request
 from collector.decode import DecodedBatch
 from collector.dedupe import BatchKeysProjection
 from collector.detection import DetectionRunner, Detector
 from collector.feed import Feed, Subscription
-from collector.incidents import (Finding, IncidentsProjection, OpenIncident, RecordFindings, UpdateIncident,
-                                 as_finding, check_fields)
+from collector.incidents import (
+    Finding,
+    IncidentsProjection,
+    OpenIncident,
+    RecordFindings,
+    UpdateIncident,
+    as_finding,
+    check_fields,
+)
 from collector.liveness import LivenessProjection
 from collector.metrics import CollectorMetrics
-from collector.policy import IncidentWatch, PolicyRunner
 from collector.outbox import AlertOutbox, RetryPolicy, Sender, Transport, build_receivers, urllib_transport
+from collector.policy import IncidentWatch, PolicyRunner
 from collector.projection import Ids, Projection
 from collector.retention import RollupJob, check_age
 from collector.runinfo import RunInfoProjection

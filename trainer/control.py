@@ -34,10 +34,10 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections import deque
 import signal
 import struct
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path

@@ -25,14 +25,13 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from trainer.config import ConfigError, JobConfig
 from trainer.lifeline import Lifeline, die_with_parent
-from trainer.supervisor import ORIG_WORLD_ENV, Layout, NodeWatch, Supervisor, fit_world
 from trainer.private import COLLECTOR_TOKEN_ENVS, TOKEN_ENV
 from trainer.rundir import new_run_id, prepare_run, torchrun_run_id
+from trainer.supervisor import ORIG_WORLD_ENV, Layout, NodeWatch, Supervisor, fit_world
 
 EXIT_REPORT_TIMEOUT_S = 2.0  # per rank_exited POST, and for the last ones at the end
 INCIDENT_SETTLE_S = 1.0  # at the end: the collector's detection sees the last batches, then the list is read

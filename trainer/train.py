@@ -20,16 +20,17 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from trainer.batch import DataPosition
 from trainer.badbatches import BadBatchList
+from trainer.batch import DataPosition
 from trainer.comm import Comm
 from trainer.config import JobConfig
 from trainer.control import CommandChannel, RunContext, default_handlers
 from trainer.diagnosis import ProbeRow, Verdict, judge
 from trainer.faults import FaultInjector
 from trainer.integrity import named_tensors
-from trainer.parallel_dims import Axis, ParallelDims
+from trainer.parallel_dims import ParallelDims
 from trainer.supervisor import write_attempt
+
 
 def rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}

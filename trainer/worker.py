@@ -28,12 +28,19 @@ from trainer.faults import FaultInjector, parse_injections
 from trainer.lifeline import watch_lifeline
 from trainer.parallel_dims import ParallelDims
 from trainer.private import TOKEN_ENV
-from trainer.supervisor import (ATTEMPT_FLOOR_ENV, HW_RANK_ENV, NODE_NAMES_ENV, ORIG_WORLD_ENV,
-                                RESTART_ROUND_ENV, ATTEMPT_FILE, attempt_high_water)
+from trainer.rundir import agree_run_id, prepare_run
+from trainer.supervisor import (
+    ATTEMPT_FILE,
+    ATTEMPT_FLOOR_ENV,
+    HW_RANK_ENV,
+    NODE_NAMES_ENV,
+    ORIG_WORLD_ENV,
+    RESTART_ROUND_ENV,
+    attempt_high_water,
+)
 
 NODE_NAME_ENV = "LLMWATCH_NODE_NAME"  # this node's name (under torchrun: set per agent)
 NODE_INDEX_ENV = "LLMWATCH_NODE_INDEX"  # this node's index in the first layout (under torchrun: per agent)
-from trainer.rundir import agree_run_id, prepare_run
 
 # The lifeline's hard exit comes this long after its SIGTERM: time for the agent's
 # final flush (close(timeout_s=10)) and the process group's teardown.

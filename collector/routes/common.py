@@ -19,7 +19,6 @@ from typing import Any
 from fastapi import Request
 from starlette.responses import Response
 
-
 JSON_TYPE = "application/json"
 
 

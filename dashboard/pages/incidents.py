@@ -24,9 +24,20 @@ from dash import Input, Output, State, callback, dcc, html, no_update
 
 from collector.postmortem import highlights
 from dashboard import state
-from dashboard.figures import (ACTION_COLOR, GRAPH_CONFIG, annotate, base_layout, empty, fmt_s, fmt_ts, Marks,
-                               severity_color, to_datetime, XAxis)
 from dashboard.components import data_table, legend_below
+from dashboard.figures import (
+    ACTION_COLOR,
+    GRAPH_CONFIG,
+    Marks,
+    XAxis,
+    annotate,
+    base_layout,
+    empty,
+    fmt_s,
+    fmt_ts,
+    severity_color,
+    to_datetime,
+)
 from dashboard.source import Source, SourceError
 
 PAGE = {"path": "/incidents", "name": "Incidents", "order": 3,

@@ -18,9 +18,19 @@ import plotly.graph_objects as go
 from dash import Input, Output, State, callback, dcc, html, no_update
 
 from dashboard import state
-from dashboard.figures import (GRAPH_CONFIG, HEALTH_COLORS, annotate, base_layout, empty, fmt_bytes, fmt_ts, Marks,
-                               node_color, XAxis)
 from dashboard.components import data_table
+from dashboard.figures import (
+    GRAPH_CONFIG,
+    HEALTH_COLORS,
+    Marks,
+    XAxis,
+    annotate,
+    base_layout,
+    empty,
+    fmt_bytes,
+    fmt_ts,
+    node_color,
+)
 from dashboard.source import Source, SourceError
 
 PAGE = {"path": "/nodes", "name": "Nodes", "order": 4,

@@ -13,13 +13,25 @@ from typing import Any
 
 import dash
 import plotly.graph_objects as go
-from dash import ALL, Input, Output, State, callback, clientside_callback, ClientsideFunction, dcc, html, no_update
+from dash import ALL, ClientsideFunction, Input, Output, State, callback, clientside_callback, dcc, html, no_update
 
 from dashboard import state
-from dashboard.figures import (GRAPH_CONFIG, Curve, Marks, XAxis, annotate, base_layout, curve_figure, curve_traces,
-                               empty, extendable, finite, plain, rank_color)
+from dashboard.figures import (
+    GRAPH_CONFIG,
+    Curve,
+    Marks,
+    XAxis,
+    annotate,
+    base_layout,
+    curve_figure,
+    curve_traces,
+    empty,
+    extendable,
+    finite,
+    plain,
+    rank_color,
+)
 from dashboard.source import Source, SourceError
-
 
 PAGE = {"path": "/", "name": "Overview", "order": 0, "title": "llmwatch · overview"}  # registered by dashboard/app.py
 CURVES = (

@@ -29,12 +29,36 @@ from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
-from dash import ALL, ClientsideFunction, Input, Output, State, callback, clientside_callback, dash_table, dcc, html
-from dash import no_update
+from dash import (
+    ALL,
+    ClientsideFunction,
+    Input,
+    Output,
+    State,
+    callback,
+    clientside_callback,
+    dash_table,
+    dcc,
+    html,
+    no_update,
+)
 
 from dashboard import state
-from dashboard.figures import (ACTION_COLOR, GRAPH_CONFIG, HEALTH_COLORS, Marks, XAxis, annotate, base_layout, column,
-                               empty, finite, node_color, rank_color, severity_color)
+from dashboard.figures import (
+    ACTION_COLOR,
+    GRAPH_CONFIG,
+    HEALTH_COLORS,
+    Marks,
+    XAxis,
+    annotate,
+    base_layout,
+    column,
+    empty,
+    finite,
+    node_color,
+    rank_color,
+    severity_color,
+)
 from dashboard.source import Source, SourceError
 
 PAGE = {"path": "/ranks", "name": "Ranks", "order": 1, "title": "llmwatch · ranks"}  # registered by dashboard/app.py

@@ -22,8 +22,8 @@ import plotly.graph_objects as go
 from dash import Input, Output, State, callback, clientside_callback, ctx, dcc, html, no_update
 
 from dashboard import state
-from dashboard.figures import GRAPH_CONFIG, RANK_COLORS, base_layout, empty, finite, fmt_s, to_datetime
 from dashboard.components import data_table, legend_below
+from dashboard.figures import GRAPH_CONFIG, RANK_COLORS, base_layout, empty, finite, fmt_s, to_datetime
 from dashboard.source import Source, SourceError
 
 PAGE = {"path": "/runs", "name": "Runs", "order": 6, "title": "llmwatch · runs"}  # registered by dashboard/app.py

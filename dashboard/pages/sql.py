@@ -25,8 +25,8 @@ import plotly.graph_objects as go
 from dash import Input, Output, State, callback, clientside_callback, ctx, dcc, html, no_update
 
 from dashboard import state
-from dashboard.figures import GRAPH_CONFIG, RANK_COLORS, base_layout, empty
 from dashboard.components import data_table, legend_below
+from dashboard.figures import GRAPH_CONFIG, RANK_COLORS, base_layout, empty
 from dashboard.source import Source, SourceError, SqlError
 
 PAGE = {"path": "/sql", "name": "SQL", "order": 5,

@@ -19,8 +19,8 @@ import pytest
 
 from tests.integration.alert_receiver import NanRun, WebhookReceiver
 from tests.polling import wait_for as wait_until
-from trainer.launch import free_port
 from tests.unit.collector.collector_server import CollectorProcess
+from trainer.launch import free_port
 
 pytestmark = [pytest.mark.integration]
 

@@ -10,8 +10,8 @@ import urllib.request
 import duckdb
 import pytest
 
-from tests.unit.collector.collector_server import CollectorProcess
 from tests.integration.trainer_run import ROOT, TINY
+from tests.unit.collector.collector_server import CollectorProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -13,8 +13,8 @@ import pytest
 from collector import alerts
 from tests.integration.alert_receiver import NanRun, WebhookReceiver
 from tests.polling import wait_for as wait_until
-from trainer.launch import free_port
 from tests.unit.collector.collector_server import CollectorProcess
+from trainer.launch import free_port
 
 pytestmark = [pytest.mark.integration]
 

@@ -86,7 +86,7 @@ def faults(rank):
 
 def main():
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     torch.manual_seed(0)
     model = DDP(GPT(), bucket_cap_mb=0.05)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)

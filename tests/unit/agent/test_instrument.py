@@ -158,7 +158,7 @@ def test_the_flight_recorder_settings_the_user_made_stay(launch):
 @pytest.fixture
 def discovery(monkeypatch):
     """`arm()`'s discovery with torch imported: the global hooks in, and out again after."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     from torch.nn.modules import module as module_mod
 
     from agent.instrument import _Discovery
@@ -351,7 +351,6 @@ def test_a_plain_loop_is_watched_with_no_change_to_its_code(tmp_path):
 
 def test_the_llmwatch_trainer_is_left_alone_and_a_job_that_imported_it_is_not(monkeypatch):
     import trainer.comm  # noqa: F401 - imported, as a test process or a user's tool may
-
     from agent.instrument import _is_llmwatch_trainer
 
     monkeypatch.delenv("LLMWATCH_EMBEDDED", raising=False)

@@ -9,8 +9,8 @@ import threading
 import pytest
 
 from agent import Agent, AgentConfig, wire
-from agent.transport import PostResult
 from agent.ring import Recorder
+from agent.transport import PostResult
 from agent.urgent import LossBaseline
 from tests.polling import wait_until as wait_for
 

@@ -5,8 +5,17 @@ import polars as pl
 import pyarrow as pa
 import pytest
 
-from analysis.frames import (OPTIONAL, REQUIRED, FrameError, Frames, Interner, iter_steps, steps_frame,
-                             heartbeats_frame, step_keys)
+from analysis.frames import (
+    OPTIONAL,
+    REQUIRED,
+    FrameError,
+    Frames,
+    Interner,
+    heartbeats_frame,
+    iter_steps,
+    step_keys,
+    steps_frame,
+)
 
 
 def test_builders_fill_missing_required_columns_with_nulls():

@@ -66,8 +66,8 @@ def test_the_hang_resolves_when_the_run_finishes():
 def test_a_run_shut_down_after_a_hang_is_no_second_hang():
     """Seen live: the run interrupted after its hang; the hung rank's agent closed first, and the
     peers still waiting for it were taken for a second hang on another rank."""
-    from analysis.frames import events_frame
     from analysis import Frames
+    from analysis.frames import events_frame
 
     layout = Layout(dp=2, tp=2, nodes=2)
     sim, analyzer, findings, last_progress = hang_run(layout, 2, step=80)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from analysis import Analyzer, KINDS, detector_names, register, rules_from_dict
+from analysis import KINDS, Analyzer, detector_names, register, rules_from_dict
 from analysis.registry import build_detectors
 
 

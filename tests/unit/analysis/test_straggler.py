@@ -4,7 +4,6 @@ import math
 from dataclasses import replace
 
 import numpy as np
-
 import polars as pl
 import pytest
 

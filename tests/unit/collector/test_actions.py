@@ -23,9 +23,9 @@ from collector.schema import migrate
 from collector.server import create_app
 from collector.settings import Settings
 from collector.storage import Storage
+from tests.polling import wait_until
 from tests.unit.collector.collector_batches import make_batch, steps_section
 from tests.unit.collector.test_outbox import AM, HOOK, SECRET, FakeTransport, make_storage, outbox_rows
-from tests.polling import wait_until
 
 
 class Clock:

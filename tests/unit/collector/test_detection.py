@@ -16,8 +16,8 @@ from collector.feed import Commit, Subscription
 from collector.incidents import Finding
 from collector.settings import Settings
 from collector.storage import Storage
-from tests.unit.collector.collector_batches import make_batch, steps_section
 from tests.polling import wait_until
+from tests.unit.collector.collector_batches import make_batch, steps_section
 
 
 class SlowRank:

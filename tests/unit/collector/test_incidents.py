@@ -5,8 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from collector.incidents import (Finding, IncidentBook, OpenIncident, RecordFindings, UpdateIncident, as_finding,
-                                 default_key)
+from collector.incidents import (
+    Finding,
+    IncidentBook,
+    OpenIncident,
+    RecordFindings,
+    UpdateIncident,
+    as_finding,
+    default_key,
+)
 
 
 def straggler(**kw) -> Finding:

@@ -8,9 +8,9 @@ import time
 import zlib
 
 import pytest
+from google.protobuf import json_format
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from google.protobuf import json_format
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 

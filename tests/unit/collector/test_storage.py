@@ -7,11 +7,11 @@ from concurrent.futures import Future
 
 import numpy as np
 import pytest
-from tests.unit.collector.collector_batches import columns, make_batch, steps_section
 
 from agent import wire
 from collector.decode import decode
 from collector.storage import Storage
+from tests.unit.collector.collector_batches import columns, make_batch, steps_section
 
 
 def ingest(storage: Storage, body: bytes):

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
+from tests.unit.trainer.test_engine import batches, engine, tokens_of
 from trainer.config import ConfigError
 from trainer.faults import FaultInjector, parse_injection
 from trainer.integrity import FLIP_BIT, flip_bit, named_tensors, shard_checksum
-from tests.unit.trainer.test_engine import batches, engine, tokens_of
 
 
 def _bits(t):

@@ -14,12 +14,26 @@ import pytest
 import torch
 
 from agent.agent import Command
-from trainer.control import (EXIT_RESTART, MAX_COMMAND_BYTES, MEMBERSHIP_FILE, AgreedCommand, CommandChannel,
-                             Failed, Handler, IsolateHandler, Outcome, RollbackHandler, RunContext,
-                             default_handlers, decode_command, encode_command, read_membership, record_isolation)
+from trainer.control import (
+    EXIT_RESTART,
+    MAX_COMMAND_BYTES,
+    MEMBERSHIP_FILE,
+    AgreedCommand,
+    CommandChannel,
+    Failed,
+    Handler,
+    IsolateHandler,
+    Outcome,
+    RollbackHandler,
+    RunContext,
+    decode_command,
+    default_handlers,
+    encode_command,
+    read_membership,
+    record_isolation,
+)
 from trainer.diagnosis import ProbePlan
 from trainer.parallel_dims import Axis
-
 
 # -- fakes -----------------------------------------------------------------------
 

@@ -11,8 +11,8 @@ import pytest
 from agent import Agent, AgentConfig, wire
 from agent.device_health import FIELDS
 from agent.spool import Spool
-from trainer.config import ConfigError
 from tests.polling import wait_until
+from trainer.config import ConfigError
 from trainer.faults import NO_FAULTS, FaultInjector, parse_injection
 
 GiB = 1 << 30

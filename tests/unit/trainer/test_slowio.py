@@ -6,10 +6,10 @@ import time
 
 import pytest
 
+from tests.unit.trainer.test_data import loader, synthetic_corpus
 from trainer.batch import DataPosition
 from trainer.config import ConfigError
 from trainer.faults import NO_FAULTS, FaultInjector, parse_injection
-from tests.unit.trainer.test_data import loader, synthetic_corpus
 
 
 def test_parse_slowio():

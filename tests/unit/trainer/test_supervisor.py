@@ -11,12 +11,22 @@ import pytest
 
 from tests.unit.trainer.fakes import FakeClock, FakeProc
 from trainer import supervisor as sup
-from trainer.config import (AlertReceivers, CheckpointConfig, HealingConfig, JobConfig, ParallelConfig,
-                            TelemetryConfig)
+from trainer.config import AlertReceivers, CheckpointConfig, HealingConfig, JobConfig, ParallelConfig, TelemetryConfig
 from trainer.control import EXIT_RESTART, record_isolation
-from trainer.supervisor import (ATTEMPT_FLOOR_ENV, HW_RANK_ENV, NODE_NAMES_ENV, ORIG_WORLD_ENV, RESTART_ROUND_ENV,
-                                Layout, Supervisor, attempt_high_water, first_layout, layout_config, shrink,
-                                write_attempt)
+from trainer.supervisor import (
+    ATTEMPT_FLOOR_ENV,
+    HW_RANK_ENV,
+    NODE_NAMES_ENV,
+    ORIG_WORLD_ENV,
+    RESTART_ROUND_ENV,
+    Layout,
+    Supervisor,
+    attempt_high_water,
+    first_layout,
+    layout_config,
+    shrink,
+    write_attempt,
+)
 
 
 class FakeWatch:
