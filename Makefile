@@ -11,7 +11,7 @@ TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 RUN_DIR ?= runs/demo
 
-.PHONY: venv system-deps demo test test-quick test-browser screenshots bench clean
+.PHONY: venv system-deps demo test test-quick test-browser lint screenshots bench clean
 
 venv: $(STAMP)
 
@@ -42,6 +42,11 @@ test: venv system-deps
 
 test-quick: venv
 	$(PY) -m pytest -q -m "not slow"
+
+# The gates alone (make test runs them too, in tests/unit/test_gates.py): ruff, and DESIGN.md's import direction
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(PY) -m tests.import_rules
 
 # The dashboard in headless Chromium (Debian's chromium and chromium-driver: .ci/run installs
 # them; without them these tests skip, or fail in CI). Also part of `make test`.
