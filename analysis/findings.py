@@ -27,8 +27,9 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-KINDS = ("nan", "loss_spike", "grad_spike", "loss_scale_collapse", "straggler", "slow_link", "hang", "crash",
-         "device_health", "data_stall", "checkpoint_slow", "replica_divergence")
+from analysis.kinds import INCIDENT_KINDS
+
+KINDS = INCIDENT_KINDS  # analysis/kinds.py
 SEVERITIES = ("info", "warning", "critical")
 OPEN = "open"
 RESOLVED = "resolved"

@@ -66,11 +66,12 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from analysis import kinds
+
 MODES = ("auto", "shadow", "off")
+# the action kinds (analysis/kinds.py holds each one's lifecycle)
 ROLLBACK, ISOLATE, STOP, RESTART = "rollback", "isolate", "stop", "restart"
 REPAIR, CHECKPOINT = "repair", "checkpoint"
-# actions the ranks carry out in place: no new attempt follows, so one is done once every rank acked it
-IN_PLACE = frozenset({REPAIR, CHECKPOINT})
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,22 +147,26 @@ class Policy:
         if st.finished or inc.get("id") in st.acted:
             return []
         kind = inc.get("kind")
-        if inc.get("status", "open") != "open" and kind not in self.cfg.rollback_on and kind != "crash":
+        # `rollback_on` may add or take away the rollback kinds; any other kind goes by its rule
+        rule = "rollback" if kind in self.cfg.rollback_on else kinds.rule_of(kind)
+        if rule == "rollback" and kind not in self.cfg.rollback_on:
+            rule = "alert"
+        if inc.get("status", "open") != "open" and rule != "rollback" and kind not in kinds.ACTED_WHEN_CLOSED:
             return []
-        if kind in self.cfg.rollback_on:
-            return self._rollback(st, inc, now)
-        if kind in ("straggler", "slow_link", "data_stall"):
-            return self._straggler(st, inc, now)
-        if kind == "hang" and self.cfg.isolate_on_hang:
-            return self._isolate(st, inc, inc.get("node"), now,
-                                 f"hang: rank {inc.get('rank')} stopped entering collectives")
-        if kind == "crash":
-            return self._crash(st, inc, now)
-        if kind == "replica_divergence":
-            return self._divergence(st, inc, now)
-        if kind == "device_health":
-            return self._device_health(st, inc, now)
-        return []
+        return getattr(self, self.RULES[rule])(st, inc, now)
+
+    # the method each of analysis/kinds.py's rules calls (tests/unit/test_kinds.py: one per rule)
+    RULES = {"rollback": "_rollback", "persist": "_persist", "hang": "_hang", "crash": "_crash",
+             "divergence": "_divergence", "device_health": "_device_health", "alert": "_alert"}
+
+    def _alert(self, st: RunPolicy, inc: dict[str, Any], now: float) -> list[Decision]:
+        return []  # the incident is its own alert
+
+    def _hang(self, st: RunPolicy, inc: dict[str, Any], now: float) -> list[Decision]:
+        if not self.cfg.isolate_on_hang:
+            return []
+        return self._isolate(st, inc, inc.get("node"), now,
+                             f"hang: rank {inc.get('rank')} stopped entering collectives")
 
     def _device_health(self, st: RunPolicy, inc: dict[str, Any], now: float) -> list[Decision]:
         """ECC errors isolate the node (or count against it); memory pressure checkpoints
@@ -343,7 +348,7 @@ class Policy:
         above = math.sqrt(bar * max(value, bar))
         return {"loss_above" if inc["kind"] == "loss_spike" else "grad_norm_above": round(above, 6)}
 
-    def _straggler(self, st: RunPolicy, inc: dict[str, Any], now: float) -> list[Decision]:
+    def _persist(self, st: RunPolicy, inc: dict[str, Any], now: float) -> list[Decision]:
         """A straggler, a slow link or a data stall (`<kind>_cost_s`, `_min_share`, `_persist_s`)."""
         evidence = inc.get("evidence") or {}
         kind = inc.get("kind", "straggler")

@@ -36,16 +36,15 @@ from typing import Any
 
 import duckdb
 
-from analysis.policy import ISOLATE, RESTART
+from analysis.kinds import ENDED_BY_RESTART
 from collector.decode import CommandAck, json_text
 from collector.projection import Group, Ids, Projection
 
 KIND_RE = re.compile(r"^[a-z][a-z0-9_]{0,49}$")
 FAILED_ACKS = frozenset({"failed", "error", "rejected"})
-
-# Commands the job's restart completes, not its ranks: never given again to a restart round
-# (an isolate's new round, without that node, rejected it: "not a node of this job").
-ENDED_BY_RESTART = frozenset({ISOLATE, RESTART})
+# ENDED_BY_RESTART (analysis/kinds.py): commands the job's restart completes, not its ranks: never
+# given again to a restart round (an isolate's new round, without that node, rejected it: "not a
+# node of this job").
 
 
 @dataclass(slots=True)

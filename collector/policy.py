@@ -27,7 +27,7 @@ command the old round received but left without carrying out is delivered again
 to the new round, collector/commands.py) (`recovery_s`, from the incident's
 `opened_ts`: training goes on), and its detail gets `caught_up_s` when the new
 lineage passes the last step the abandoned one reached (the replay is the work
-the fault cost). A repair or a checkpoint (`IN_PLACE`: no new attempt follows)
+the fault cost). A repair or a checkpoint (`DONE_IN_PLACE`, analysis/kinds.py: no new attempt follows)
 is `done` when every rank acked it.
 Every recorded action is also an alert (the outbox's action hook).
 
@@ -50,8 +50,9 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from analysis.policy import IN_PLACE, ISOLATE, REPAIR, RESTART, Decision, Policy, RunPolicy
-from collector.commands import ENDED_BY_RESTART, FAILED_ACKS
+from analysis.kinds import COSTED, DONE_IN_PLACE, ENDED_BY_RESTART
+from analysis.policy import ISOLATE, REPAIR, RESTART, Decision, Policy, RunPolicy
+from collector.commands import FAILED_ACKS
 from collector.feed import Subscription
 from collector.incidents import IncidentPlan
 from collector.projection import Group
@@ -191,7 +192,7 @@ class PolicyRunner:
         is waiting to decide on (`Policy.waiting`: a NaN settling for its culprit, an
         action held back by the cooldown, a replica_divergence's repair among them)."""
         for row in self._watch.open_rows():
-            if row.get("kind") in ("straggler", "slow_link", "data_stall"):  # persist timers
+            if row.get("kind") in COSTED:  # persist timers
                 self._incident(row)
         for row in list(self._deferred.values()):
             self._incident(row)
@@ -299,7 +300,7 @@ class PolicyRunner:
             return
         p.acks.add(rank)
         world = self._world.get(run_id) or 0
-        if world and len(p.acks) >= world and p.kind in IN_PLACE:
+        if world and len(p.acks) >= world and p.kind in DONE_IN_PLACE:
             # a repair or a checkpoint starts no new attempt: done when every rank has carried it out
             with self._lock:
                 self._pending.pop(p.action_id, None)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from analysis.kinds import COSTED
 from collector import read, read_views
 from collector.goodput import Goodput, goodput
 
@@ -57,7 +58,6 @@ def num_steps(inc: dict[str, Any]) -> int:
 
 # the kinds whose evidence states what they cost: per step (they lengthen steps that still
 # count, so their seconds are inside the productive time) or per checkpoint (a background write)
-PER_STEP_KINDS = ("straggler", "slow_link", "data_stall")
 PER_CHECKPOINT_KINDS = ("checkpoint_slow",)
 
 
@@ -78,14 +78,14 @@ def num_checkpoints(inc: dict[str, Any], checkpoints: Sequence[dict[str, Any]]) 
 
 
 def slowdown_costs(incidents: list[dict[str, Any]], checkpoints: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
-    """Per incident of PER_STEP_KINDS or PER_CHECKPOINT_KINDS whose evidence states its
+    """Per incident of COSTED or PER_CHECKPOINT_KINDS whose evidence states its
     cost: the seconds it cost per step (`per` "step") or per checkpoint ("checkpoint"),
     the share of the step (per-step kinds), how many steps or checkpoints it lasted
     (`num_affected`: `num_steps`, `num_checkpoints`) and the seconds lost over them."""
     out = []
     for inc in incidents:
         kind, ev = inc.get("kind"), inc.get("evidence") or {}
-        if kind in PER_STEP_KINDS and ev.get("cost_s_per_step") is not None:
+        if kind in COSTED and ev.get("cost_s_per_step") is not None:
             per, cost, n = "step", float(ev["cost_s_per_step"]), num_steps(inc)
         elif kind in PER_CHECKPOINT_KINDS and ev.get("cost_s_per_checkpoint") is not None:
             per, cost, n = "checkpoint", float(ev["cost_s_per_checkpoint"]), num_checkpoints(inc, checkpoints)
@@ -156,7 +156,7 @@ class Report:
     @property
     def step_lost_s(self) -> float:
         """The seconds the per-step slow-downs (stragglers, slow links, data stalls) cost."""
-        return lost_s(self.slowdowns, kinds=PER_STEP_KINDS)
+        return lost_s(self.slowdowns, kinds=COSTED)
 
     @property
     def checkpoint_lost_s(self) -> float:

@@ -35,6 +35,7 @@ from typing import Any
 
 from analysis import Analyzer, Frames, Rules, Score, load_rules, replay_commits, score, truths_from_rows
 from analysis.judging import Judgement, judge, summary
+from analysis.kinds import COSTED
 from analysis.policy import Policy, RunPolicy
 from analysis.scoring import Incident as ScoredIncident
 from analysis.scoring import Truth, cause_of, opened_step_of, suspects_of
@@ -80,10 +81,6 @@ class IncidentLedger:
         self.book.apply(plan)
         self._next_id = plan.next_id
 
-
-# the kinds the policy looks at again while they last (their cost must persist past the rules'
-# `<kind>_persist_s`: analysis/policy.py), as the live runner does with open ones (collector/policy.py)
-PERSIST_KINDS = ("straggler", "slow_link", "data_stall")
 
 
 def _opened_step(f) -> int | None:
@@ -145,9 +142,10 @@ def stored_incidents(cur: read.Cursor, run_ids: Iterable[str]) -> tuple[list[Sco
 
 def policy_decisions(replays: Iterable[RunReplay], rules: Rules, mode: str | None) -> dict[str, list[str]]:
     """What the policy decides on each replayed incident (by scoring key), fed in the
-    order they opened: a straggler, a slow link or a data stall (PERSIST_KINDS) is looked
-    at again when it closed (or at its last update), as the live runner looks at open
-    ones while they last."""
+    order they opened: a straggler, a slow link or a data stall (analysis/kinds.py
+    COSTED: their cost must persist past the rules' `<kind>_persist_s`) is looked at
+    again when it closed (or at its last update), as the live runner looks at open ones
+    while they last."""
     policy = Policy(rules, mode=mode if mode and mode != "off" else "shadow")
     out: dict[str, list[str]] = {}
     for r in replays:
@@ -157,7 +155,7 @@ def policy_decisions(replays: Iterable[RunReplay], rules: Rules, mode: str | Non
             inc = {**row, "evidence": _evidence(row), "status": "open"}
             decided = policy.on_incident(st, inc, row["opened_ts"])
             end = row.get("closed_ts") or row.get("updated_ts")
-            if not decided and row["kind"] in PERSIST_KINDS and end is not None:
+            if not decided and row["kind"] in COSTED and end is not None:
                 decided = policy.on_incident(st, inc, end)
             out[key] = [d.kind for d in decided if d.refused is None]
     return out

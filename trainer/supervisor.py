@@ -54,6 +54,9 @@ ATTEMPT_FLOOR_ENV = "LLMWATCH_ATTEMPT_FLOOR"
 RESTART_ROUND_ENV = "LLMWATCH_RESTART_ROUND"
 ATTEMPT_FILE = "attempt.json"  # in the run dir: the highest attempt rank 0 has run
 CRASH_DECISION_S = 5.0
+# the actions a restart completes (analysis/kinds.py ENDED_BY_RESTART; tests/unit/test_kinds.py keeps them equal:
+# the trainer imports nothing of analysis)
+RESTART_ACTIONS = frozenset({"restart", "isolate"})
 NODE_POLL_S = 0.5
 GRACE_S = 5.0
 
@@ -202,7 +205,7 @@ class NodeWatch:
                 rows = json.loads(r.read())
         except (urllib.error.URLError, OSError, ValueError):
             return False
-        return any(isinstance(a, dict) and a.get("kind") in ("restart", "isolate")
+        return any(isinstance(a, dict) and a.get("kind") in RESTART_ACTIONS
                    and (a.get("requested_ts") or 0) >= ts for a in rows)
 
     def _run(self) -> None:

@@ -43,8 +43,9 @@ from dashboard.source import Source, SourceError
 PAGE = {"path": "/incidents", "name": "Incidents", "order": 3,
         "title": "llmwatch · incidents"}  # registered by dashboard/app.py
 NO_INCIDENTS = "no incidents: nothing was detected in this run"
+# a marker per action kind (analysis/kinds.py ACTIONS; tests/unit/test_kinds.py keeps them in step)
 ACTION_SYMBOLS = {"rollback": "triangle-left", "isolate": "x", "restart": "circle", "stop": "square",
-                  "alert": "star", "skip_batches": "triangle-right"}
+                  "repair": "cross", "checkpoint": "hexagon"}
 OPEN_BG = "#fdecec"  # an open incident's row
 
 INCIDENT_COLUMNS = (("id", "id", "n"), ("kind", "kind", "t"), ("severity", "severity", "t"),

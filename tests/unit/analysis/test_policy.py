@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from analysis.policy import CHECKPOINT, IN_PLACE, ISOLATE, REPAIR, RESTART, ROLLBACK, STOP, Decision, Policy, RunPolicy
+from analysis.kinds import DONE_IN_PLACE
+from analysis.policy import CHECKPOINT, ISOLATE, REPAIR, RESTART, ROLLBACK, STOP, Decision, Policy, RunPolicy
 from analysis.rules import rules_from_dict
 
 
@@ -375,4 +376,4 @@ def test_throttling_is_an_alert_only(cause):
 def test_a_closed_device_health_incident_gets_nothing():
     p = policy()
     assert p.on_incident(run_state(), {**device_health(1, "memory_pressure"), "status": "closed"}, 0.0) == []
-    assert CHECKPOINT in IN_PLACE and REPAIR in IN_PLACE and ISOLATE not in IN_PLACE
+    assert CHECKPOINT in DONE_IN_PLACE and REPAIR in DONE_IN_PLACE and ISOLATE not in DONE_IN_PLACE
