@@ -37,8 +37,9 @@ demo: venv
 system-deps:
 	@.ci/system-deps
 
+# --durations: the slowest tests, in every CI log (the suite's time is a budget: README)
 test: venv system-deps
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 test-quick: venv
 	$(PY) -m pytest -q -m "not slow"
