@@ -87,7 +87,7 @@ class Command:
 def validate_request(kind: str, args: Any, ranks: Any) -> None:
     """Raise ValueError with a reason when a command request is malformed."""
     if not isinstance(kind, str) or not KIND_RE.match(kind):
-        raise ValueError("kind must be a lowercase identifier such as 'rollback', 'skip', 'isolate'")
+        raise ValueError("kind must be a lowercase identifier such as 'rollback', 'stop', 'isolate'")
     if not isinstance(args, dict):
         raise ValueError("args must be an object")
     if ranks is not None and (not isinstance(ranks, list) or not ranks
