@@ -35,6 +35,7 @@ accuracy 100%, no false incident per 1,000 clean steps.
 
     python bench/bench_detection.py --seed 1 --scenarios 8
     python bench/bench_detection.py --seed 2 --scenarios 30 --json out.json
+    python bench/bench_detection.py --seed 3 --scenarios 12 --hog   # a process spinning beside it
 
 Runs take 15-40 s each on two cores; the machine is shared, and what other
 processes do shows up in the compute times the straggler detector reads.
@@ -236,11 +237,24 @@ def main() -> int:
     p.add_argument("--kinds", nargs="*", choices=KINDS, default=list(KINDS), help="draw only these kinds")
     p.add_argument("--keep", metavar="DIR", help="keep the run directories under DIR")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    p.add_argument("--hog", action="store_true",
+                   help="a process spinning on one core beside every run, for the whole bench (a loaded host)")
     args = p.parse_args()
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.hog else None
+    try:
+        return _bench(args)
+    finally:
+        if hog is not None:
+            hog.kill()
+            hog.wait()
+
+
+def _bench(args) -> int:
 
     rng = random.Random(args.seed)
     scenarios = [draw(rng, i, args.steps, tuple(args.kinds)) for i in range(args.scenarios)]
-    print(f"load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; seed {args.seed}")
+    print(f"load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; seed {args.seed}"
+          + ("; a CPU hog beside it" if args.hog else ""))
     base = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bench_detection_"))
     base.mkdir(parents=True, exist_ok=True)
     results: list[Result] = []
