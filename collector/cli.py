@@ -10,12 +10,10 @@ import json
 import os
 import re
 import signal
-import ssl
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 
+from agent.api import ApiClient, ApiError
 from collector.auth import ALL_ROLES_ENV, Role, TokenSources, client_token
 from collector.retention import MIN_ROLLUP_AGE_S, parse_age
 from collector.schema import SchemaTooNew
@@ -240,21 +238,11 @@ def _sql_remote(args: argparse.Namespace) -> dict:
         token = client_token(token=args.token, token_file=args.token_file, environ=os.environ)
     except ValueError as e:
         raise SystemExit(f"collector sql: {e}") from None
-    body = json.dumps({"sql": args.query, "format": "json", "max_rows": args.max_rows}).encode()
-    req = urllib.request.Request(args.url.rstrip("/") + "/v1/sql", data=body, method="POST",
-                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"})
-    context = ssl.create_default_context(cafile=args.ca_file) if args.ca_file else None
     try:
-        with urllib.request.urlopen(req, timeout=args.timeout_s + 30, context=context) as resp:
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        try:
-            reason = json.loads(e.read()).get("error", e.reason)
-        except ValueError:
-            reason = e.reason
-        raise SystemExit(f"collector sql: HTTP {e.code}: {reason}") from None
-    except urllib.error.URLError as e:
-        raise SystemExit(f"collector sql: cannot reach {args.url}: {e.reason}") from None
+        api = ApiClient(args.url, token, timeout_s=args.timeout_s + 30, ca_file=args.ca_file)
+        return api.post_json("/v1/sql", {"sql": args.query, "format": "json", "max_rows": args.max_rows})
+    except (ApiError, ValueError) as e:
+        raise SystemExit(f"collector sql: {e}") from None
 
 
 def sql(args: argparse.Namespace) -> int:

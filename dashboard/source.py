@@ -18,14 +18,12 @@ the SQL console refused, with the collector's reason).
 from __future__ import annotations
 
 import json
-import ssl
 import threading
-import urllib.error
-import urllib.parse
-import urllib.request
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
+
+from agent.api import ApiClient, ApiError, quote
 
 Rows = list[dict[str, Any]]
 
@@ -86,29 +84,17 @@ class HttpSource(Source):
     def __init__(self, url: str, token: str | None, *, ca_file: str | None = None,
                  timeout_s: float = HTTP_TIMEOUT_S) -> None:
         self.url = url.rstrip("/")
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._context = ssl.create_default_context(cafile=ca_file) if ca_file else None
+        self._api = ApiClient(url, token, timeout_s=timeout_s, ca_file=ca_file)
         self.timeout_s = timeout_s
 
     def describe(self) -> str:
         return f"live: collector {self.url}"
 
     def _request(self, path: str, *, params: dict[str, Any] | None = None, body: dict | None = None) -> bytes:
-        query = {k: v for k, v in (params or {}).items() if v is not None}
-        url = self.url + path + (f"?{urllib.parse.urlencode(query)}" if query else "")
-        headers = dict(self._headers)
-        data = None
-        if body is not None:
-            data = json.dumps(body).encode()
-            headers["Content-Type"] = "application/json"
-        req = urllib.request.Request(url, data=data, headers=headers, method="POST" if data else "GET")
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s, context=self._context) as resp:
-                return resp.read()
-        except urllib.error.HTTPError as e:
-            raise _http_error(e) from None
-        except (urllib.error.URLError, OSError) as e:
-            raise SourceError(f"cannot reach the collector at {self.url}: {getattr(e, 'reason', e)}") from None
+            return self._api.request("POST" if body is not None else "GET", path, params=params, body=body)
+        except ApiError as e:
+            raise _source_error(e) from None
 
     def _json(self, path: str, **params: Any) -> Any:
         return json.loads(self._request(path, params=params))
@@ -149,22 +135,20 @@ class _BadRequest(SourceError):
 
 
 def _quote(part: str) -> str:
-    return urllib.parse.quote(part, safe="")
+    return quote(part)
 
 
-def _http_error(e: urllib.error.HTTPError) -> SourceError:
-    try:
-        reason = json.loads(e.read()).get("error", e.reason)
-    except (ValueError, AttributeError):
-        reason = e.reason
-    if e.code == 404:
-        return _NotFound(str(reason))
-    if e.code == 400:
-        return _BadRequest(str(reason))
-    if e.code in (401, 403):
-        return SourceError(f"the collector refused the read token (HTTP {e.code}: {reason}); "
+def _source_error(e: ApiError) -> SourceError:
+    if e.status is None:
+        return SourceError(e.reason)
+    if e.status == 404:
+        return _NotFound(e.reason)
+    if e.status == 400:
+        return _BadRequest(e.reason)
+    if e.status in (401, 403):
+        return SourceError(f"the collector refused the read token (HTTP {e.status}: {e.reason}); "
                            "give it with LLMWATCH_TOKEN or --token-file")
-    return SourceError(f"the collector answered HTTP {e.code}: {reason}")
+    return SourceError(f"the collector answered HTTP {e.status}: {e.reason}")
 
 
 class DbSource(Source):

@@ -21,11 +21,10 @@ from __future__ import annotations
 import json
 import sys
 import threading
-import urllib.error
-import urllib.parse
-import urllib.request
 from pathlib import Path
 from typing import Callable, TextIO
+
+from agent.api import ApiClient
 
 
 def read_token(tokens_dir: Path) -> str | None:
@@ -92,7 +91,7 @@ class IncidentFeed:
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.out = out or sys.stdout
-        self._token = token
+        self._api = ApiClient(url, token, timeout_s=timeout_s)
         self._fetch = fetch or self._get
         default = fetch is None
         self._fetch_actions = fetch_actions or ((lambda: self._json("actions", [])) if default else (lambda: []))
@@ -174,8 +173,5 @@ class IncidentFeed:
         return self._json("incidents", [])
 
     def _json(self, what: str, empty):
-        req = urllib.request.Request(f"{self.url}/v1/runs/{urllib.parse.quote(self.run_id, safe='')}/{what}",
-                                     headers={"Authorization": f"Bearer {self._token}"})
-        with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-            out = json.loads(resp.read())
+        out = self._api.get_json(ApiClient.run_path(self.run_id, what))
         return out if isinstance(out, type(empty)) else empty

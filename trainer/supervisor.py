@@ -38,12 +38,11 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+from agent.api import ApiClient, ApiError
 from trainer.config import JobConfig
 from trainer.control import EXIT_RESTART, read_membership
 
@@ -164,10 +163,11 @@ class NodeWatch:
     """The run's isolated nodes, as the collector's policy marked them: polled from
     `GET /v1/runs/<run>/nodes` (the read token) on a thread of its own."""
 
-    def __init__(self, url: str, token: str, run_id: str, *, interval_s: float = NODE_POLL_S) -> None:
-        base, auth = f"{url.rstrip('/')}/v1/runs/{run_id}", {"Authorization": f"Bearer {token}"}
-        self._req = urllib.request.Request(f"{base}/nodes", headers=auth)
-        self._actions_req = urllib.request.Request(f"{base}/actions", headers=auth)
+    def __init__(self, url: str, token: str, run_id: str, *, interval_s: float = NODE_POLL_S,
+                 ca_file: str | None = None) -> None:
+        self._api = ApiClient(url, token, timeout_s=2.0, ca_file=ca_file)
+        self._nodes_path = ApiClient.run_path(run_id, "nodes")
+        self._actions_path = ApiClient.run_path(run_id, "actions")
         self.interval_s = interval_s
         self._isolated: dict[str, str] = {}
         self._lock = threading.Lock()
@@ -188,10 +188,11 @@ class NodeWatch:
 
     def poll_once(self) -> None:
         try:
-            with urllib.request.urlopen(self._req, timeout=2.0) as r:
-                rows = json.loads(r.read())
-        except (urllib.error.URLError, OSError, ValueError):
+            rows = self._api.get_json(self._nodes_path)
+        except ApiError:
             return  # the collector is busy or gone: the ranks' own exits still tell us
+        if not isinstance(rows, list):
+            return
         found = {str(row["node"]): str(row.get("reason") or "") for row in rows
                  if isinstance(row, dict) and row.get("status") == "isolated" and row.get("node")}
         with self._lock:
@@ -201,11 +202,10 @@ class NodeWatch:
         """Whether the policy has recorded a restart or an isolation since `ts` (unix s):
         its answer to a crash."""
         try:
-            with urllib.request.urlopen(self._actions_req, timeout=2.0) as r:
-                rows = json.loads(r.read())
-        except (urllib.error.URLError, OSError, ValueError):
+            rows = self._api.get_json(self._actions_path)
+        except ApiError:
             return False
-        return any(isinstance(a, dict) and a.get("kind") in RESTART_ACTIONS
+        return isinstance(rows, list) and any(isinstance(a, dict) and a.get("kind") in RESTART_ACTIONS
                    and (a.get("requested_ts") or 0) >= ts for a in rows)
 
     def _run(self) -> None:
