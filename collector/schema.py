@@ -407,6 +407,13 @@ _DEVICE_HEALTH_V9 = [
     )""",
 ]
 
+# v10: step_summary.loss_mean of a job we did not write. Its ranks report only their own
+# loss (`local_loss`; `loss`, the global mean, would take a collective), so v6's avg(loss)
+# was NULL there: the mean is now over each rank's loss, its local_loss where loss is NULL
+# (the read side's curves do the same: collector/read.py).
+_STEP_SUMMARY_V10 = [_STEP_SUMMARY_V6[0].replace("avg(s.loss) AS loss_mean", "avg(coalesce(s.loss, s.local_loss)) AS loss_mean")]
+assert _STEP_SUMMARY_V10[0] != _STEP_SUMMARY_V6[0]
+
 MIGRATIONS: list[tuple[int, list[str]]] = [
     (1, _TABLES_V1 + _VIEWS_V1),
     (2, _BATCH_HASH_V2),
@@ -417,6 +424,7 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
     (7, _HEALING_V7),
     (8, _ROLLUP_V8),
     (9, _DEVICE_HEALTH_V9),
+    (10, _STEP_SUMMARY_V10),
 ]
 
 

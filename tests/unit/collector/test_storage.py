@@ -153,6 +153,14 @@ def test_views_effective_vs_history_after_rollback(storage):
     assert [(r["step"], r["attempt"], r["slowest_rank"]) for r in api][-3:] == [(3, 1, 0), (4, 1, 0), (5, 1, 0)]
 
 
+def test_step_summary_of_a_job_with_only_local_losses_is_the_ranks_mean(storage):
+    """A job we did not write reports each rank's own loss (local_loss) and no global one."""
+    for rank, local in ((0, 2.0), (1, 4.0)):
+        ingest(storage, make_batch(rank=rank, sections={
+            wire.STEP: steps_section(range(3), loss=wire.NULL_F64, local_loss=local + np.arange(3))}))
+    assert rows(storage, "SELECT step, loss_mean FROM step_summary ORDER BY step") == [(0, 3.0), (1, 4.0), (2, 5.0)]
+
+
 def test_steps_api_downsamples_effective_curve(storage):
     ingest(storage, make_batch(sections={wire.STEP: steps_section(range(100), loss=np.arange(100) * 1.0)}))
     ingest(storage, make_batch(batch_seq=1, sections={wire.STEP: steps_section(range(50, 60), attempt=1, loss=-1.0)}))
