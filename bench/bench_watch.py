@@ -1,6 +1,7 @@
 """What `watch(model, optimizer)` costs a foreign DDP loop, and what reading torch's Flight Recorder costs.
 
     .venv/bin/python bench/bench_watch.py [--blocks 8] [--block-steps 40]             # (a) and (b), ~2-3 min
+    .venv/bin/python bench/bench_watch.py --only a --blocks 12 --block-steps 150 --sink null   # the agent alone
     .venv/bin/python bench/bench_watch.py --only b [--pairs 3] [--block-s 5] [--rate 1000] [--buffer 512]
 
 Both figures come from one torchrun job of 2 gloo ranks each (this file, run as
@@ -24,6 +25,11 @@ that what the machine does meanwhile falls on both alike:
     all of them, however few are new. Figures: tokens/s per mode (median of blocks),
     their ratio, the median of each on-block's ratio to the mean of the off
     blocks beside it, and the reader's stats per on-block. Goal: on/off >= 0.98.
+    On one host the collector's ingest shares the ranks' cores in the on-blocks
+    (an off block sends nothing): `--sink null` ships to a server in this process
+    that reads each batch and answers, so the figure is the agent's own cost (its
+    hooks, the reader, encoding and POSTs); `--no-detect` keeps the collector but
+    not its detection.
 
 (b) the reader at ~1,000 collectives/s. Each rank issues small `dist.all_reduce`
     calls paced to `--rate`/s for `--block-s` s per block; `--pairs` pairs of blocks
@@ -252,12 +258,62 @@ def _torchrun(part: str, out: Path, extra: list[str], env_extra: dict[str, str],
     return [json.loads((out / f"{part}.rank{r}.json").read_text()) for r in range(2)]
 
 
+class _NullSink:
+    """An HTTP server on a thread of this (otherwise idle) process that reads each batch
+    and answers 200 `{}`: the agent's whole path (encode, POST, answer) with none of the
+    collector's work on the ranks' cores. `terminate`/`wait` as a process's."""
+
+    def __init__(self) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        sink = self
+        self.num_batches = self.num_bytes = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                n = int(self.headers.get("Content-Length") or 0)
+                self.rfile.read(n)
+                sink.num_batches += 1
+                sink.num_bytes += n
+                body = json.dumps({"server_ts": time.time()}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def terminate(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        self.thread.join(timeout_s)
+
+
+def _null_sink():
+    sink = _NullSink()
+    return sink, f"http://127.0.0.1:{sink.server.server_address[1]}"
+
+
 def run_overhead(args: argparse.Namespace, tmp: Path) -> None:
     from collector_proc import start_collector  # bench/, this script's folder
 
     db = tmp / "watch.duckdb"
     run_id = f"bench-watch-{int(time.time())}"
-    col, url = start_collector(ROOT, db, TOKEN, "--policy", "off")
+    if args.sink == "null":
+        col, url = _null_sink()
+    else:
+        col, url = start_collector(ROOT, db, TOKEN, "--policy", "off", *(["--no-detect"] if args.no_detect else []))
     try:
         t0 = time.monotonic()
         ranks = _torchrun("overhead", tmp, ["--url", url, "--run-id", run_id, "--blocks", str(args.blocks),
@@ -267,12 +323,15 @@ def run_overhead(args: argparse.Namespace, tmp: Path) -> None:
     finally:
         col.terminate()
         col.wait(60)
-    import duckdb
+    num_steps = num_coll = num_inc = None
+    if args.sink != "null":
+        import duckdb
 
-    con = duckdb.connect(str(db), read_only=True)
-    num_steps, num_coll, num_inc = (con.execute(f"SELECT count(*) FROM {t} WHERE run_id = ?", [run_id]).fetchone()[0]
-                                    for t in ("steps", "collectives", "incidents"))
-    con.close()
+        con = duckdb.connect(str(db), read_only=True)
+        num_steps, num_coll, num_inc = (con.execute(f"SELECT count(*) FROM {t} WHERE run_id = ?",
+                                                    [run_id]).fetchone()[0]
+                                        for t in ("steps", "collectives", "incidents"))
+        con.close()
 
     tokens = ranks[0]["tokens_per_block"]
     rows = []  # per block: mode, tokens/s (the slower rank's time), rank 0's block
@@ -322,6 +381,9 @@ def run_overhead(args: argparse.Namespace, tmp: Path) -> None:
               f"{a['recorded'].get('collective', 0)} collectives; dropped {sum(a['dropped'].values())}"
               + (f"; last error {a['last_error']}" if a["last_error"] else ""))
     num_on = sum(1 for r in rows if r[0] == "on")
+    if num_steps is None:
+        print(f"a null sink took the batches ({col.num_batches} POSTs, {col.num_bytes:,} bytes): nothing stored")
+        return
     print(f"collector stored {num_steps} step rows (expected {2 * num_on * args.block_steps}), {num_coll} collectives, "
           f"{num_inc} incidents (off blocks leave gaps in the rows)")
 
@@ -379,6 +441,11 @@ def main(argv=None) -> int:
     ap.add_argument("--only", choices=("a", "b"), help="run one figure (default: both)")
     ap.add_argument("--blocks", type=int, default=8, help="(a) timed blocks, alternating off/on")
     ap.add_argument("--block-steps", type=int, default=40, help="(a) steps a block")
+    ap.add_argument("--sink", choices=("collector", "null"), default="collector",
+                    help="(a) where the agent ships: a real `collector serve` (on the ranks' cores, as on one "
+                         "host), or a null sink that reads and answers only (the agent's own cost)")
+    ap.add_argument("--no-detect", action="store_true",
+                    help="(a) the collector stores only: its detection does not share the ranks' cores")
     ap.add_argument("--pairs", type=int, default=3, help="(b) pairs of blocks without/with the reader")
     ap.add_argument("--block-s", type=float, default=5.0, help="(b) seconds a block")
     ap.add_argument("--rate", type=float, default=1000.0, help="(b) collectives a second, each rank")
