@@ -33,8 +33,9 @@ reset.
 
 A rank fires when its sum is over the threshold, enough recent steps were slow,
 its level stands out of the run's noise (`level_sigmas`: the median of its log
-ratios since its climb began, over at least `level_steps` steps, `level_z` sigmas
-up; the sum climbs on a burst of slow steps, the median only when most are slow),
+ratios since its climb began, over at least `level_steps` steps (`inferred_level_steps`
+in a job without measured waits), `level_z` sigmas up; the sum climbs on a burst of
+slow steps, the median only when most are slow),
 its smoothed ratio is at least `min_ratio`, its smoothed excess compute is at
 least `min_share` of the step time (on an oversubscribed host a slow link's rank
 and its partner compute a little slower too, ~1.2x of a compute that is a sliver
@@ -267,7 +268,8 @@ class StragglerDetector:
             drift = _DRIFT_PRIOR * sigma
         steps = np.fromiter(st.hist_steps, np.int64, have)  # newest first
         since = np.where(st.onset[:n] >= 0, (steps[None, :] >= st.onset[:n, None]).sum(axis=1), 0)
-        m = np.clip(since, min(self.cfg.level_steps, have), have)
+        least = self.cfg.inferred_level_steps if st.waits.inferring else self.cfg.level_steps
+        m = np.clip(since, min(least, have), have)
         hist = np.where(np.arange(have)[None, :] < m[:, None], st.raw_hist[:n, :have], np.nan)
         cnt = np.isfinite(hist).sum(axis=1)
         out = np.zeros(n)
