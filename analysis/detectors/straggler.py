@@ -151,7 +151,7 @@ class _State:
     __slots__ = ("cusum", "mask", "calm", "ratio", "excess", "compute", "onset", "judged", "last_lr", "noise",
                  "episodes", "waits", "last_judged", "step_s", "num_steps_judged", "stage_levels", "kh",
                  "lr_hist", "hist_steps", "block_sum", "block_n", "last_block", "drift",
-                 "own_hist", "raw_hist", "paired", "held", "num_unjudged_steps")
+                 "own_hist", "paired", "held", "num_unjudged_steps")
 
     def __init__(self, alpha: float, noise_window: int, async_min_share: float = 0.05,
                  clock_error_s: float = 0.0) -> None:
@@ -177,10 +177,10 @@ class _State:
         self.num_steps_judged = 0
         self.stage_levels: dict[int, deque] = {}  # stage -> its recent per-step median log compute
         self.kh = (0.0, 0.0)  # the CUSUM reference and threshold of the last judged step
-        self.lr_hist = np.full((0, _ONSET_STEPS), np.nan)  # column i: log ratio at the i-th latest judged step
+        # column i: log ratio (not clipped) at the i-th latest judged step
+        self.lr_hist = np.full((0, _ONSET_STEPS), np.nan)
         self.hist_steps: deque[int] = deque(maxlen=_ONSET_STEPS)  # the judged steps those columns are for
         self.own_hist = np.full((0, _ONSET_STEPS), np.nan)  # column i: log compute at the i-th latest judged step
-        self.raw_hist = np.full((0, _ONSET_STEPS), np.nan)  # column i: log ratio, not clipped, at the i-th latest
         self.paired = np.zeros(0, bool)  # judged against a single peer at its last step
         self.held: deque[tuple[int, int, pl.DataFrame]] = deque()  # released steps waiting for their waits
         self.num_unjudged_steps = 0  # held steps dropped past _MAX_HELD_STEPS
@@ -200,7 +200,6 @@ class _State:
         self.last_block = _grow(self.last_block, n, np.nan)
         self.lr_hist = _grow_rows(self.lr_hist, n)
         self.own_hist = _grow_rows(self.own_hist, n)
-        self.raw_hist = _grow_rows(self.raw_hist, n)
         self.paired = _grow(self.paired, n, False)
 
     def footprint(self) -> dict[str, int]:
@@ -254,9 +253,8 @@ class StragglerDetector:
         that drift apart on shared cores: a median over a block does not average that out),
         the drift shrinking as sqrt(2 window_steps / m) once m passes two blocks: a swing of a
         shared host ends (clean runs on two shared cores: 8-30 steps), a straggler stays, and
-        the longer it stays the surer it is. A median
-        of several steps is what a real straggler moves and a burst of two or three slow
-        steps does not (a clean Lightning rank on shared cores ran 1.5x its peer for three
+        the longer it stays the surer it is. A median of several steps is what a real
+        straggler moves and a burst of two or three slow steps does not (a clean Lightning rank on shared cores ran 1.5x its peer for three
         steps in a row)."""
         n = len(st.cusum)
         have = len(st.hist_steps)
@@ -270,7 +268,7 @@ class StragglerDetector:
         since = np.where(st.onset[:n] >= 0, (steps[None, :] >= st.onset[:n, None]).sum(axis=1), 0)
         least = self.cfg.inferred_level_steps if st.waits.inferring else self.cfg.level_steps
         m = np.clip(since, min(least, have), have)
-        hist = np.where(np.arange(have)[None, :] < m[:, None], st.raw_hist[:n, :have], np.nan)
+        hist = np.where(np.arange(have)[None, :] < m[:, None], st.lr_hist[:n, :have], np.nan)
         cnt = np.isfinite(hist).sum(axis=1)
         out = np.zeros(n)
         got = cnt > 0
@@ -386,9 +384,7 @@ class StragglerDetector:
         slow = (ratio >= self.cfg.min_ratio).astype(np.int64)
         st.mask[r] = ((st.mask[r] << 1) | slow) & self.full
         st.lr_hist[r, 1:] = st.lr_hist[r, :-1]
-        st.lr_hist[r, 0] = lr
-        st.raw_hist[r, 1:] = st.raw_hist[r, :-1]
-        st.raw_hist[r, 0] = np.log(ratio)
+        st.lr_hist[r, 0] = np.log(ratio)
         st.own_hist[r, 1:] = st.own_hist[r, :-1]
         st.own_hist[r, 0] = np.log(c)
         st.paired[r] = len(r) < 3
@@ -486,7 +482,7 @@ class StragglerDetector:
             if rank not in ep.members:
                 ep.members.add(rank)
                 ep.ever.add(rank)
-                ep.onset = min(ep.onset, self._onset(st, rank, step))
+                ep.onset = min(ep.onset, self._onset(st, rank, step, self.clip))
         for node, ep in list(st.episodes.items()):
             for rank in list(ep.members):
                 if rank in held:
@@ -507,13 +503,14 @@ class StragglerDetector:
             self._report(p, st, ep, step, waiters)
 
     @staticmethod
-    def _onset(st: _State, rank: int, step: int) -> int:
-        """Where the rank's slowness began: the change point of its log ratios over the last
+    def _onset(st: _State, rank: int, step: int, clip: float) -> int:
+        """Where the rank's slowness began: the change point of its log ratios (clipped at
+        `clip`, as the sum takes them) over the last
         `_ONSET_STEPS` judged steps (the split maximising t(n-t)/n (mean after - mean before)^2
         with the later level higher), no earlier than the climb's start (where the sum left zero)."""
         climb = int(st.onset[rank]) if st.onset[rank] >= 0 else step
         steps = np.fromiter(st.hist_steps, np.int64, len(st.hist_steps))[::-1]  # oldest first
-        x = st.lr_hist[rank, :len(steps)][::-1]
+        x = np.clip(st.lr_hist[rank, :len(steps)][::-1], -clip, clip)
         keep = np.isfinite(x)
         steps, x = steps[keep], x[keep]
         n = len(x)
