@@ -35,7 +35,11 @@ A rank fires when its sum is over the threshold, enough recent steps were slow,
 its level stands out of the run's noise (`level_sigmas`: the median of its log
 ratios since its climb began, over at least `level_steps` steps (`inferred_level_steps`
 in a job without measured waits), `level_z` sigmas up; the sum climbs on a burst of
-slow steps, the median only when most are slow),
+slow steps, the median only when most are slow), that level is above every healthy
+swing of the run that lasted as long (`above_swings`: the latest `swing_memory` climbs
+that ended with no incident, their length and peak level: host noise measured on the
+run itself), its group waits for it
+(`_witnessed`: the waits it caused are `witness_share` of its excess or more),
 its smoothed ratio is at least `min_ratio`, its smoothed excess compute is at
 least `min_share` of the step time (on an oversubscribed host a slow link's rank
 and its partner compute a little slower too, ~1.2x of a compute that is a sliver
@@ -151,10 +155,10 @@ class _State:
     __slots__ = ("cusum", "mask", "calm", "ratio", "excess", "compute", "onset", "judged", "last_lr", "noise",
                  "episodes", "waits", "last_judged", "step_s", "num_steps_judged", "stage_levels", "kh",
                  "lr_hist", "hist_steps", "block_sum", "block_n", "last_block", "drift",
-                 "own_hist", "paired", "held", "num_unjudged_steps")
+                 "own_hist", "paired", "held", "num_unjudged_steps", "climb_peak", "swings")
 
     def __init__(self, alpha: float, noise_window: int, async_min_share: float = 0.05,
-                 clock_error_s: float = 0.0) -> None:
+                 clock_error_s: float = 0.0, swing_memory: int = 64) -> None:
         self.cusum = np.zeros(0)
         self.mask = np.zeros(0, np.int64)  # bit i: slow at the i-th latest judged step
         self.calm = np.zeros(0, np.int64)  # judged steps in a row with the sum below half the threshold
@@ -173,7 +177,7 @@ class _State:
         self.episodes: dict[int, _Episode] = {}  # node code (or -1 - rank) -> open episode
         self.waits = WaitBook(alpha=alpha, async_min_share=async_min_share, clock_error_s=clock_error_s)
         self.last_judged: tuple[int, int] | None = None
-        self.step_s = 0.0  # median step_s of the last judged step
+        self.step_s = 0.0  # EWMA of the judged steps' median step_s
         self.num_steps_judged = 0
         self.stage_levels: dict[int, deque] = {}  # stage -> its recent per-step median log compute
         self.kh = (0.0, 0.0)  # the CUSUM reference and threshold of the last judged step
@@ -184,6 +188,9 @@ class _State:
         self.paired = np.zeros(0, bool)  # judged against a single peer at its last step
         self.held: deque[tuple[int, int, pl.DataFrame]] = deque()  # released steps waiting for their waits
         self.num_unjudged_steps = 0  # held steps dropped past _MAX_HELD_STEPS
+        self.climb_peak = np.zeros(0)  # the highest level (log) of the rank's current climb
+        # the run's healthy swings: (judged steps, peak level) of the latest climbs that ended with no incident
+        self.swings: deque[tuple[int, float]] = deque(maxlen=max(1, swing_memory))
 
     def ensure(self, n: int) -> None:
         self.cusum = _grow(self.cusum, n, 0.0)
@@ -201,10 +208,11 @@ class _State:
         self.lr_hist = _grow_rows(self.lr_hist, n)
         self.own_hist = _grow_rows(self.own_hist, n)
         self.paired = _grow(self.paired, n, False)
+        self.climb_peak = _grow(self.climb_peak, n, 0.0)
 
     def footprint(self) -> dict[str, int]:
         return {"episodes": len(self.episodes), "rank_slots": len(self.cusum), "noise": len(self.noise),
-                "drift": len(self.drift),
+                "drift": len(self.drift), "swings": len(self.swings),
                 "stage_levels": sum(len(d) for d in self.stage_levels.values()), "held_steps": len(self.held),
                 **self.waits.footprint()}
 
@@ -221,7 +229,8 @@ class StragglerDetector:
         self.full = (1 << self.cfg.window_steps) - 1
 
     def new_state(self) -> _State:
-        return _State(self.cfg.ewma_alpha, self.cfg.noise_window, self.cfg.async_min_share, self.cfg.clock_error_s)
+        return _State(self.cfg.ewma_alpha, self.cfg.noise_window, self.cfg.async_min_share, self.cfg.clock_error_s,
+                      self.cfg.swing_memory)
 
     # -- the noise-adaptive reference and threshold ----------------------------------
     def noise_s(self, st: _State) -> float | None:
@@ -245,8 +254,8 @@ class StragglerDetector:
         return (max(self.k0, self.cfg.noise_k * sigma, self.cfg.drift_k * drift),
                 max(self.cfg.cusum_threshold, self.cfg.noise_h * sigma))
 
-    def level_sigmas(self, st: _State) -> np.ndarray:
-        """Per rank: how many sigmas its level lies above its peers': the median of its log
+    def levels(self, st: _State) -> tuple[np.ndarray, np.ndarray]:
+        """Per rank: (its level, how many sigmas that lies above its peers'): the median of its log
         ratios (not clipped) over the steps since its climb began, at least `level_steps` of
         its latest judged steps and at most `_ONSET_STEPS`. The sigma of that median of m
         steps is the larger of 1.25 x the step-to-step noise over sqrt(m) and the drift (ranks
@@ -259,27 +268,53 @@ class StragglerDetector:
         n = len(st.cusum)
         have = len(st.hist_steps)
         if not n or not have:
-            return np.zeros(n)
+            return np.zeros(n), np.zeros(n)
         sigma = self.noise_s(st) or 0.0
         drift = self.drift_s(st)
-        if drift is None:
-            drift = _DRIFT_PRIOR * sigma
+        least = self.cfg.inferred_level_steps if st.waits.inferring else self.cfg.level_steps
+        if drift is None:  # not measured yet (~56 steps on two ranks): the prior, and the median over twice
+            drift = _DRIFT_PRIOR * sigma  # the steps (a clean rank on two loaded cores was 1.14x for 7 steps
+            least *= 2  # at step 48, 5 sigmas of that prior; a 1.5x straggler is named ~8 steps in)
         steps = np.fromiter(st.hist_steps, np.int64, have)  # newest first
         since = np.where(st.onset[:n] >= 0, (steps[None, :] >= st.onset[:n, None]).sum(axis=1), 0)
-        least = self.cfg.inferred_level_steps if st.waits.inferring else self.cfg.level_steps
         m = np.clip(since, min(least, have), have)
         hist = np.where(np.arange(have)[None, :] < m[:, None], st.lr_hist[:n, :have], np.nan)
         cnt = np.isfinite(hist).sum(axis=1)
-        out = np.zeros(n)
+        level, out = np.zeros(n), np.zeros(n)
         got = cnt > 0
         if got.any():
-            level = np.nanmedian(hist[got], axis=1)
+            level[got] = np.nanmedian(hist[got], axis=1)
             c = cnt[got]
             settled = 2 * self.cfg.window_steps  # swings of a shared host last up to a few blocks
             scale = np.maximum(drift * np.sqrt(settled / np.maximum(c, settled)), 1.25 * sigma / np.sqrt(c))
             with np.errstate(divide="ignore", invalid="ignore"):
-                out[got] = np.where(scale > 0, level / scale, np.where(level > 0, np.inf, 0.0))
-        return out
+                out[got] = np.where(scale > 0, level[got] / scale, np.where(level[got] > 0, np.inf, 0.0))
+        return level, out
+
+    def above_swings(self, st: _State, ranks: np.ndarray, level: np.ndarray, step: int) -> np.ndarray:
+        """Per rank of `ranks`: its level stands above every healthy swing of this run that
+        lasted as long as its climb so far and still ended (`swings`: climbs that ended with
+        no incident, the latest `swing_memory`). Host noise is the run's own: on two shared
+        cores a clean rank climbed to 1.3x for 17 steps after another had swung to 1.35x for
+        21 steps and come back; a straggler stays, and once it outlasts every swing seen
+        only the priors above (the level's sigmas) judge it. No swing seen yet: true."""
+        if not st.swings or not len(ranks) or self.cfg.swing_memory <= 0:
+            return np.ones(len(ranks), bool)
+        d = np.fromiter((x[0] for x in st.swings), np.int64, len(st.swings))
+        peak = np.fromiter((x[1] for x in st.swings), float, len(st.swings))
+        lasted = step - st.onset[ranks] + 1
+        bar = np.where(d[None, :] >= lasted[:, None], peak[None, :], -np.inf).max(axis=1)
+        return level[ranks] > bar
+
+    def _swings(self, st: _State, ended: np.ndarray, last: np.ndarray) -> None:
+        """Remember the climbs of `ended` (their last climbing step `last`) that opened no
+        incident: the run's healthy swings, their length in steps and their peak level."""
+        if not len(ended):
+            return
+        blamed = {r for ep in st.episodes.values() for r in ep.ever}
+        for rank, at in zip(ended.tolist(), last.tolist()):
+            if rank not in blamed and st.onset[rank] >= 0:
+                st.swings.append((int(at - st.onset[rank] + 1), float(st.climb_peak[rank])))
 
     def run(self, p, st: _State) -> None:
         st.waits.add(p.frames.collectives)
@@ -378,7 +413,10 @@ class StragglerDetector:
         after = np.clip(before + lr - k, 0.0, 2.0 * h)  # capped: a long straggle recovers fast
         st.cusum[r] = after
         climbing = (before <= 0) & (after > 0)
+        ended = (before > 0) & (after <= 0)
+        self._swings(st, r[ended], st.judged[r[ended]])
         st.onset[r[climbing]] = step
+        st.climb_peak[r[climbing]] = -np.inf
         st.onset[r[after <= 0]] = -1
         st.calm[r] = np.where(after < 0.5 * h, st.calm[r] + 1, 0)  # hysteresis: calm well below the threshold
         slow = (ratio >= self.cfg.min_ratio).astype(np.int64)
@@ -396,7 +434,9 @@ class StragglerDetector:
         st.judged[r] = step
         step_s = rows["step_s"].to_numpy().astype(float)
         step_s = step_s[np.isfinite(step_s)]
-        st.step_s = float(np.median(step_s)) if len(step_s) else 0.0
+        if len(step_s):  # smoothed as the excess is: the share of the step they make is steady
+            med = float(np.median(step_s))
+            st.step_s = med if st.step_s <= 0 else a * med + (1 - a) * st.step_s
         st.num_steps_judged += 1
         return True
 
@@ -434,6 +474,19 @@ class StragglerDetector:
         return ok
 
     # -- who is held back by whom --------------------------------------------------
+    def _witnessed(self, st: _State) -> np.ndarray:
+        """Per rank: its group waits for it, the second witness of its slowness: the others'
+        waits it caused (s/step, from the collectives matched by `group_seq`) are at least
+        `witness_share` of its excess compute. A rank slower than its peers whom nobody
+        waits for costs the job nothing (a clean Lightning rank 0 on two shared cores:
+        1.12x, 1.7 ms/step of excess for 18 steps, 9 us/step of waits caused). A rank with
+        no collective seen has no witness to ask: true."""
+        n = len(st.cusum)
+        ranks = np.arange(n)
+        caused = st.waits.caused(ranks)
+        took_part = st.waits.all_ops[:n] > 0
+        return ~took_part | (caused >= self.cfg.witness_share * np.maximum(st.excess[:n], 0.0))
+
     def _held_by(self, st: _State, rank: int, culprits: set[int]) -> tuple[int, list[int]] | None:
         """The slow rank `rank` is held back by: the end of its chain of net waits (its own
         by `waiter_share` of its excess or more), when that rank is slow too (a culprit, or
@@ -457,10 +510,14 @@ class StragglerDetector:
             # stragglers at steps 8-39, one through a hiccup that took a rank's smoothed ratio past
             # max_step_ratio for a step): no verdict before the drift is measured
             known = False
+        level, sigmas = self.levels(st)
+        up = st.onset[:len(level)] >= 0
+        st.climb_peak[up] = np.maximum(st.climb_peak[up], level[up])
         firing = np.flatnonzero((st.cusum >= h) & (popcount(st.mask & self.full) >= cfg.min_slow_steps)
                                 & (st.ratio >= cfg.min_ratio) & costly & self._slowed(st)
-                                & (self.level_sigmas(st) >= cfg.level_z)) \
+                                & (sigmas >= cfg.level_z) & self._witnessed(st)) \
             if known else np.zeros(0, np.int64)
+        firing = firing[self.above_swings(st, firing, level, step)]
         # culprits: the firing ranks and the open incidents' members; a culprit that waits for
         # another culprit is held back by it (the rank everyone waits for is the culprit)
         culprits = set(firing.tolist()) | {r for ep in st.episodes.values() for r in ep.members}

@@ -54,6 +54,20 @@ def test_waiting_peers_are_not_blamed_and_attribution_agrees():
     assert f.confidence > 0.9
 
 
+def test_a_slow_rank_nobody_waits_for_is_not_a_straggler():
+    """The second witness: the same 1.5x rank, but its peers' collectives say nobody waited for
+    it (wait_s 0 everywhere: its slowness fell where no one blocks on it). Its compute alone
+    is no incident; with the waits as measured it is one."""
+    sim = Sim(layout=Layout(dp=2, tp=2, nodes=2), steps=160, seed=3, faults=(Straggler(rank=3, start=60, factor=1.5),))
+    commits = sim.build()
+    assert {f.rank for f in opened(feed(Analyzer(), commits)).values()} == {3}
+
+    def unwaited(frames):
+        c = frames.collectives
+        return replace(frames, collectives=None if c is None else c.with_columns(pl.lit(0.0).alias("wait_s")))
+    assert opened(feed(Analyzer(), [(ts, unwaited(f)) for ts, f in commits])) == {}
+
+
 def test_slow_ranks_on_one_node_are_one_node_incident():
     layout = Layout(dp=2, tp=2, nodes=2)  # node1 holds ranks 2 and 3
     sim = Sim(layout=layout, steps=160, seed=4, faults=(Straggler(rank=2, start=60, factor=1.5),
@@ -196,7 +210,8 @@ def _drifting_host(steps: int, seed: int) -> tuple:
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_ranks_drifting_apart_on_a_shared_host_are_not_stragglers(seed):
     """The drift (the noise of window_steps-step means) raises the CUSUM's reference and the bar of
-    a rank's level: without it (drift_k = 0, level_z = 0) the same run opens stragglers; with it,
+    a rank's level: without it (drift_k = 0, level_z = 0, and no swings remembered) the same run opens
+    stragglers; with it,
     nothing after the drift is measured, and
     a real 2x straggler on top is still named within 12 steps. (A 1.5x one is not, on this host:
     its level, ~0.4 in log, is ~4-6 sigmas of a drift of ~0.08-0.1, the size of the host's own
@@ -205,7 +220,7 @@ def test_ranks_drifting_apart_on_a_shared_host_are_not_stragglers(seed):
     drift = tuple(c for c in _drifting_host(steps, seed) if c.end <= onset - 10)
     learned = 90  # steps until 12 block-mean changes are seen (2 ranks, blocks of 8 steps: ~56) and a margin
     rules = load_rules()
-    blind = rules_from_dict({"straggler": {"drift_k": 0.0, "level_z": 0.0}})
+    blind = rules_from_dict({"straggler": {"drift_k": 0.0, "level_z": 0.0, "swing_memory": 0}})
     clean = Sim(layout=layout, steps=onset, seed=seed, jitter=0.05, faults=drift).build()
     late = [f for f in feed(Analyzer(blind), clean) if f.kind == "straggler" and f.step_from >= learned]
     assert late, "the drift alone should open a straggler when it is not measured"
