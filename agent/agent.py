@@ -346,8 +346,16 @@ class Agent(Recorder):
         trainer's injected device faults (trainer/faults.py `devhealth`, a simulated
         device). Called on the flusher thread right after the sampler, so it must be
         cheap and only read what the training thread writes; one that raises costs
-        that sample (counted as dropped, logged once). None removes it."""
+        that sample (counted as dropped, logged once). None removes it.
+
+        The next heartbeat, and its sample, come at once: the sample taken when the agent
+        started did not have the overlay, and a detector takes the first sample it sees as
+        the device's state at start (the ECC count new errors are counted from); a heartbeat
+        later, a fast job's fault may already show (a CI run's ECC fault at step 40 was in
+        the baseline, 35 steps a second)."""
         self._health_overlay = fn
+        self._next_hb = 0.0
+        self._wake.set()
 
     def set_attempt(self, n: int) -> None:
         self.attempt = int(n)

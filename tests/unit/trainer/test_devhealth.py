@@ -159,3 +159,25 @@ def test_the_agent_ships_the_overlaid_samples(tmp_path, monkeypatch):
     assert [(r["step"], r["throttle_reasons"], r["temperature_c"]) for r in rows[:2]] == [(9, 0, 60.0), (10, 0x40, 95.0)]
     assert rows[1]["mem_total_bytes"] > 0 and rows[1]["ecc_uncorrectable"] == 0
     assert len(rows) == 2 and stats["dropped"][wire.DEVICE_HEALTH] == 1, (rows, stats)
+
+
+def test_an_overlay_set_after_start_is_sampled_at_once(tmp_path, monkeypatch):
+    """The agent samples at start, before the trainer sets its overlay; the overlay's first sample
+    comes at once, not a heartbeat later: a detector takes the first sample it sees as the device's
+    state at start, and a fast job's ECC fault a heartbeat in was in that baseline (a CI run)."""
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # a CPU host: no NVML
+    inj = injector("devhealth@rank=1,from=10,what=ecc", tmp_path)
+    cfg = AgentConfig(url=f"http://127.0.0.1:{_closed_port()}", spool_dir=str(tmp_path / "spool"), capacity=16,
+                      timeout_s=0.5, heartbeat_interval_s=3600.0)  # no heartbeat after the first but the overlay's
+    agent = Agent(cfg, run_id="r1", rank=1, node="node1")
+    agent.start()
+    try:
+        assert wait_until(lambda: agent.stats()["recorded"][wire.HEARTBEAT] >= 1, timeout_s=10.0)
+        agent.flush(5.0)  # a cycle after the first one: its sample, taken right after the heartbeat, is in
+        agent.set_health_overlay(inj.device_health)
+        assert wait_until(lambda: agent.stats()["recorded"][wire.HEARTBEAT] >= 2, timeout_s=10.0)
+    finally:
+        agent.close()
+    rows = _spooled_health_rows(tmp_path / "spool")
+    # a CPU host's (not measured), then the simulated healthy GPU's at step 0: the baseline, before the fault
+    assert [r["ecc_uncorrectable"] for r in rows] == [wire.NOT_MEASURED, 0]
