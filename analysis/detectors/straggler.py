@@ -32,7 +32,7 @@ Excluded steps (start, checkpoint, eval: analysis/marks.py) neither add nor
 reset.
 
 A rank fires when its sum is over the threshold, enough recent steps were slow,
-its level stands out of the run's noise (`level_sigmas`: the median of its log
+its level stands out of the run's noise (`levels`: the median of its log
 ratios since its climb began, over at least `level_steps` steps (`inferred_level_steps`
 in a job without measured waits), `level_z` sigmas up; the sum climbs on a burst of
 slow steps, the median only when most are slow), that level is above every healthy
