@@ -9,11 +9,18 @@
 `now` is the collector's clock at the commit (the replay passes the batches'
 `received_ts`). A pass runs for every run the analyzer knows, also when the
 commit had no rows of it: hangs and crashes are detected from what does *not*
-arrive. The analyzer keeps one `RunState` per run (`analyzer.runs`); the caller
-may `drop_run` one it no longer needs (finished and closed incidents).
+arrive. `feed_run` is the same for one run's rows, a pass of that run only (the
+collector's detection runner cuts each commit per run). The analyzer keeps one
+`RunState` per run (`analyzer.runs`); the caller may `drop_run` one it no longer
+needs (finished and closed incidents).
+
+A restart round of a run (rank 0's `run_started` event with `restart > 0`) starts
+the run's analysis over on the new layout: `new_round`.
 """
 
 from __future__ import annotations
+
+import json
 
 from analysis.findings import Finding
 from analysis.frames import Frames
@@ -66,34 +73,72 @@ class Analyzer:
         """One commit's rows (any number of runs); findings of every run, in order."""
         frames.check()
         per_run = frames.split_runs()
-        for run_id in per_run:
-            self.run_state(run_id)
         out: list[Finding] = []
+        for run_id, run_frames in per_run.items():
+            self._enter(run_id, run_frames, now, out)
         for run_id, state in self.runs.items():
             out.extend(run_pass(state, per_run.get(run_id, _EMPTY), now=now, rules=self.rules,
                                 detectors=self.detectors))
+        return out
+
+    def feed_run(self, run_id: str, frames: Frames, *, now: float) -> list[Finding]:
+        """One pass of `run_id` alone over `frames`, which hold that run's rows only."""
+        frames.check()
+        out: list[Finding] = []
+        self._enter(run_id, frames, now, out)
+        out.extend(run_pass(self.runs[run_id], frames, now=now, rules=self.rules, detectors=self.detectors))
+        return out
+
+    def _enter(self, run_id: str, frames: Frames, now: float, out: list[Finding]) -> None:
+        """The run's state, a new round's when these rows start one."""
+        if run_id in self.runs and is_new_round(frames):
+            out.extend(self.new_round(run_id, now=now))
+        self.run_state(run_id)
+
+    def new_round(self, run_id: str, *, now: float) -> list[Finding]:
+        """A restart round of `run_id`, maybe on fewer nodes: its rank numbers now name
+        other hardware (a straggler's rank number belongs to its healthy successor), so
+        the run's open incidents close and its state starts over, keys numbered on after
+        the old ones. A detector with `carry_over(old_state)` keeps what is about the
+        run as a whole: the spike detectors' baseline of the training curve, which goes
+        on from the checkpoint (a loss spike right after the restart is still judged)."""
+        prev = self.runs.pop(run_id, None)
+        st = self.run_state(run_id)
+        out: list[Finding] = []
+        if prev is None:
+            return out
+        for key in prev.book.open_keys():
+            f = prev.book.get(key)
+            prev.book.resolve(key, out, ts=now, evidence={**(f.evidence or {}),
+                                                          "resolved_because": "the job restarted (a new round)"})
+        st.book.continue_keys(prev.book)
+        for d in self.detectors:
+            carry = getattr(d, "carry_over", None)
+            if carry is not None and d.name in prev.detectors:
+                st.detectors[d.name] = carry(prev.detectors[d.name])
         return out
 
     def tick(self, *, now: float) -> list[Finding]:
         """A pass without new rows: timers only (silence, stagnation, step timeouts)."""
         return self.feed(_EMPTY, now=now)
 
-    def continue_run(self, run_id: str, old: "Analyzer") -> None:
-        """A restart round of `run_id` (maybe on fewer nodes): this analyzer's state of the
-        run starts afresh, as its rank numbers now name other hardware, but a detector
-        with `carry_over(old_state)` keeps what is about the run as a whole (the spike
-        detectors' baseline of the training curve)."""
-        prev = old.runs.get(run_id)
-        st = self.run_state(run_id)
-        if prev is None:
-            return
-        for d in self.detectors:
-            carry = getattr(d, "carry_over", None)
-            if carry is not None and d.name in prev.detectors:
-                st.detectors[d.name] = carry(prev.detectors[d.name])
-
     def drop_run(self, run_id: str) -> None:
         self.runs.pop(run_id, None)
+
+
+def is_new_round(frames: Frames) -> bool:
+    """Rows holding rank 0's `run_started` event of a restart round."""
+    ev = frames.events
+    if ev is None or not ev.height:
+        return False
+    for data in ev.filter((ev["kind"] == "run_started") & (ev["rank"] == 0))["data"].to_list():
+        try:
+            restart = (json.loads(data) if isinstance(data, str) else data or {}).get("restart")
+        except (ValueError, AttributeError):
+            continue
+        if int(restart or 0) > 0:
+            return True
+    return False
 
 
 _EMPTY = Frames()

@@ -158,8 +158,8 @@ def serve(args: argparse.Namespace) -> int:
                         alert_retry_cap_s=args.alert_retry_cap_s, alert_max_age_s=args.alert_give_up_s,
                         alert_max_attempts=args.alert_max_attempts, rollup_after_s=rollup_after_s,
                         rollup_every_s=rollup_every_s)
-    from analysis import RulesError, load_rules
-    from collector.analyzers import detectors_for, policy_for
+    from analysis import Analyzer, RulesError, load_rules
+    from collector.policy import policy_for
 
     try:
         rules = load_rules(args.rules)  # a bad rules file is an error now, not on the detection thread
@@ -170,8 +170,7 @@ def serve(args: argparse.Namespace) -> int:
     if policy is not None:
         print(f"collector: policy {policy.mode}", flush=True)
     try:
-        storage = Storage(settings, detector_factory=lambda s: detectors_for(
-            s.read, rules_path=args.rules, enabled=not args.no_detect), policy=policy)
+        storage = Storage(settings, analyzer=None if args.no_detect else Analyzer(rules), policy=policy)
     except (duckdb.Error, SchemaTooNew) as e:
         print(f"collector: cannot open {db_path}: {e}", file=sys.stderr)
         return 2

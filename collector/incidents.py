@@ -1,10 +1,10 @@
 """Incidents: one row per cause, opened, updated and closed through the writer.
 
-Detectors (collector/detection.py, the analysis package) return findings; the
-runner hands them to the writer as a `RecordFindings` intent, and this projection
-turns them into rows. One incident per cause: a cause is (run_id, key), the key
-naming the cause within the run (analysis/findings.py: "straggler:node1#1"); a
-finding without one gets `default_key` ("kind:rank:node"). For a cause:
+The analysis (analysis/findings.py `Finding`) reports findings; the detection
+runner (collector/detection.py) hands them to the writer as a `RecordFindings`
+intent, and this projection turns them into rows. One incident per cause: a cause
+is (run_id, key), the key naming the cause within the run ("straggler:node1#1");
+a manual incident's is `default_key` ("kind:rank:node"). For a cause:
 
 - nothing open: a finding opens an incident (status 'open', step range, evidence);
 - open: a finding updates it (step range widened, severity, evidence, root cause and
@@ -12,15 +12,18 @@ finding without one gets `default_key` ("kind:rank:node"). For a cause:
   (status 'closed', closed_ts).
 
 Times: opened_ts and closed_ts are the finding's `ts` (the `now` of the pass
-that found it) when it has one, else the commit's time.
+that found it) when it has one (> 0), else the commit's time.
 
-The key is stored (`incidents.cause_key`), so after a restart the book reloads the
-open incidents under their causes and a finding about the same cause updates its
-incident rather than opening a second one.
+The key is stored (`incidents.cause_key`), so after a restart `OpenIncidents`
+reloads the open rows under their causes and a finding about the same cause
+updates its incident rather than opening a second one.
 
-`IncidentBook` is the pure part, owned by the writer thread: plan against it,
-apply after the commit. Manual writes (`OpenIncident`, `UpdateIncident`: the
-Storage methods) take the same path, so the book never goes stale behind them.
+`OpenIncidents` is the pure part, the writer's index of the open rows, owned by
+the writer thread: plan against it, apply after the commit. (The analysis's own
+`IncidentBook` is on the other side: per run, what its detectors last reported,
+so that only a change is emitted.) Manual writes (`OpenIncident`,
+`UpdateIncident`: the Storage methods) take the same path, so the index never
+goes stale behind them.
 
 Hooks (`IncidentHook`: the alert outbox, collector/outbox.py) see every plan's
 inserts and updates and write their own rows in the same transaction, so what
@@ -30,11 +33,12 @@ reports an incident change commits (or rolls back) with the change.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import duckdb
 
+from analysis.findings import Finding
 from collector.decode import json_text
 from collector.projection import Group, Ids, Projection
 
@@ -44,48 +48,8 @@ _JSON_FIELDS = frozenset({"evidence"})
 Cause = tuple[str, str]  # run_id, key
 
 
-@dataclass(slots=True, kw_only=True)
-class Finding:
-    """What a detector reports about one cause in one pass. Detectors may return
-    their own type with these attribute names (or a mapping): see `as_finding`."""
-
-    kind: str
-    key: str | None = None  # the cause within the run; None: default_key
-    severity: str = "warning"
-    rank: int | None = None
-    node: str | None = None
-    step_from: int | None = None
-    step_to: int | None = None
-    evidence: Any = None
-    root_cause: str | None = None
-    confidence: float | None = None
-    resolved: bool = False  # the cause is gone: close its open incident
-    ts: float | None = None  # the pass's `now`: the incident's opened_ts / closed_ts
-
-    @property
-    def cause_key(self) -> str:
-        return self.key or default_key(self.kind, self.rank, self.node)
-
-
 def default_key(kind: str, rank: int | None, node: str | None) -> str:
     return f"{kind}:{'-' if rank is None else rank}:{node or '-'}"
-
-
-_FINDING_FIELDS = tuple(f.name for f in fields(Finding))
-
-
-def as_finding(obj: Any) -> Finding:
-    """A Finding from a Finding, a mapping, or any object with Finding's attributes
-    (analysis/findings.py's type: its `status` "resolved" means `resolved`), so
-    detectors need not import the collector."""
-    if isinstance(obj, Finding):
-        return obj
-    get = obj.get if isinstance(obj, Mapping) else (lambda k, d=None: getattr(obj, k, d))
-    values = {k: get(k) for k in _FINDING_FIELDS if get(k) is not None}
-    if get("status") is not None:
-        values["resolved"] = get("status") in ("resolved", "closed")
-    values["resolved"] = bool(values.get("resolved", False))
-    return Finding(**values)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +121,7 @@ def _widen(lo: int | None, hi: int | None, f: Finding) -> tuple[int | None, int 
     return (min(los) if los else None), (max(his) if his else None)
 
 
-class IncidentBook:
+class OpenIncidents:
     """The open incidents by cause. Owned by the writer thread (no locking)."""
 
     def __init__(self) -> None:
@@ -166,7 +130,7 @@ class IncidentBook:
         self._settled: set[int] = set()  # root cause settled by a verdict: findings keep off it
 
     @classmethod
-    def load(cls, con: duckdb.DuckDBPyConnection) -> "IncidentBook":
+    def load(cls, con: duckdb.DuckDBPyConnection) -> "OpenIncidents":
         book = cls()
         rows = con.execute("SELECT id, run_id, kind, rank, node, step_from, step_to, cause_key FROM incidents "
                            "WHERE status = 'open' ORDER BY id").fetchall()
@@ -206,9 +170,9 @@ class IncidentBook:
             if isinstance(intent, RecordFindings):
                 ids = []
                 for f in intent.findings:
-                    cause = (intent.run_id, f.cause_key)
+                    cause = (intent.run_id, f.key)
                     row = current(cause)
-                    at = now if f.ts is None else f.ts
+                    at = f.ts if f.ts and f.ts > 0 else now
                     if f.resolved:
                         if row is not None:
                             plan.updates.append((row.id, unsettled(row.id, _closing(f, at, now))))
@@ -216,7 +180,7 @@ class IncidentBook:
                             opened[cause] = None
                         ids.append(row.id if row is not None else None)
                     elif row is None:
-                        iid = insert(intent.run_id, {**_finding_columns(f), "opened_ts": at}, f.cause_key)
+                        iid = insert(intent.run_id, {**_finding_columns(f), "opened_ts": at}, f.key)
                         opened[cause] = OpenRow(iid, cause, f.step_from, f.step_to if f.step_to is not None
                                                 else f.step_from)
                         ids.append(iid)
@@ -277,7 +241,7 @@ def _updating(f: Finding, lo: int | None, hi: int | None, now: float) -> dict[st
     values: dict[str, Any] = {"severity": f.severity, "rank": f.rank, "node": f.node, "step_from": lo,
                               "step_to": hi, "updated_ts": now}
     for name in ("evidence", "root_cause", "confidence"):
-        if getattr(f, name) is not None:
+        if _given(getattr(f, name)):
             values[name] = getattr(f, name)
     return values
 
@@ -285,9 +249,14 @@ def _updating(f: Finding, lo: int | None, hi: int | None, now: float) -> dict[st
 def _closing(f: Finding, at: float, now: float) -> dict[str, Any]:
     values: dict[str, Any] = {"status": "closed", "closed_ts": at, "updated_ts": now}
     for name in ("evidence", "root_cause"):
-        if getattr(f, name) is not None:
+        if _given(getattr(f, name)):
             values[name] = getattr(f, name)
     return values
+
+
+def _given(value: Any) -> bool:
+    """A finding's field that says something: not None, "" or {} (Finding's defaults)."""
+    return value is not None and value != "" and value != {}
 
 
 def check_fields(values: Mapping[str, Any], *, required: Sequence[str] = ()) -> None:
@@ -307,7 +276,7 @@ class IncidentsProjection(Projection):
 
     def __init__(self, con: duckdb.DuckDBPyConnection, *, ids: Ids, hooks: Sequence[IncidentHook] = ()) -> None:
         self._ids = ids
-        self.book = IncidentBook.load(con)
+        self.book = OpenIncidents.load(con)
         self.hooks = list(hooks)
 
     def plan(self, group: Group) -> IncidentPlan | None:

@@ -52,6 +52,7 @@ import pyarrow.compute as pc
 
 from analysis.kinds import COSTED, DONE_IN_PLACE, ENDED_BY_RESTART
 from analysis.policy import ISOLATE, REPAIR, RESTART, Decision, Policy, RunPolicy
+from analysis.rules import Rules, merge_rules
 from collector.commands import FAILED_ACKS
 from collector.feed import Subscription
 from collector.incidents import IncidentPlan
@@ -474,3 +475,11 @@ def _run_layout(cur: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, Any]:
                                [run_id]).fetchall())
     return {"world_size": world, "node_map": nodes, "reached": reached,
             "policy": policy if policy in ("shadow", "off") else None}
+
+
+def policy_for(rules: Rules, *, mode: str | None = None, min_nodes: int | None = None) -> Policy:
+    """The healing policy (analysis/policy.py) of `collector serve`: the rules' [policy],
+    `--policy` and `--min-nodes` over it."""
+    if min_nodes is not None:
+        rules = Rules(merge_rules(rules.as_dict(), {"policy": {"min_nodes": int(min_nodes)}}), source=rules.source)
+    return Policy(rules, mode=mode)

@@ -5,8 +5,8 @@
 The file is opened read-only and never written. Each run's rows (collector/read.py
 `run_tables`) are cut back into the commits a live collector would have seen
 (analysis/replay.py `replay_commits`), fed through the same `Analyzer` the live
-collector's detection thread runs (collector/analyzers.py), and its findings are
-collapsed into incidents by the live collector's own `IncidentBook`
+collector's detection thread runs (collector/detection.py), and its findings are
+collapsed into incidents by the live collector's own `OpenIncidents`
 (collector/incidents.py), kept in memory instead of in the `incidents` table. So
 what this prints is what `collector serve --rules FILE` would have written for the
 run: the way to tune thresholds on runs that already happened.
@@ -40,7 +40,7 @@ from analysis.policy import Policy, RunPolicy
 from analysis.scoring import Incident as ScoredIncident
 from analysis.scoring import Truth, cause_of, opened_step_of, suspects_of
 from collector import read
-from collector.incidents import IncidentBook, RecordFindings, as_finding
+from collector.incidents import OpenIncidents, RecordFindings
 
 
 @dataclass(slots=True)
@@ -56,12 +56,12 @@ class RunReplay:
 
 
 class IncidentLedger:
-    """The `incidents` table of one replay, in memory: the collector's IncidentBook
+    """The `incidents` table of one replay, in memory: the collector's OpenIncidents
     plans each pass's findings exactly as its writer does, and the plan is applied to
     rows here instead of inside a transaction."""
 
     def __init__(self) -> None:
-        self.book = IncidentBook()
+        self.book = OpenIncidents()
         self.rows: dict[int, dict[str, Any]] = {}
         self.opened_step: dict[int, int | None] = {}
         self._next_id = 1
@@ -69,7 +69,7 @@ class IncidentLedger:
     def record(self, run_id: str, findings: list, *, now: float) -> None:
         if not findings:
             return
-        plan = self.book.plan([RecordFindings(run_id, tuple(as_finding(f) for f in findings))], now=now,
+        plan = self.book.plan([RecordFindings(run_id, tuple(findings))], now=now,
                               next_id=self._next_id)
         for row in plan.inserts:
             self.rows[row["id"]] = {**row, "closed_ts": None}
@@ -97,7 +97,7 @@ def _evidence(row: dict[str, Any]) -> dict[str, Any]:
 def replay_run(cur: read.Cursor, run_id: str, *, rules: Rules | None = None, window_s: float = 1.0,
                tail_s: float = 30.0) -> RunReplay:
     """Every pass the live collector would have run over `run_id`, in order, with a
-    fresh analyzer (live, each run has its own: collector/analyzers.py)."""
+    fresh analyzer (live, one analyzer keeps a state per run: collector/detection.py)."""
     analyzer = Analyzer(rules)
     frames = Frames.from_arrow(read.run_tables(cur, run_id))
     ledger = IncidentLedger()

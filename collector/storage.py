@@ -37,21 +37,20 @@ import duckdb
 import pyarrow as pa
 from prometheus_client import Counter, Gauge
 
+from analysis import Analyzer, Finding
 from analysis.policy import Policy
 from collector import read, read_views
 from collector.actions import ActionsProjection, BadBatchesProjection, RecordAction, SetNodeStatus, UpdateAction
 from collector.commands import CommandsProjection, IssueCommand, validate_request
 from collector.decode import DecodedBatch
 from collector.dedupe import BatchKeysProjection
-from collector.detection import DetectionRunner, Detector
+from collector.detection import DetectionRunner
 from collector.feed import Feed, Subscription
 from collector.incidents import (
-    Finding,
     IncidentsProjection,
     OpenIncident,
     RecordFindings,
     UpdateIncident,
-    as_finding,
     check_fields,
 )
 from collector.liveness import LivenessProjection
@@ -106,13 +105,12 @@ class Storage:
     checkpoints."""
 
     def __init__(self, settings: Settings, *, metrics: CollectorMetrics | None = None,
-                 clock: Callable[[], float] = time.time, detectors: Sequence[Detector] = (),
+                 clock: Callable[[], float] = time.time, analyzer: Analyzer | None = None,
                  detection_tick_s: float = 1.0, detection_queue_commits: int = 64,
-                 detector_factory: Callable[["Storage"], Sequence[Detector]] | None = None,
                  extra_projections: Sequence[Projection] = (), alert_transport: Transport | None = None,
                  policy: Policy | None = None) -> None:
-        """`detectors`: run on a detection thread (collector/detection.py) when given;
-        `detector_factory(storage)` builds more that need this storage (to read).
+        """`analyzer`: the analysis (analysis/engine.py), run on a detection thread
+        (collector/detection.py) when given; None detects nothing.
         `extra_projections`: more parts for the writer, after the built-in ones.
         `alert_transport`: how the alert sender POSTs (default: urllib; tests fake it).
         `policy`: the healing policy (analysis/policy.py), carried out on a thread of
@@ -146,11 +144,11 @@ class Storage:
             self._outbox.pending_at_start = []
             self.sender.start()
         self.detection: DetectionRunner | None = None
-        detectors = [*detectors, *(detector_factory(self) if detector_factory is not None else ())]
-        if detectors:
+        if analyzer is not None:
             self.detection = DetectionRunner(
-                self.subscribe("detection", max_commits=detection_queue_commits), detectors,
-                submit=self.record_findings, clock=clock, tick_s=detection_tick_s, registry=self.metrics.registry)
+                self.subscribe("detection", max_commits=detection_queue_commits), analyzer,
+                submit=self.record_findings, meta=lambda run_id: self.read(read.run_meta_tables, run_id),
+                clock=clock, tick_s=detection_tick_s, registry=self.metrics.registry)
             self.detection.start()
         self.policy: PolicyRunner | None = None
         if policy is not None:
@@ -292,11 +290,11 @@ class Storage:
         validate_request(kind, args, ranks)
         return self._writer.submit_intent("commands", IssueCommand(run_id, kind, args, ranks), done=done)
 
-    def record_findings(self, run_id: str, findings: Sequence[Finding | Any], *,
+    def record_findings(self, run_id: str, findings: Sequence[Finding], *,
                         done: Done | None = None) -> Future | None:
-        """Open, update or close incidents from detector findings (collector/incidents.py),
+        """Open, update or close incidents from the analysis's findings (collector/incidents.py),
         in the next group commit. Never blocks; the result is the incident id per finding."""
-        intent = RecordFindings(run_id, tuple(as_finding(f) for f in findings))
+        intent = RecordFindings(run_id, tuple(findings))
         return self._writer.submit_intent("incidents", intent, done=done)
 
     def open_incident(self, run_id: str, kind: str, severity: str, *, done: Done | None = None,

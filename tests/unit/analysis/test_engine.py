@@ -41,3 +41,35 @@ def test_two_runs_in_one_commit_stream_keep_their_own_state_and_findings():
     assert got == {("a", "straggler", 3), ("b", "crash", 0)}
     analyzer.drop_run("a")
     assert list(analyzer.runs) == ["b"]
+
+
+def test_a_restart_round_closes_the_runs_incidents_and_starts_its_state_over():
+    """Rank 0's run_started event of a restart round (a node isolated, the job on fewer
+    ranks): the straggler's incident closes saying why, its rank number is no longer
+    judged on the old round's history, and new keys number on after the old ones."""
+    from analysis.frames import events_frame
+
+    sim = Sim(layout=Layout(dp=2, tp=2, nodes=2), steps=120, seed=3, faults=(Straggler(rank=3, start=40, factor=1.6),))
+    analyzer = Analyzer()
+    findings = []
+    commits = sim.build()
+    for now, frames in commits:
+        findings += analyzer.feed_run(sim.run_id, frames, now=now)
+    (key,) = {f.key for f in findings if f.kind == "straggler"}
+    assert analyzer.runs[sim.run_id].book.is_open(key)
+    old = analyzer.runs[sim.run_id]
+    now = commits[-1][0] + 1.0
+    restart = events_frame([{"run_id": sim.run_id, "rank": 0, "ts": now, "kind": "run_started",
+                             "data": '{"restart": 1}', "attempt": 1}])
+    out = analyzer.feed_run(sim.run_id, Frames(events=restart), now=now)
+    (closed,) = [f for f in out if f.key == key]
+    assert closed.resolved and closed.ts == now
+    assert closed.evidence["resolved_because"] == "the job restarted (a new round)"
+    new = analyzer.runs[sim.run_id]
+    assert new is not old and not new.book.open_keys()
+    assert new.book.new_key(key.rsplit("#", 1)[0]) != key  # never reused within the run
+    # an event of the first round (restart 0) starts nothing
+    first = events_frame([{"run_id": sim.run_id, "rank": 0, "ts": now, "kind": "run_started",
+                           "data": '{"restart": 0}', "attempt": 0}])
+    analyzer.feed_run(sim.run_id, Frames(events=first), now=now + 1)
+    assert analyzer.runs[sim.run_id] is new

@@ -76,12 +76,13 @@ def test_a_spike_right_after_a_restart_round_is_judged_against_the_baseline_befo
     meta = replace(commits[0][1], steps=None, collectives=None, heartbeats=None, events=None, scalars=None)
 
     def restarted(carry: bool) -> dict:
-        old = Analyzer()
-        feed(old, before)
-        new = Analyzer()
+        a = Analyzer()
+        feed(a, before)
         if carry:
-            new.continue_run(sim.run_id, old)
-        return opened(feed(new, [(after[0][0], meta), *after]), "loss_spike")
+            a.new_round(sim.run_id, now=after[0][0])
+        else:
+            a.drop_run(sim.run_id)
+        return opened(feed(a, [(after[0][0], meta), *after]), "loss_spike")
 
     assert [f.step_from for f in restarted(True).values()] == [125]
     assert restarted(False) == {}  # what a fresh analysis of the new round missed

@@ -1,5 +1,7 @@
-"""The detection runner: detectors on their own thread, fed by a subscription,
-findings written back as incidents, and ingest never waiting for them."""
+"""The detection runner: the analysis on its own thread, fed by a subscription,
+findings written back as incidents, and ingest never waiting for them. The runner's
+mechanics are shown with stand-ins for the Analyzer (its `feed_run`, `runs` and
+`drop_run`); the real analysis runs in the integration and end-to-end tests."""
 
 from __future__ import annotations
 
@@ -10,39 +12,48 @@ import pyarrow as pa
 import pytest
 
 from agent import wire
+from analysis.findings import RESOLVED, Finding
 from collector.decode import decode
 from collector.detection import DetectionRunner, run_tables
 from collector.feed import Commit, Subscription
-from collector.incidents import Finding
 from collector.settings import Settings
 from collector.storage import Storage
 from tests.polling import wait_until
 from tests.unit.collector.collector_batches import make_batch, steps_section
 
 
-class SlowRank:
-    """A fake detector: a rank whose step_s is over 1 s is a straggler while it stays so."""
+class StandIn:
+    """The Analyzer's face to the runner: one state per run in `runs`, `drop_run`, and
+    `feed_run(run_id, frames, now)` calling `judge(state, frames, now)` for findings."""
 
-    name = "slow_rank"
+    def __init__(self, judge=None) -> None:
+        self.runs: dict[str, dict] = {}
+        self.judge = judge or (lambda state, frames, now: [])
 
-    def new_state(self, run_id: str) -> dict:
-        return {"slow": set()}
+    def drop_run(self, run_id: str) -> None:
+        self.runs.pop(run_id, None)
 
-    def __call__(self, state, tables, now):
-        steps = tables.get("steps")
-        if steps is None:
-            return []
-        out = []
-        for row in steps.select(["rank", "step", "step_s"]).to_pylist():
-            slow = row["step_s"] > 1.0
-            if slow:
-                state["slow"].add(row["rank"])
-                out.append(Finding(kind="straggler", rank=row["rank"], step_from=row["step"], ts=now,
-                                   evidence={"step_s": row["step_s"]}))
-            elif row["rank"] in state["slow"]:
-                state["slow"].discard(row["rank"])
-                out.append(Finding(kind="straggler", rank=row["rank"], resolved=True, ts=now))
-        return out
+    def feed_run(self, run_id, frames, *, now):
+        state = self.runs.setdefault(run_id, {"run_id": run_id})
+        return self.judge(state, frames, now)
+
+
+def slow_rank(state, frames, now) -> list[Finding]:
+    """A rank whose step_s is over 1 s is a straggler while it stays so."""
+    if frames.steps is None:
+        return []
+    slow, out = state.setdefault("slow", set()), []
+    for row in frames.steps.select(["rank", "step", "step_s"]).iter_rows(named=True):
+        key, rank = f"straggler:{row['rank']}", row["rank"]
+        if row["step_s"] > 1.0:
+            slow.add(rank)
+            out.append(Finding(kind="straggler", key=key, run_id=state["run_id"], rank=rank, step_from=row["step"],
+                               ts=now, evidence={"step_s": row["step_s"]}))
+        elif rank in slow:
+            slow.discard(rank)
+            out.append(Finding(kind="straggler", key=key, run_id=state["run_id"], rank=rank, status=RESOLVED,
+                               ts=now))
+    return out
 
 
 def steps_batch(rank: int, seq: int, step_s: float, step: int | None = None) -> bytes:
@@ -56,7 +67,7 @@ def fast_settings(tmp_path) -> Settings:
 
 
 def test_findings_open_update_and_close_an_incident(fast_settings):
-    storage = Storage(fast_settings, detectors=[SlowRank()], detection_tick_s=0.05)
+    storage = Storage(fast_settings, analyzer=StandIn(slow_rank), detection_tick_s=0.05)
     try:
         storage.ingest_blocking(decode(steps_batch(1, 0, step_s=0.5)))
         storage.ingest_blocking(decode(steps_batch(1, 1, step_s=2.0)))
@@ -80,13 +91,13 @@ def test_a_slow_detector_does_not_delay_acks(fast_settings):
     and the runner's bounded queue drops what it cannot look at (counted, and told)."""
     passes, started, release = [], threading.Event(), threading.Event()
 
-    def slow(state, tables, now):
+    def slow(state, frames, now):
         started.set()
         passes.append(now)
         release.wait(60)  # stuck until the test has its ten acks (bounded: never hangs the suite)
         return []
 
-    storage = Storage(fast_settings, detectors=[slow], detection_queue_commits=1, detection_tick_s=60.0)
+    storage = Storage(fast_settings, analyzer=StandIn(slow), detection_queue_commits=1, detection_tick_s=60.0)
     try:
         storage.ingest_blocking(decode(steps_batch(0, 0, step_s=0.1)))
         assert started.wait(10)  # the detector is now in a pass
@@ -101,17 +112,21 @@ def test_a_slow_detector_does_not_delay_acks(fast_settings):
         storage.close()
 
 
-def test_a_failing_detector_is_counted_and_the_others_still_run(fast_settings):
-    def broken(state, tables, now):
-        raise ZeroDivisionError("a detector's bug")
+def test_a_failing_pass_is_counted_and_the_next_one_runs(fast_settings):
+    def broken_once(state, frames, now):
+        if not state.get("failed"):
+            state["failed"] = True
+            raise ZeroDivisionError("a detector's bug")
+        return slow_rank(state, frames, now)
 
-    storage = Storage(fast_settings, detectors=[broken, SlowRank()], detection_tick_s=60.0)
+    storage = Storage(fast_settings, analyzer=StandIn(broken_once), detection_tick_s=60.0)
     try:
         storage.ingest_blocking(decode(steps_batch(2, 0, step_s=3.0)))
+        assert wait_until(lambda: storage.detection.num_errors == 1)
+        storage.ingest_blocking(decode(steps_batch(2, 1, step_s=3.0)))
         assert wait_until(lambda: len(storage.incidents("run1")) == 1)
-        assert storage.detection.num_errors >= 1
-        assert storage.metrics.registry.get_sample_value("llmwatch_collector_detector_errors_total",
-                                                         {"detector": "broken"}) >= 1
+        assert storage.detection.alive()
+        assert storage.metrics.registry.get_sample_value("llmwatch_collector_detection_errors_total") == 1
     finally:
         storage.close()
 
@@ -119,13 +134,14 @@ def test_a_failing_detector_is_counted_and_the_others_still_run(fast_settings):
 def test_ticks_run_while_nothing_comes_and_states_are_per_run():
     seen = []
 
-    def watcher(state, tables, now):
+    def watcher(state, frames, now):
         state["n"] = state.get("n", 0) + 1
-        seen.append((sorted(tables), state["n"]))
+        seen.append((sorted(frames.tables()), state["n"]))
         return []
 
     sub = Subscription("t")
-    runner = DetectionRunner(sub, [watcher], submit=lambda *a, **k: None, tick_s=0.05)
+    analysis = StandIn(watcher)
+    runner = DetectionRunner(sub, analysis, submit=lambda *a, **k: None, tick_s=0.05)
     steps = pa.table({"run_id": pa.array(["a", "b", "a"]).dictionary_encode(), "step": [1, 2, 3]})
     sub.offer(Commit(seq=1, commit_ts=0.0, run_ids=frozenset({"a", "b"}), tables={"steps": steps}))
     runner.start()
@@ -134,7 +150,7 @@ def test_ticks_run_while_nothing_comes_and_states_are_per_run():
     finally:
         runner.stop()
     assert seen[0] == (["steps"], 1) and seen[1] == (["steps"], 1)  # one state per run
-    assert runner.state("watcher", "a")["n"] >= 3 and runner.state("watcher", "b")["n"] >= 3
+    assert analysis.runs["a"]["n"] >= 3 and analysis.runs["b"]["n"] >= 3
 
 
 def test_run_tables_splits_a_commit_by_run():
@@ -149,21 +165,18 @@ def test_run_tables_splits_a_commit_by_run():
 
 
 def test_a_gap_drops_the_states_by_default():
-    class Counting:
-        name = "counting"
-        num_states = 0
+    states: list[int] = []
 
-        def new_state(self, run_id):
-            self.num_states += 1
-            return {}
-
-        def __call__(self, state, tables, now):
-            calls.append(self.num_states)
-            return []
+    def counting(state, frames, now):
+        state.setdefault("id", len(states))
+        calls.append(state["id"])
+        if state["id"] == len(states):
+            states.append(state["id"])
+        return []
 
     sub = Subscription("g", max_commits=1)
     calls: list[int] = []
-    runner = DetectionRunner(sub, [Counting()], submit=lambda *a, **k: None, tick_s=60.0)
+    runner = DetectionRunner(sub, StandIn(counting), submit=lambda *a, **k: None, tick_s=60.0)
     table = {"steps": pa.table({"run_id": ["a"], "step": np.array([1])})}
     for seq in (1, 2, 3):  # 2 and 3 are dropped: the queue holds one
         sub.offer(Commit(seq=seq, commit_ts=0.0, run_ids=frozenset({"a"}), tables=table))
@@ -174,4 +187,31 @@ def test_a_gap_drops_the_states_by_default():
         assert wait_until(lambda: len(calls) == 2)
     finally:
         runner.stop()
-    assert calls == [1, 2]  # after the gap the run's state started over
+    assert calls == [0, 1]  # after the gap the run's state started over
+
+
+def test_the_runs_meta_rides_along_until_its_mesh_is_known_and_again_after_a_restart():
+    """Rank 0's first batch brings the run info, each rank's first its coordinates: the
+    run's runs and ranks rows are read for each pass until every rank is there, then no
+    more, until a restart round (another world size) makes them unknown again."""
+    reads: list[str] = []
+    world = {"n": 2, "ranks": 1}
+
+    def meta(run_id):
+        reads.append(run_id)
+        return {"runs": pa.table({"run_id": [run_id], "world_size": [world["n"]]}),
+                "ranks": pa.table({"run_id": [run_id] * world["ranks"], "rank": list(range(world["ranks"]))})}
+
+    got = []
+    analysis = StandIn(lambda state, frames, now: got.append(sorted(frames.tables())) or [])
+    runner = DetectionRunner(Subscription("m"), analysis, submit=lambda *a, **k: None, meta=meta)
+    steps = {"steps": pa.table({"run_id": ["a"], "step": [1]})}
+    runner.run_pass(steps, ["a"])
+    world["ranks"] = 2  # the second rank's coordinates came
+    runner.run_pass(steps, ["a"])
+    runner.run_pass(steps, ["a"])
+    assert reads == ["a", "a"] and got[:2] == [["ranks", "runs", "steps"]] * 2 and got[2] == ["steps"]
+    restart = pa.table({"run_id": ["a"], "rank": pa.array([0], pa.int32()), "ts": [1.0], "kind": ["run_started"],
+                        "data": ['{"restart": 1}'], "attempt": pa.array([1], pa.int32())})
+    runner.run_pass({"events": restart}, ["a"])
+    assert reads == ["a", "a", "a"] and got[3] == ["events", "ranks", "runs"]

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
+from analysis.findings import RESOLVED, Finding
 from collector import alerts, outbox
-from collector.incidents import Finding
 from collector.outbox import Delivery, DeliveryResult, Lane, RetryPolicy, build_receivers
 from collector.projection import Projection
 from collector.settings import Settings
@@ -58,9 +58,9 @@ def outbox_rows(storage) -> list[dict]:
         return [dict(zip(names, r)) for r in c.fetchall()]
 
 
-def finding(**kw) -> Finding:
-    return Finding(**{"kind": "straggler", "key": "straggler:node1#1", "rank": 3, "node": "node1", "step_from": 40,
-                      "evidence": {"ratio": 1.5}, **kw})
+def finding(*, resolved: bool = False, **kw) -> Finding:
+    return Finding(**{"kind": "straggler", "key": "straggler:node1#1", "run_id": "run1", "rank": 3, "node": "node1",
+                      "step_from": 40, "evidence": {"ratio": 1.5}, **({"status": RESOLVED} if resolved else {}), **kw})
 
 
 # -- rows in the incident's transaction -------------------------------------------------

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from agent import wire
+from analysis.findings import Finding
 from collector import read
 from collector.decode import decode
-from collector.incidents import Finding
 from collector.settings import Settings
 from collector.storage import Storage, connect
 from tests.unit.collector.collector_batches import columns, make_batch, steps_section
@@ -58,7 +58,7 @@ def populate(storage: Storage) -> None:
         storage.ingest_blocking(decode(make_batch(  # a rollback re-ran steps 15-19
             rank=rank, batch_seq=1, sections={wire.STEP: steps_section(range(15, 20), attempt=1, loss=0.5)})))
     storage.issue_command("run1", "checkpoint", {}, None).result(10)
-    storage.record_findings("run1", [Finding(kind="straggler", rank=1, node="n1", step_from=4,
+    storage.record_findings("run1", [Finding(kind="straggler", key="straggler:n1#1", run_id="run1", rank=1, node="n1", step_from=4,
                                              evidence={"ratio": 2.0})]).result(10)
     iid = storage.open_incident("run1", "hang", "critical", rank=0).result(10)
     storage.update_incident(iid, status="closed").result(10)

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from agent import wire
+from analysis.findings import Finding
 from collector.decode import decode
-from collector.incidents import Finding
 from collector.settings import Settings
 from collector.storage import Storage
 from tests.unit.collector.collector_batches import columns, make_batch
@@ -97,7 +97,8 @@ def build(path: Path) -> Path:
         t1 = T0 + 45 * STEP_S
         for rank in range(NUM_RANKS):
             storage.ingest_blocking(decode(_attempt_batch(rank, 1, 1, np.arange(31, 61), t1)))
-        storage.record_findings(RUN_ID, [Finding(kind="straggler", rank=3, node="node1", step_from=20, step_to=40,
+        storage.record_findings(RUN_ID, [Finding(kind="straggler", key="straggler:node1#1", run_id=RUN_ID, rank=3,
+                                                 node="node1", step_from=20, step_to=40,
                                                  evidence={"compute_ratio": 1.5, "cost_s_per_step": 0.1})]).result(10)
         spike = storage.open_incident(RUN_ID, "loss_spike", "critical", rank=None, step_from=35, step_to=35,
                                       evidence={"z": 9.1}).result(10)
