@@ -134,7 +134,7 @@ def repairable(evidence: Mapping[str, Any] | None) -> bool:
 
 
 def verdict_of(root_cause: str | None) -> str | None:
-    """The rerun verdict a root cause starts with ("data: ...": collector/policy.py)."""
+    """The rerun verdict a root cause starts with ("data: ...": collector/live/policy.py)."""
     head = (root_cause or "").split(":", 1)[0].strip()
     return head if head in VERDICTS else None
 

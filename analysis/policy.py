@@ -1,7 +1,7 @@
 """The healing policy: which action an incident or a rerun verdict calls for.
 
 Pure, like the detectors: incidents and verdicts in (plain dicts), `Decision`s
-out, a clock value given. The collector's `PolicyRunner` (collector/policy.py)
+out, a clock value given. The collector's `PolicyRunner` (collector/live/policy.py)
 feeds it and carries the decisions out; `collector replay` can run it over a
 stored run to say what it would have done.
 

@@ -244,11 +244,11 @@ def measure_extend(src, run_id: str, overview, drawn: dict, repeat: int, warmup:
 
 def measure_views(src, run_id: str, repeat: int, warmup: int) -> list[dict]:
     """Every read view, table and run call on its own (defaults, as the pages ask without state)."""
-    from collector import read_views
+    from collector.read import views
     from dashboard.source import TABLES
 
     calls: list[tuple[str, Callable[[], Any]]] = [("runs", src.runs), ("run", lambda: src.run(run_id))]
-    calls += [(f"view {v}", lambda v=v: src.view(run_id, v)) for v in read_views.VIEWS]
+    calls += [(f"view {v}", lambda v=v: src.view(run_id, v)) for v in views.VIEWS]
     calls += [("view overview max_points=1000", lambda: src.view(run_id, "overview", max_points=1000)),
               ("view scalars prefix=eval/", lambda: src.view(run_id, "scalars", prefix="eval/"))]
     calls += [(f"table {t}", lambda t=t: src.table(run_id, t)) for t in TABLES]

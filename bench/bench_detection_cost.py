@@ -5,7 +5,7 @@ Each commit holds what a collector would have committed for one step of a
 collectives of the step (TP all-reduces in forward, backward and the norm,
 pipeline send/recv, the DP all-reduce, the PP all-reduce, the control
 broadcast): ~10 per rank, ~100,000 rows. The tables are built as Arrow tables
-with dictionary-encoded strings, as `collector/columns.py` makes them, before
+with dictionary-encoded strings, as `collector/ingest/columns.py` makes them, before
 the clock starts; the timed part is what the detection thread does per commit:
 `Frames.from_arrow` (zero copy) and `Analyzer.feed`. One rank is a 1.5x
 straggler from step 40, so the incident path is in the measurement too.

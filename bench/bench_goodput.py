@@ -42,7 +42,7 @@ writes. Ranks are drawn among those auto has not isolated yet by the faults befo
 pay for it alone); the last one left takes what remains. The gap after each fault
 follows what it ends in (`AFTER_UNITS`), as in the fixed schedule.
 
-Figures per run: wall s and productive s (collector/postmortem.py's goodput: the
+Figures per run: wall s and productive s (collector/offline/postmortem.py's goodput: the
 step time of the final effective lineage, not skipped, over the run's span), the
 final step, and productive steps per wall second relative to the clean run (what
 a straggler and a smaller dp cost, which goodput by its definition does not count).
@@ -75,7 +75,8 @@ import duckdb
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from collector import postmortem, read  # noqa: E402
+from collector.offline import postmortem  # noqa: E402
+from collector.read import queries  # noqa: E402
 from trainer.config import JobConfig  # noqa: E402
 
 MODEL = ["--layers", "4", "--d-model", "64", "--heads", "4", "--seq-len", "32", "--micro-batch-size", "2",
@@ -235,10 +236,10 @@ def argv_for(run_dir: Path, run_id: str, *, steps: int, policy: str, inject: lis
 
 # -- reading one run back -----------------------------------------------------------
 def effective_steps(cur, run_id: str) -> dict[int, dict]:
-    """step -> {step_s, skipped, ts} of the effective attempt, per step as read.step_time_parts
+    """step -> {step_s, skipped, ts} of the effective attempt, per step as queries.step_time_parts
     counts it (its slowest rank's step_s, capped at the time since the step before ended),
     so that segments of a manually restarted job can be joined."""
-    rows = read.records(cur, """
+    rows = queries.records(cur, """
         WITH per_step AS (
             SELECT attempt, step, bool_and(effective) AS effective, coalesce(bool_or(skipped), false) AS skipped,
                    max(step_s) AS slowest_s, max(ts) AS ts
@@ -255,12 +256,12 @@ def read_run(db: Path, run_id: str, job: dict) -> dict:
     con = duckdb.connect(str(db), read_only=True)
     try:
         cur = con.cursor()
-        span = read.run_span(cur, run_id)
-        g = postmortem.goodput(read.step_time_parts(cur, run_id), span)
+        span = queries.run_span(cur, run_id)
+        g = postmortem.goodput(queries.step_time_parts(cur, run_id), span)
         steps = effective_steps(cur, run_id)
-        incidents = {i["id"]: i for i in read.incidents(cur, run_id)}
+        incidents = {i["id"]: i for i in queries.incidents(cur, run_id)}
         actions = []
-        for a in read.actions(cur, run_id):
+        for a in queries.actions(cur, run_id):
             inc = incidents.get(a.get("incident_id")) or {}
             actions.append({"kind": a["kind"], "status": a["status"], "node": a.get("node"),
                             "recovery_s": a.get("recovery_s"), "incident": inc.get("kind"),

@@ -50,10 +50,11 @@ sys.path.insert(0, str(ROOT / "bench"))
 import loadgen  # noqa: E402
 
 from agent import wire  # noqa: E402
-from collector import columns, schema  # noqa: E402
-from collector.decode import decode  # noqa: E402
+from collector.ingest import columns  # noqa: E402
+from collector.ingest.decode import decode  # noqa: E402
 from collector.settings import Settings  # noqa: E402
 from collector.storage import Storage, connect  # noqa: E402
+from collector.store import schema  # noqa: E402
 
 TOKEN = "bench-token"
 CLK_TCK = os.sysconf("SC_CLK_TCK")

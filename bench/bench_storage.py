@@ -38,8 +38,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from dashsim import STEP_OPS, TrainingRun  # noqa: E402
 
-from collector import archive, retention  # noqa: E402
-from collector.decode import decode  # noqa: E402
+from collector.ingest.decode import decode  # noqa: E402
+from collector.offline import archive, retention  # noqa: E402
 from collector.settings import Settings  # noqa: E402
 from collector.storage import Storage, connect  # noqa: E402
 

@@ -14,16 +14,16 @@ import sys
 from pathlib import Path
 
 from agent.api import ApiClient, ApiError
-from collector.auth import ALL_ROLES_ENV, Role, TokenSources, client_token
-from collector.retention import MIN_ROLLUP_AGE_S, parse_age
-from collector.schema import SchemaTooNew
+from collector.http.auth import ALL_ROLES_ENV, Role, TokenSources, client_token
+from collector.offline.retention import MIN_ROLLUP_AGE_S, parse_age
 from collector.settings import MiB, Settings
+from collector.store.schema import SchemaTooNew
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
 def _tokens(args: argparse.Namespace, db_path: Path):
-    """The serve command's tokens (collector/auth.py): files, environment, --token;
+    """The serve command's tokens (collector/http/auth.py): files, environment, --token;
     with none of them, role tokens generated into DB.tokens/ (0700, files 0600)."""
     sources = TokenSources(token=args.token, token_file=args.token_file,
                            role_files={role: path for role, path in (
@@ -95,8 +95,8 @@ def serve(args: argparse.Namespace) -> int:
     import duckdb
     import uvicorn
 
-    from collector.httpproto import BoundedHttpToolsProtocol
-    from collector.server import create_app
+    from collector.http.protocol import BoundedHttpToolsProtocol
+    from collector.http.server import create_app
     from collector.storage import Storage
 
     unsafe = _check_exposure(args)
@@ -124,8 +124,8 @@ def serve(args: argparse.Namespace) -> int:
         print(f"collector: error: {e}", file=sys.stderr)
         return 2
     print(f"collector: tokens from {where}", flush=True)
-    from collector.auth import read_token_file
-    from collector.outbox import WEBHOOK_SECRET_ENV, build_receivers
+    from collector.alerts.outbox import WEBHOOK_SECRET_ENV, build_receivers
+    from collector.http.auth import read_token_file
 
     if args.webhook_secret:
         print("collector: warning: --webhook-secret is visible to every user in `ps`; prefer "
@@ -159,7 +159,7 @@ def serve(args: argparse.Namespace) -> int:
                         alert_max_attempts=args.alert_max_attempts, rollup_after_s=rollup_after_s,
                         rollup_every_s=rollup_every_s)
     from analysis import Analyzer, RulesError, load_rules
-    from collector.policy import policy_for
+    from collector.live.policy import policy_for
 
     try:
         rules = load_rules(args.rules)  # a bad rules file is an error now, not on the detection thread
@@ -215,7 +215,7 @@ def _format_table(columns: list[str], rows: list[list]) -> str:
 def _sql_local(args: argparse.Namespace) -> dict:
     import duckdb
 
-    from collector.sqlguard import SqlRefused, run_select
+    from collector.sql.guard import SqlRefused, run_select
     from collector.storage import connect
 
     try:
@@ -404,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _rollup_age(text: str) -> float:
-    from collector.retention import check_age
+    from collector.offline.retention import check_age
 
     return check_age(parse_age(text))
 
@@ -422,7 +422,7 @@ def _open_closed(path: str, what: str, *, read_only: bool):
 
 
 def _archive(args: argparse.Namespace) -> int:
-    from collector.archive import ArchiveError, archive
+    from collector.offline.archive import ArchiveError, archive
 
     con = _open_closed(args.db, "archive", read_only=True)
     try:
@@ -445,8 +445,8 @@ def _archive(args: argparse.Namespace) -> int:
 
 
 def _rollup(args: argparse.Namespace) -> int:
-    from collector import retention
-    from collector.schema import migrate
+    from collector.offline import retention
+    from collector.store.schema import migrate
 
     try:
         older_than_s = _rollup_age(args.older_than)
@@ -481,7 +481,7 @@ def _rollup(args: argparse.Namespace) -> int:
 def _compact(args: argparse.Namespace) -> int:
     import duckdb
 
-    from collector.retention import compact
+    from collector.offline.retention import compact
 
     _open_closed(args.db, "compact", read_only=True).close()  # exists, and no collector holds it
     try:
@@ -497,13 +497,13 @@ def _compact(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from collector.replaycmd import main as replay_main
+    from collector.offline.replay import main as replay_main
 
     return replay_main(args)
 
 
 def _postmortem(args: argparse.Namespace) -> int:
-    from collector.postmortem import main as postmortem_main
+    from collector.offline.postmortem import main as postmortem_main
 
     return postmortem_main(args)
 

@@ -8,7 +8,7 @@ batch) and aggregated only when Prometheus scrapes. Open incidents are counted
 from the `incidents` table at scrape time.
 
 The exposition holds no data rows, only aggregates; it still names runs and shows
-their live losses, so GET /metrics needs the read token (collector/gate.py) unless
+their live losses, so GET /metrics needs the read token (collector/http/gate.py) unless
 the collector runs with --public-metrics.
 """
 
@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 
 from agent import wire
-from collector.decode import DecodedBatch
+from collector.ingest.decode import DecodedBatch
 
 
 def _measured(x: float) -> float | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from collector.auth import Tokens
+from collector.http.auth import Tokens
 
 MiB = 1 << 20
 
@@ -15,12 +15,12 @@ class Settings:
     db_path: Path
     host: str = "127.0.0.1"
     port: int = 8428
-    # Bearer tokens by role (collector/auth.py). `token`, when given, is one token with
+    # Bearer tokens by role (collector/http/auth.py). `token`, when given, is one token with
     # every role and is folded into `tokens` (it is not kept in the clear).
     tokens: Tokens = field(default_factory=Tokens)
     token: str = field(default="", repr=False)
     public_metrics: bool = False  # GET /metrics without a token (a scraper on a trusted network)
-    # The gate (collector/gate.py): bounds checked before a route runs.
+    # The gate (collector/http/gate.py): bounds checked before a route runs.
     max_batch_bytes: int = 32 * MiB  # one ingest or OTLP request body (413 above)
     max_sql_request_bytes: int = 1 * MiB
     max_command_request_bytes: int = 64 * 1024
@@ -64,7 +64,7 @@ class Settings:
     duckdb_memory_limit: str = "2GB"
     duckdb_checkpoint_threshold: str = "64MB"
     duckdb_max_temp_size: str = "4GB"  # what queries may spill to disk (DuckDB: 90% of the disk)
-    # Alerts (collector/outbox.py). URLs and the secret are credentials: kept out of
+    # Alerts (collector/alerts/outbox.py). URLs and the secret are credentials: kept out of
     # repr, tables and logs (receivers are named webhook:<n> / alertmanager:<n> there).
     webhooks: tuple[str, ...] = field(default=(), repr=False)
     alertmanagers: tuple[str, ...] = field(default=(), repr=False)
@@ -76,7 +76,7 @@ class Settings:
     alert_max_age_s: float = 86400.0  # give up ('failed') on an alert this old ...
     alert_max_attempts: int = 0  # ... or tried this often (0: no limit but the age)
     alert_firing_hold_s: float = 86400.0  # a firing alert's endsAt in Alertmanager unless resolved sooner
-    # Retention (collector/retention.py): every rollup_every_s, collectives rows older than
+    # Retention (collector/offline/retention.py): every rollup_every_s, collectives rows older than
     # rollup_after_s (0: never; at least retention.MIN_ROLLUP_AGE_S) become per-step
     # summaries, about rollup_chunk_rows raw rows per writer job.
     rollup_after_s: float = 0.0

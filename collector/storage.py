@@ -2,23 +2,23 @@
 
 `Storage` opens the database locked down (no files, no network, no settings
 changes from SQL), applies migrations, starts the writer thread with its
-projections (collector/projection.py), and answers queries on cursors of their
+projections (collector/store/projection.py), and answers queries on cursors of their
 own: DuckDB's MVCC lets readers run beside the writer's transactions, so a
 query never waits for a commit and a commit never waits for a query. The
-queries themselves are collector/read.py's; the methods here open a cursor and
+queries themselves are collector/read/queries.py's; the methods here open a cursor and
 call them.
 
 Writes (ingest, commands, incidents, actions, node status) all go through the
 writer thread; the methods here only queue them and return futures (or take a
 `done` callback): submitting never blocks, whatever thread calls it, and only
 `ingest_blocking` waits for its commit. Actions and node status are intents of
-the actions projection (collector/actions.py), like commands and incidents; the
+the actions projection (collector/store/actions.py), like commands and incidents; the
 samples a rollback skipped (`batch_skipped` events) fill `bad_batches` in their
 batch's transaction. Subscribers
-(`subscribe`) get each commit's rows after it; detectors given to the
-constructor run on a subscriber thread of their own (collector/detection.py).
+(`subscribe`) get each commit's rows after it; an `Analyzer` given to the
+constructor runs on a subscriber thread of its own (collector/live/detection.py).
 With alert receivers in the settings, incident changes and actions also write
-alert_outbox rows in their transaction, and a sender delivers them (collector/outbox.py).
+alert_outbox rows in their transaction, and a sender delivers them (collector/alerts/outbox.py).
 """
 
 from __future__ import annotations
@@ -39,32 +39,32 @@ from prometheus_client import Counter, Gauge
 
 from analysis import Analyzer, Finding
 from analysis.policy import Policy
-from collector import read, read_views
-from collector.actions import ActionsProjection, BadBatchesProjection, RecordAction, SetNodeStatus, UpdateAction
-from collector.commands import CommandsProjection, IssueCommand, validate_request
-from collector.decode import DecodedBatch
-from collector.dedupe import BatchKeysProjection
-from collector.detection import DetectionRunner
-from collector.feed import Feed, Subscription
-from collector.incidents import (
+from collector.alerts.outbox import AlertOutbox, RetryPolicy, Sender, Transport, build_receivers, urllib_transport
+from collector.ingest.decode import DecodedBatch
+from collector.live.detection import DetectionRunner
+from collector.live.policy import IncidentWatch, PolicyRunner
+from collector.metrics import CollectorMetrics
+from collector.offline.retention import RollupJob, check_age
+from collector.read import queries, views
+from collector.settings import Settings
+from collector.sql.guard import SelectResult, SqlRefused, run_select
+from collector.sql.slots import SqlDeadline, SqlSlots
+from collector.store.actions import ActionsProjection, BadBatchesProjection, RecordAction, SetNodeStatus, UpdateAction
+from collector.store.commands import CommandsProjection, IssueCommand, validate_request
+from collector.store.dedupe import BatchKeysProjection
+from collector.store.feed import Feed, Subscription
+from collector.store.incidents import (
     IncidentsProjection,
     OpenIncident,
     RecordFindings,
     UpdateIncident,
     check_fields,
 )
-from collector.liveness import LivenessProjection
-from collector.metrics import CollectorMetrics
-from collector.outbox import AlertOutbox, RetryPolicy, Sender, Transport, build_receivers, urllib_transport
-from collector.policy import IncidentWatch, PolicyRunner
-from collector.projection import Ids, Projection
-from collector.retention import RollupJob, check_age
-from collector.runinfo import RunInfoProjection
-from collector.schema import migrate
-from collector.settings import Settings
-from collector.sqlguard import SelectResult, SqlRefused, run_select
-from collector.sqlslots import SqlDeadline, SqlSlots
-from collector.writer import Done, IngestOutcome, WriteContext, Writer
+from collector.store.liveness import LivenessProjection
+from collector.store.projection import Ids, Projection
+from collector.store.runinfo import RunInfoProjection
+from collector.store.schema import migrate
+from collector.store.writer import Done, IngestOutcome, WriteContext, Writer
 
 log = logging.getLogger("collector.storage")
 
@@ -110,11 +110,11 @@ class Storage:
                  extra_projections: Sequence[Projection] = (), alert_transport: Transport | None = None,
                  policy: Policy | None = None) -> None:
         """`analyzer`: the analysis (analysis/engine.py), run on a detection thread
-        (collector/detection.py) when given; None detects nothing.
+        (collector/live/detection.py) when given; None detects nothing.
         `extra_projections`: more parts for the writer, after the built-in ones.
         `alert_transport`: how the alert sender POSTs (default: urllib; tests fake it).
         `policy`: the healing policy (analysis/policy.py), carried out on a thread of
-        its own (collector/policy.py); None acts on nothing."""
+        its own (collector/live/policy.py); None acts on nothing."""
         if settings.rollup_after_s:
             check_age(settings.rollup_after_s)  # ValueError before anything starts
         self.settings = settings
@@ -147,7 +147,7 @@ class Storage:
         if analyzer is not None:
             self.detection = DetectionRunner(
                 self.subscribe("detection", max_commits=detection_queue_commits), analyzer,
-                submit=self.record_findings, meta=lambda run_id: self.read(read.run_meta_tables, run_id),
+                submit=self.record_findings, meta=lambda run_id: self.read(queries.run_meta_tables, run_id),
                 clock=clock, tick_s=detection_tick_s, registry=self.metrics.registry)
             self.detection.start()
         self.policy: PolicyRunner | None = None
@@ -182,7 +182,7 @@ class Storage:
                       queue_max_bytes=s.queue_max_bytes)
 
     def _build_outbox(self) -> tuple[AlertOutbox, Sender | None]:
-        """The alert outbox (collector/outbox.py) and, with receivers, its sender, whose
+        """The alert outbox (collector/alerts/outbox.py) and, with receivers, its sender, whose
         results come back through the writer. ValueError for a bad receiver."""
         s = self.settings
         receivers = build_receivers(webhooks=s.webhooks, alertmanagers=s.alertmanagers,
@@ -250,7 +250,7 @@ class Storage:
         return True, ""
 
     def subscribe(self, name: str, *, max_commits: int = 64, max_bytes: int = 256 << 20) -> Subscription:
-        """A queue that gets every later commit's rows (collector/feed.py). Read it on a
+        """A queue that gets every later commit's rows (collector/store/feed.py). Read it on a
         thread of your own; a full queue drops commits and says so."""
         return self._writer.feed.subscribe(name, max_commits=max_commits, max_bytes=max_bytes)
 
@@ -292,7 +292,7 @@ class Storage:
 
     def record_findings(self, run_id: str, findings: Sequence[Finding], *,
                         done: Done | None = None) -> Future | None:
-        """Open, update or close incidents from the analysis's findings (collector/incidents.py),
+        """Open, update or close incidents from the analysis's findings (collector/store/incidents.py),
         in the next group commit. Never blocks; the result is the incident id per finding."""
         intent = RecordFindings(run_id, tuple(findings))
         return self._writer.submit_intent("incidents", intent, done=done)
@@ -319,7 +319,7 @@ class Storage:
                       incident_id: int | None = None, command_id: int | None = None, node: str | None = None,
                       rank: int | None = None, detail: Any = None, done: Done | None = None,
                       dry_run: bool | None = None) -> Future | None:
-        """Record an action (collector/actions.py), in the next group commit, with its
+        """Record an action (collector/store/actions.py), in the next group commit, with its
         alerts. Never blocks: a future of its id (ValueError for a malformed one), or
         None and `done(id, error)` after the commit. `dry_run=True` is the older
         spelling of mode="shadow"."""
@@ -386,7 +386,7 @@ class Storage:
 
     def sql(self, sql: str, *, fmt: str = "json", max_rows: int | None = None, timeout_s: float | None = None,
             encode_row: Callable[[tuple], bytes] | None = None) -> SelectResult:
-        """Read-only SQL (see sqlguard) on one of `sql_max_concurrent` slots, for callers
+        """Read-only SQL (see collector/sql/guard.py) on one of `sql_max_concurrent` slots, for callers
         without an event loop. SqlBusy when no slot frees within sql_queue_timeout_s;
         SqlRefused when refused, failed or timed out."""
         job, timeout_s = self._sql_job(sql, fmt=fmt, max_rows=max_rows, timeout_s=timeout_s, encode_row=encode_row)
@@ -425,61 +425,61 @@ class Storage:
                         self._sql_cursors.discard(cur)
         return job, timeout_s
 
-    # -- the read side's queries (collector/read.py), each on a cursor of its own --------
+    # -- the read side's queries (collector/read/queries.py), each on a cursor of its own --------
     def read(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """`fn(cursor, *args, **kwargs)` on a cursor of its own: any collector/read.py query."""
+        """`fn(cursor, *args, **kwargs)` on a cursor of its own: any collector/read/queries.py query."""
         with self.cursor() as cur:
             return fn(cur, *args, **kwargs)
 
     def open_incidents(self) -> dict[str, int]:
-        return self.read(read.open_incidents)
+        return self.read(queries.open_incidents)
 
     def runs(self) -> list[dict[str, Any]]:
-        return self.read(read.runs)
+        return self.read(queries.runs)
 
     def run(self, run_id: str) -> dict[str, Any] | None:
-        return self.read(read.run, run_id)
+        return self.read(queries.run, run_id)
 
     def steps(self, run_id: str, metric: str, *, rank: int | None = None, step_from: int | None = None,
               step_to: int | None = None, max_points: int = 2000) -> list[dict[str, Any]]:
-        return self.read(read.steps, run_id, metric, rank=rank, step_from=step_from, step_to=step_to,
+        return self.read(queries.steps, run_id, metric, rank=rank, step_from=step_from, step_to=step_to,
                          max_points=max_points)
 
     def step_summary(self, run_id: str, *, step_from: int | None = None, step_to: int | None = None,
                      limit: int = 2000) -> list[dict[str, Any]]:
-        return self.read(read.step_summary, run_id, step_from=step_from, step_to=step_to, limit=limit)
+        return self.read(queries.step_summary, run_id, step_from=step_from, step_to=step_to, limit=limit)
 
     def ranks(self, run_id: str) -> list[dict[str, Any]]:
-        return self.read(read.ranks, run_id)
+        return self.read(queries.ranks, run_id)
 
     def collectives(self, run_id: str, *, step_from: int | None = None, step_to: int | None = None,
                     last_steps: int = 20) -> list[dict[str, Any]]:
-        return self.read(read.collectives, run_id, step_from=step_from, step_to=step_to, last_steps=last_steps)
+        return self.read(queries.collectives, run_id, step_from=step_from, step_to=step_to, last_steps=last_steps)
 
     def incidents(self, run_id: str, *, status: str | None = None) -> list[dict[str, Any]]:
-        return self.read(read.incidents, run_id, status=status)
+        return self.read(queries.incidents, run_id, status=status)
 
     def goodput(self, run_id: str) -> dict[str, Any]:
-        """The run's goodput and what it is made of (collector/goodput.py)."""
-        return self.read(read_views.run_goodput, run_id)
+        """The run's goodput and what it is made of (collector/read/goodput.py)."""
+        return self.read(views.run_goodput, run_id)
 
     def actions(self, run_id: str) -> list[dict[str, Any]]:
-        return self.read(read.actions, run_id)
+        return self.read(queries.actions, run_id)
 
     def bad_batches(self, run_id: str) -> list[dict[str, Any]]:
-        return self.read(read.bad_batches, run_id)
+        return self.read(queries.bad_batches, run_id)
 
     def checkpoints(self, run_id: str) -> list[dict[str, Any]]:
-        return self.read(read.checkpoints, run_id)
+        return self.read(queries.checkpoints, run_id)
 
     def nodes(self, run_id: str) -> list[dict[str, Any]]:
-        return self.read(read.nodes, run_id)
+        return self.read(queries.nodes, run_id)
 
     def events(self, run_id: str, *, kind: str | None = None, limit: int = 500) -> list[dict[str, Any]]:
-        return self.read(read.events, run_id, kind=kind, limit=limit)
+        return self.read(queries.events, run_id, kind=kind, limit=limit)
 
     def heartbeats_latest(self, run_id: str) -> list[dict[str, Any]]:
-        return self.read(read.heartbeats_latest, run_id)
+        return self.read(queries.heartbeats_latest, run_id)
 
     def commands(self, run_id: str) -> list[dict[str, Any]]:
-        return self.read(read.commands, run_id)
+        return self.read(queries.commands, run_id)

@@ -1,7 +1,7 @@
 """The figure builders every page shares: one look, one set of colours, one way
 to mark incidents and rollbacks.
 
-Pure functions from rows (collector/read_views.py's answers) to plotly figures.
+Pure functions from rows (collector/read/views.py's answers) to plotly figures.
 No data is read here. Each time chart takes an `XAxis` (by step or by wall time),
 carries the run's incidents and rollbacks as annotations (`annotate`), and sets
 `uirevision`, so a live refresh keeps the user's zoom.
@@ -139,7 +139,7 @@ def empty(message: str, *, height: int = 300) -> go.Figure:
 # -- curves ------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Curve:
-    """One overview chart: which columns of read_views.overview it draws."""
+    """One overview chart: which columns of views.overview it draws."""
 
     key: str  # avg column
     title: str

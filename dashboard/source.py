@@ -7,7 +7,7 @@
   collector's lockdown settings (no file or network access from SQL).
 
 Both answer with the same rows because both run the same read-side functions
-(collector/read.py, collector/read_views.py): the collector serves them over HTTP,
+(collector/read/queries.py, collector/read/views.py): the collector serves them over HTTP,
 the file source calls them on a cursor. No query is written here.
 
 Errors a page should show, not crash on, are `SourceError` (the collector is
@@ -41,7 +41,7 @@ class SqlError(ValueError):
 
 class Source(ABC):
     """What every page reads. Run-scoped views take the step range and size limits of
-    collector/read_views.py (`view(run, "overview", step_from=..., max_points=...)`)."""
+    collector/read/views.py (`view(run, "overview", step_from=..., max_points=...)`)."""
 
     live: bool = False  # a running collector: pages poll it
 
@@ -57,7 +57,7 @@ class Source(ABC):
 
     @abstractmethod
     def view(self, run_id: str, name: str, **params: Any) -> Rows:
-        """One of collector/read_views.VIEWS."""
+        """One of collector/read/views.py VIEWS."""
 
     @abstractmethod
     def table(self, run_id: str, name: str) -> Rows:
@@ -69,7 +69,7 @@ class Source(ABC):
 
     @abstractmethod
     def report_html(self, run_id: str) -> str:
-        """The run's postmortem report (collector/postmortem.py)."""
+        """The run's postmortem report (collector/offline/postmortem.py)."""
 
     def close(self) -> None:
         pass
@@ -183,34 +183,34 @@ class DbSource(Source):
             cur.close()
 
     def runs(self) -> Rows:
-        from collector import read_views
+        from collector.read import views
 
-        return self._read(read_views.runs_overview)
+        return self._read(views.runs_overview)
 
     def run(self, run_id: str) -> dict[str, Any] | None:
-        from collector import read
+        from collector.read import queries
 
-        return self._read(read.run, run_id)
+        return self._read(queries.run, run_id)
 
     def view(self, run_id: str, name: str, **params: Any) -> Rows:
-        from collector import read_views
+        from collector.read import views
 
-        fn = read_views.VIEWS.get(name)
+        fn = views.VIEWS.get(name)
         if fn is None:
             raise ValueError(f"unknown view {name!r}")
         return self._read(fn, run_id, **{k: v for k, v in params.items() if v is not None})
 
     def table(self, run_id: str, name: str) -> Rows:
-        from collector import read, read_views
+        from collector.read import queries, views
 
-        fns = {"incidents": read.incidents, "actions": read.actions, "nodes": read.nodes,
-               "checkpoints": read.checkpoints, "bad_batches": read.bad_batches, "goodput": read_views.run_goodput}
+        fns = {"incidents": queries.incidents, "actions": queries.actions, "nodes": queries.nodes,
+               "checkpoints": queries.checkpoints, "bad_batches": queries.bad_batches, "goodput": views.run_goodput}
         if name not in fns:
             raise ValueError(f"unknown table {name!r}")
         return self._read(fns[name], run_id)
 
     def sql(self, query: str, *, max_rows: int = SQL_MAX_ROWS) -> dict[str, Any]:
-        from collector.sqlguard import SqlRefused, run_select
+        from collector.sql.guard import SqlRefused, run_select
 
         try:
             r = self._read(run_select, query, max_rows=max_rows, timeout_s=self.sql_timeout_s)
@@ -219,7 +219,7 @@ class DbSource(Source):
         return {"columns": r.columns, "types": r.types, "rows": [list(x) for x in r.rows], "truncated": r.truncated}
 
     def report_html(self, run_id: str) -> str:
-        from collector import postmortem
+        from collector.offline import postmortem
 
         try:
             return postmortem.render_html(self._read(postmortem.gather, run_id))

@@ -433,10 +433,10 @@ def env_block() -> list[str]:
 # --- the schema version (docs/operations.md) ------------------------------------------------
 
 def schema_block() -> list[str]:
-    from collector.schema import MIGRATIONS
+    from collector.store.schema import MIGRATIONS
 
     versions = sorted(v for v, _ in MIGRATIONS)
-    return [f"This collector's schema version is **{versions[-1]}** (`collector/schema.py` `MIGRATIONS`: "
+    return [f"This collector's schema version is **{versions[-1]}** (`collector/store/schema.py` `MIGRATIONS`: "
             f"versions {', '.join(map(str, versions))})."]
 
 

@@ -6,7 +6,7 @@ onto `Telemetry`: `begin_fit` when a fit starts (a resumed one honours a pending
 rollback), `record` once per optimizer step, `boundary` after it (a command to act
 on), `end_fit` when the fit ends.
 
-Commands (collector/commands.py; the kinds the policy issues, collector/policy.py):
+Commands (collector/store/commands.py; the kinds the policy issues, collector/live/policy.py):
 
 - `stop`: the callback stops the fit (`Decision.stop`), acked `done`.
 - `rollback` (args `step`, the incident's first step): the fit stops and

@@ -2,14 +2,14 @@
 
 - time per (axis, op), exposed (the compute thread blocked on it) vs overlapped
   (hidden behind compute), in seconds per rank-step, and the mean message size per op
-  (read_views.comm_ops);
-- the latency distribution of each group's op as a box (read_views.comm_latency's
+  (views.comm_ops);
+- the latency distribution of each group's op as a box (views.comm_latency's
   precomputed quantiles: p5/p25/p50/p75/p99), coloured by axis: a slow link is one
   group's box above its axis's others;
-- who waited for whom (read_views.comm_waits): the rank that entered a collective last
+- who waited for whom (views.comm_waits): the rank that entered a collective last
   is the one the others waited for; one sentence names the rank most waited for.
 
-By default the last read_views.DEFAULT_COMM_STEPS steps; `from`/`to` in the URL (and
+By default the last views.DEFAULT_COMM_STEPS steps; `from`/`to` in the URL (and
 the two fields) choose another range. These are aggregates: a live refresh redraws
 them (uirevision keeps the zoom), and only when the run moved.
 """
@@ -22,7 +22,7 @@ from typing import Any
 import plotly.graph_objects as go
 from dash import Input, Output, State, callback, clientside_callback, dcc, html, no_update
 
-from collector.read_views import DEFAULT_COMM_STEPS
+from collector.read.views import DEFAULT_COMM_STEPS
 from dashboard import state
 from dashboard.figures import GRAPH_CONFIG, base_layout, empty, finite, fmt_bytes, fmt_s
 from dashboard.source import Source, SourceError

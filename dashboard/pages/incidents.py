@@ -22,7 +22,7 @@ from typing import Any
 import plotly.graph_objects as go
 from dash import Input, Output, State, callback, dcc, html, no_update
 
-from collector.postmortem import highlights
+from collector.offline.postmortem import highlights
 from dashboard import state
 from dashboard.components import data_table, legend_below
 from dashboard.figures import (

@@ -1,13 +1,13 @@
 """Ranks: where the time of a step goes, rank by rank, and which rank is holding the
 others up.
 
-- a rank x step heatmap of step time (read_views.step_grid), ranks grouped by node,
+- a rank x step heatmap of step time (views.step_grid), ranks grouped by node,
   incidents and rollbacks marked, its zoom synced and written to the URL;
 - per rank, a step cut into compute, data loading, exposed communication and the rest
-  (read_views.rank_time): a straggler has more compute, the ranks waiting for it more
+  (views.rank_time): a straggler has more compute, the ranks waiting for it more
   exposed communication;
 - the slowest ranks as a table, with their compute against the median rank's;
-- the mesh (read_views.mesh): one cell per rank, a tile per data-parallel replica
+- the mesh (views.mesh): one cell per rank, a tile per data-parallel replica
   (pipeline stages as rows, tensor shards as columns), coloured by health, with a band
   under the cells naming their node.
 

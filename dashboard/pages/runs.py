@@ -1,7 +1,7 @@
 """Runs: every run side by side, and a few of them compared.
 
 The table has each run's status, size, progress, what went wrong (incidents open
-and all, actions) and its goodput (collector/goodput.py: the share of wall time
+and all, actions) and its goodput (collector/read/goodput.py: the share of wall time
 spent on steps that counted). Below, the runs picked (the newest three by default,
 `?runs=a,b` in the URL) have their loss curves overlaid on the step axis, each
 rollback dashed in the run's colour, and their wall time split into productive,

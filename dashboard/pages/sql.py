@@ -3,7 +3,7 @@ do not answer.
 
 The query runs where the data is, behind the collector's fences (one SELECT, an
 allow-list of tables and functions, bounded rows, bytes and time:
-collector/sqlguard.py); a refusal shows the collector's reason. The result is a
+collector/sql/guard.py); a refusal shows the collector's reason. The result is a
 table and a quick chart (the first column as x, the numeric columns as lines, or
 as bars when x is a category or there are few rows). The query text is in the URL
 (`?q=`), so a pasted link runs the same query. The examples are shortened from

@@ -14,8 +14,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from agent import wire
-from collector.auth import write_secret_file
-from collector.server import create_app
+from collector.http.auth import write_secret_file
+from collector.http.server import create_app
 from collector.settings import Settings
 from collector.storage import Storage
 from tests.unit.collector.collector_batches import make_batch, steps_section

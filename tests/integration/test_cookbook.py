@@ -13,7 +13,7 @@ import math
 import pytest
 
 from collector import cli
-from collector.sqlguard import run_select
+from collector.sql.guard import run_select
 from collector.storage import connect
 from tests.docs_sql import sql_blocks
 from tests.integration.faulted_run import CHECKPOINT_EVERY, NAN, NUM_STEPS, STRAGGLER, WORLD_SIZE, faulted_run

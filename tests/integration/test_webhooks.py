@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from collector import alerts
+from collector.alerts import payloads
 from tests.integration.alert_receiver import NanRun, WebhookReceiver
 from tests.polling import wait_for as wait_until
 from tests.unit.collector.collector_server import CollectorProcess
@@ -67,8 +67,8 @@ def test_an_incident_and_its_resolution_reach_the_webhook_signed(tmp_path):
     assert len(hook.requests) == 2
     for path, headers, body in hook.requests:
         assert path == f"/{PATH_TOKEN}?key=q"
-        assert alerts.verify(body, headers.get(alerts.SIGNATURE_HEADER), SECRET.encode())
-        assert not alerts.verify(body, headers.get(alerts.SIGNATURE_HEADER), b"another secret")
+        assert payloads.verify(body, headers.get(payloads.SIGNATURE_HEADER), SECRET.encode())
+        assert not payloads.verify(body, headers.get(payloads.SIGNATURE_HEADER), b"another secret")
     fired, resolved = (json.loads(b) for _, _, b in hook.requests)
     assert set(fired) >= {"version", "groupKey", "status", "receiver", "groupLabels", "commonLabels",
                           "commonAnnotations", "externalURL", "alerts", "llmwatch"}
@@ -76,10 +76,10 @@ def test_an_incident_and_its_resolution_reach_the_webhook_signed(tmp_path):
     assert fired["status"] == "firing" and a["labels"]["alertname"] == "llmwatch_nan"
     assert (a["labels"]["run_id"], a["labels"]["kind"], a["labels"]["severity"], a["labels"]["rank"]) == (
         "hooked", "nan", "critical", "0")
-    assert set(a["annotations"]) >= {"summary", "evidence", "root_cause"} and a["endsAt"] == alerts.NEVER
+    assert set(a["annotations"]) >= {"summary", "evidence", "root_cause"} and a["endsAt"] == payloads.NEVER
     assert a["generatorURL"] == "http://collector.example:8428/v1/runs/hooked/incidents"
     (r,) = resolved["alerts"]
-    assert resolved["status"] == "resolved" and r["fingerprint"] == a["fingerprint"] and r["endsAt"] != alerts.NEVER
+    assert resolved["status"] == "resolved" and r["fingerprint"] == a["fingerprint"] and r["endsAt"] != payloads.NEVER
     assert resolved["llmwatch"]["sent_ts"] >= fired["llmwatch"]["sent_ts"]
     log = "".join(c.output)
     assert SECRET not in log and PATH_TOKEN not in log and "webhook:1" in log
@@ -141,7 +141,7 @@ def test_trainer_hands_webhooks_and_the_secret_to_its_embedded_collector(tmp_pat
         firing = wait_until(lambda: hook.alerts("firing"), 10, "the alert of the injected NaN")
     assert any(a["labels"]["kind"] == "nan" for a in firing)
     for _, headers, body in hook.requests:
-        assert alerts.verify(body, headers.get(alerts.SIGNATURE_HEADER), SECRET.encode())
+        assert payloads.verify(body, headers.get(payloads.SIGNATURE_HEADER), SECRET.encode())
     run_dir = r.run_dir
     assert oct((run_dir / "tokens" / "webhook-secret").stat().st_mode & 0o777) == "0o600"
     con = duckdb.connect(str(run_dir / "telemetry.duckdb"), read_only=True)
@@ -177,4 +177,4 @@ def test_an_action_of_the_policy_reaches_the_webhook_signed(tmp_path):
     assert a["labels"]["incident_id"] == str(incident_id) and "nan at step" in a["annotations"]["summary"]
     assert rows[0][0] == "action" and rows[0][3] == incident_id and rows[0][2] is not None
     for _, headers, body in hook.requests:
-        assert alerts.verify(body, headers.get(alerts.SIGNATURE_HEADER), SECRET.encode())
+        assert payloads.verify(body, headers.get(payloads.SIGNATURE_HEADER), SECRET.encode())

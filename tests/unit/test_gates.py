@@ -76,7 +76,7 @@ def test_the_import_direction_fails_on_planted_violations(tmp_path):
             def f():
                 return time.monotonic(), datetime.now()
             """,
-        "trainer/peek.py": "from collector.read import steps\n",
+        "trainer/peek.py": "from collector.read.queries import steps\n",
         "collector/up.py": "def f():\n    import dashboard.app\n",
     })
     found = violations(tmp_path)
@@ -85,6 +85,6 @@ def test_the_import_direction_fails_on_planted_violations(tmp_path):
     rules = "\n".join(v.rule for v in found)
     for expected in ("agent imports numpy at module level", "agent imports polars", "agent imports collector",
                      "analysis imports duckdb", "analysis imports threading", "analysis reads a clock (time.monotonic)",
-                     "analysis reads a clock (datetime.now)", "trainer imports collector.read",
+                     "analysis reads a clock (datetime.now)", "trainer imports collector.read.queries",
                      "collector imports dashboard.app"):
         assert expected in rules, (expected, rules)

@@ -1,5 +1,5 @@
-"""Actions, node status and bad batches through the writer (collector/actions.py), and
-the alerts actions send (collector/outbox.py): a real Storage on a tmp file."""
+"""Actions, node status and bad batches through the writer (collector/store/actions.py), and
+the alerts actions send (collector/alerts/outbox.py): a real Storage on a tmp file."""
 
 from __future__ import annotations
 
@@ -13,16 +13,16 @@ import httpx
 import pytest
 
 from agent import wire
-from collector import alerts
-from collector.actions import ActionPlan
-from collector.decode import decode
-from collector.incidents import IncidentPlan
-from collector.outbox import AlertOutbox, build_receivers
-from collector.projection import Group, Projection
-from collector.schema import migrate
-from collector.server import create_app
+from collector.alerts import payloads
+from collector.alerts.outbox import AlertOutbox, build_receivers
+from collector.http.server import create_app
+from collector.ingest.decode import decode
 from collector.settings import Settings
 from collector.storage import Storage
+from collector.store.actions import ActionPlan
+from collector.store.incidents import IncidentPlan
+from collector.store.projection import Group, Projection
+from collector.store.schema import migrate
 from tests.polling import wait_until
 from tests.unit.collector.collector_batches import make_batch, steps_section
 from tests.unit.collector.test_outbox import AM, HOOK, SECRET, FakeTransport, make_storage, outbox_rows
@@ -241,12 +241,12 @@ def test_actions_alert_once_when_recorded_and_once_more_when_done_or_failed(tmp_
     hooks = [r for r in rows if r["receiver"] == "webhook:1"]
     sent = {b: h for _, b, h in t.calls}
     for r in hooks:  # signed, the stored bytes, a delivery id to dedupe on
-        assert alerts.verify(r["body"], sent[r["body"]][alerts.SIGNATURE_HEADER], SECRET.encode())
+        assert payloads.verify(r["body"], sent[r["body"]][payloads.SIGNATURE_HEADER], SECRET.encode())
         p = json.loads(r["body"])
         assert p["llmwatch"] == {"sent_ts": r["created_ts"], "delivery_id": r["id"]} and p["status"] == "firing"
         (a,) = p["alerts"]
         assert json.loads(r["labels"]) == a["labels"]
-        assert a["endsAt"] == alerts.rfc3339(r["created_ts"] + 300.0)
+        assert a["endsAt"] == payloads.rfc3339(r["created_ts"] + 300.0)
         assert a["generatorURL"] == "http://collector:8428/v1/runs/run1/actions"
     issued, done, ref, sh = (json.loads(r["body"])["alerts"][0] for r in hooks)
     assert issued["labels"] == {"alertname": "llmwatch_action", "run_id": "run1", "action": "rollback",
@@ -264,8 +264,8 @@ def test_actions_alert_once_when_recorded_and_once_more_when_done_or_failed(tmp_
     # Alertmanager: no signature, a one-off event that ends by itself a few minutes later
     am = [r for r in rows if r["receiver"] == "alertmanager:1"]
     (posted,) = json.loads(am[0]["body"])
-    assert alerts.SIGNATURE_HEADER not in sent[am[0]["body"]]
-    assert posted["labels"] == issued["labels"] and posted["endsAt"] == alerts.rfc3339(am[0]["created_ts"] + 300.0)
+    assert payloads.SIGNATURE_HEADER not in sent[am[0]["body"]]
+    assert posted["labels"] == issued["labels"] and posted["endsAt"] == payloads.rfc3339(am[0]["created_ts"] + 300.0)
 
 
 class FailsWithActions(Projection):

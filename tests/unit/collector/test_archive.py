@@ -1,4 +1,4 @@
-"""`collector archive` (collector/archive.py): finished runs as hive-partitioned Parquet
+"""`collector archive` (collector/offline/archive.py): finished runs as hive-partitioned Parquet
 that answers the same queries as the live file, replaced (not doubled) on a re-run,
 with running runs skipped and no secrets."""
 
@@ -11,8 +11,8 @@ import duckdb
 import polars as pl
 import pytest
 
-from collector import archive
 from collector.cli import main
+from collector.offline import archive
 from collector.storage import connect
 from tests.unit.collector.test_retention import fill_run
 

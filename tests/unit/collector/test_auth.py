@@ -9,8 +9,8 @@ import stat
 import pytest
 
 from collector import cli
-from collector.auth import Role, Tokens, TokenSources, client_token, generate_role_tokens, write_secret_file
-from collector.gate import rule_for
+from collector.http.auth import Role, Tokens, TokenSources, client_token, generate_role_tokens, write_secret_file
+from collector.http.gate import rule_for
 from collector.settings import Settings
 
 BEARER = "Bearer {}".format

@@ -8,7 +8,7 @@ import pytest
 
 from agent import wire
 from collector import cli
-from collector.decode import decode
+from collector.ingest.decode import decode
 from collector.storage import Storage
 from tests.unit.collector.collector_batches import make_batch, steps_section
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from agent import wire
-from collector import columns as cols
-from collector.decode import decode
+from collector.ingest import columns as cols
+from collector.ingest.decode import decode
 from tests.unit.collector.collector_batches import columns, make_batch, steps_section
 
 

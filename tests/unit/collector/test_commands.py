@@ -8,8 +8,8 @@ from concurrent.futures import Future
 import pytest
 
 from agent import wire
-from collector.commands import Command, CommandBook, validate_request
-from collector.decode import CommandAck, decode
+from collector.ingest.decode import CommandAck, decode
+from collector.store.commands import Command, CommandBook, validate_request
 from tests.unit.collector.collector_batches import make_batch, steps_section
 
 

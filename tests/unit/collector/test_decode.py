@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from agent import wire
-from collector.decode import BatchRejected, decode
+from collector.ingest.decode import BatchRejected, decode
 from tests.unit.collector.collector_batches import columns, encode_loose, make_batch, steps_section
 
 

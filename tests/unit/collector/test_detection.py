@@ -13,11 +13,11 @@ import pytest
 
 from agent import wire
 from analysis.findings import RESOLVED, Finding
-from collector.decode import decode
-from collector.detection import DetectionRunner, run_tables
-from collector.feed import Commit, Subscription
+from collector.ingest.decode import decode
+from collector.live.detection import DetectionRunner, run_tables
 from collector.settings import Settings
 from collector.storage import Storage
+from collector.store.feed import Commit, Subscription
 from tests.polling import wait_until
 from tests.unit.collector.collector_batches import make_batch, steps_section
 

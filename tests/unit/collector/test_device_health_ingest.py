@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from agent import wire
-from collector.decode import decode
+from collector.ingest.decode import decode
 from tests.unit.collector.collector_batches import columns, make_batch
 
 

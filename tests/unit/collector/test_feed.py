@@ -9,10 +9,10 @@ import pyarrow as pa
 import pytest
 
 from agent import wire
-from collector.decode import decode
-from collector.feed import Commit, Feed, Subscription, committed_tables
+from collector.ingest.decode import decode
 from collector.settings import Settings
 from collector.storage import Storage
+from collector.store.feed import Commit, Feed, Subscription, committed_tables
 from tests.unit.collector.collector_batches import columns, make_batch, steps_section
 
 

@@ -71,10 +71,10 @@ def test_the_write_side_does_not_reach_back_to_storage():
                     todo.append(d)
         return seen
 
-    for low in ("collector.commands", "collector.liveness", "collector.incidents", "collector.projection",
-                "collector.writer", "collector.feed", "collector.detection", "collector.read"):
+    for low in ("collector.store.commands", "collector.store.liveness", "collector.store.incidents", "collector.store.projection",
+                "collector.store.writer", "collector.store.feed", "collector.live.detection", "collector.read.queries"):
         assert "collector.storage" not in reach(low), low
-    assert not {"collector.commands", "collector.incidents", "collector.liveness"} & reach("collector.writer")
+    assert not {"collector.store.commands", "collector.store.incidents", "collector.store.liveness"} & reach("collector.store.writer")
 
 
 def test_the_finder_sees_a_cycle():

@@ -4,7 +4,7 @@ plans without changing and reloads what is open."""
 from __future__ import annotations
 
 from analysis.findings import RESOLVED, Finding
-from collector.incidents import OpenIncident, OpenIncidents, RecordFindings, UpdateIncident, default_key
+from collector.store.incidents import OpenIncident, OpenIncidents, RecordFindings, UpdateIncident, default_key
 
 
 def finding(kind: str, *, key: str | None = None, run_id: str = "r", resolved: bool = False, **kw) -> Finding:

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from agent import wire
-from collector.routes import ingest
+from collector.http.routes import ingest
 from collector.settings import Settings
 from collector.storage import Storage
 from tests.unit.collector.collector_batches import columns, make_batch, steps_section

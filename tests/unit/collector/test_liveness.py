@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from agent import wire
-from collector.decode import decode
+from collector.ingest.decode import decode
 from collector.storage import Storage
 from tests.unit.collector.collector_batches import make_batch, steps_section
 

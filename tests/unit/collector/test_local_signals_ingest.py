@@ -15,9 +15,9 @@ import pytest
 
 from agent import Agent, AgentConfig, wire
 from agent.spool import Spool
-from collector import columns as cols
-from collector.decode import BatchRejected, decode
-from collector.schema import migrate
+from collector.ingest import columns as cols
+from collector.ingest.decode import BatchRejected, decode
+from collector.store.schema import migrate
 
 # The layout before the local signals, frozen here: what an older agent sent.
 OLD_STEP = [("step", "q"), ("attempt", "i"), ("ts", "d"), ("loss", "d"), ("grad_norm", "d"), ("loss_scale", "d"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent import wire
-from collector.decode import decode
+from collector.ingest.decode import decode
 from collector.metrics import RunGauges
 from tests.unit.collector.collector_batches import make_batch, steps_section
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
-from collector import otlp
+from collector.ingest import otlp
 
 
 def kv(key, **value) -> KeyValue:

@@ -12,11 +12,11 @@ import time
 import pytest
 
 from analysis.findings import RESOLVED, Finding
-from collector import alerts, outbox
-from collector.outbox import Delivery, DeliveryResult, Lane, RetryPolicy, build_receivers
-from collector.projection import Projection
+from collector.alerts import outbox, payloads
+from collector.alerts.outbox import Delivery, DeliveryResult, Lane, RetryPolicy, build_receivers
 from collector.settings import Settings
 from collector.storage import Storage
+from collector.store.projection import Projection
 from tests.polling import wait_until
 
 SECRET = "hook-secret-0123456789abcdef"
@@ -81,7 +81,7 @@ def test_an_opened_incident_is_one_signed_alert_per_receiver_delivered_at_once(t
     # webhook 1: userinfo became Basic auth, the path and query kept, the body signed and as stored
     body, headers = by_url["http://127.0.0.1:9/hooks/T0K3N?key=qu3ry"]
     assert body == rows[0]["body"]
-    assert alerts.verify(body, headers[alerts.SIGNATURE_HEADER], SECRET.encode())
+    assert payloads.verify(body, headers[payloads.SIGNATURE_HEADER], SECRET.encode())
     assert headers["Authorization"].startswith("Basic ")
     p = json.loads(body)
     assert p["status"] == "firing" and p["version"] == "4" and p["externalURL"] == "http://collector:8428"
@@ -93,7 +93,7 @@ def test_an_opened_incident_is_one_signed_alert_per_receiver_delivered_at_once(t
     # Alertmanager: its API path, no signature, a firing alert held (endsAt) rather than left to time out
     am_body, am_headers = by_url["http://127.0.0.1:9/api/v2/alerts"]
     (posted,) = json.loads(am_body)
-    assert alerts.SIGNATURE_HEADER not in am_headers and posted["labels"] == a["labels"]
+    assert payloads.SIGNATURE_HEADER not in am_headers and posted["labels"] == a["labels"]
     assert posted["endsAt"] > posted["startsAt"]
 
 
@@ -146,7 +146,7 @@ def test_severity_rise_realerts_other_updates_do_not_and_the_close_repeats_the_f
     assert (new["status"], new["labels"]["severity"], new["labels"]["rank"]) == ("firing", "critical", "2")
     assert rise["status"] == "firing"
     (done,) = close["alerts"]
-    assert close["status"] == "resolved" and done["endsAt"] == alerts.rfc3339(1234.5)
+    assert close["status"] == "resolved" and done["endsAt"] == payloads.rfc3339(1234.5)
     assert done["fingerprint"] == new["fingerprint"] and done["labels"]["severity"] == "critical"
 
 
@@ -317,7 +317,7 @@ def test_errors_and_logs_name_the_receiver_never_its_credentials(caplog):
     leak = OSError(f"cannot reach {HOOK} (alice:pa55word, /hooks/T0K3N?key=qu3ry)")
     lane, reported = lane_for(FakeTransport(leak), clock)
     lane.offer([Delivery(3, "webhook:1", b"{}", 0, clock.t, clock.t)])
-    with caplog.at_level(logging.WARNING, logger="collector.outbox"):
+    with caplog.at_level(logging.WARNING, logger="collector.alerts.outbox"):
         lane.deliver_due()
     text = caplog.text + reported[0].last_error
     assert "webhook:1" in caplog.text
@@ -328,7 +328,7 @@ def test_errors_and_logs_name_the_receiver_never_its_credentials(caplog):
 def test_rows_for_a_receiver_no_longer_configured_are_left_pending_and_said_so(caplog):
     reported: list = []
     s = outbox.Sender(build_receivers(alertmanagers=[AM]), report=reported.append, transport=FakeTransport())
-    with caplog.at_level(logging.WARNING, logger="collector.outbox"):
+    with caplog.at_level(logging.WARNING, logger="collector.alerts.outbox"):
         s.offer([Delivery(1, "webhook:9", b"{}", 0, 0.0, 0.0), Delivery(2, "alertmanager:1", b"[]", 0, 0.0, 0.0)])
     assert s.num_pending() == 1 and s.deliver_due() == 1
     assert [r.id for r in reported] == [2]  # row 1 is not touched: it stays pending in the table

@@ -12,7 +12,7 @@ import pyarrow as pa
 
 from analysis.policy import Decision, Policy
 from analysis.rules import load_rules
-from collector.policy import PolicyRunner
+from collector.live.policy import PolicyRunner
 
 RUN = "r1"
 

@@ -16,8 +16,9 @@ import json
 import duckdb
 import pytest
 
-from collector import postmortem, read, read_views
-from collector.schema import migrate
+from collector.offline import postmortem
+from collector.read import queries, views
+from collector.store.schema import migrate
 
 RUN = "tiny"
 START_TS = 1000.0
@@ -86,17 +87,17 @@ def cur(db):
 
 
 def test_step_time_parts_and_span(cur):
-    parts = {(p["effective"], p["skipped"]): p for p in read.step_time_parts(cur, RUN)}
+    parts = {(p["effective"], p["skipped"]): p for p in queries.step_time_parts(cur, RUN)}
     # 8 (attempt, step) pairs: 1-6 of attempt 0 (5, 6 replaced), 5-6 of attempt 1; each 1.0 s (rank 1)
     assert parts[(True, False)]["num_steps"] == 5 and parts[(True, False)]["step_s"] == pytest.approx(5.0)
     assert parts[(True, True)]["num_steps"] == 1  # step 3
     assert parts[(False, False)]["num_steps"] == 2  # steps 5, 6 of attempt 0
     assert parts[(True, False)]["tokens"] == 500  # two dp replicas of 50 tokens, over 5 steps
-    assert read.run_span(cur, RUN) == {"start_ts": START_TS, "end_ts": START_TS + 30.0}
+    assert queries.run_span(cur, RUN) == {"start_ts": START_TS, "end_ts": START_TS + 30.0}
 
 
 def test_goodput_from_the_tables(cur):
-    g = postmortem.goodput(read.step_time_parts(cur, RUN), read.run_span(cur, RUN), straggler_lost_s=1.25)
+    g = postmortem.goodput(queries.step_time_parts(cur, RUN), queries.run_span(cur, RUN), straggler_lost_s=1.25)
     assert g.wall_s == pytest.approx(30.0)
     assert (g.productive_s, g.skipped_s, g.superseded_s) == pytest.approx((5.0, 1.0, 2.0))
     assert g.outside_steps_s == pytest.approx(30.0 - 8.0)
@@ -112,7 +113,7 @@ def test_goodput_of_a_run_without_rows():
 
 
 def test_slowdown_costs_come_from_the_evidence(cur):
-    costs = postmortem.slowdown_costs(read.incidents(cur, RUN), read.checkpoints(cur, RUN))
+    costs = postmortem.slowdown_costs(queries.incidents(cur, RUN), queries.checkpoints(cur, RUN))
     by = {c["kind"]: c for c in costs}
     assert [c["id"] for c in costs] == [1, 5, 3, 4]  # in the order they opened; the nan states no cost
     s = by["straggler"]
@@ -165,15 +166,15 @@ def test_highlights_of_the_new_kinds_come_from_their_detectors_evidence():
 
 
 def test_window_and_grid_queries(cur):
-    rows = read.step_window(cur, RUN, step_from=1, step_to=6)
+    rows = queries.step_window(cur, RUN, step_from=1, step_to=6)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     (nan,) = [r for r in rows if r["num_nonfinite"]]
     assert nan["step"] == 3 and nan["loss"] is None and nan["skipped"]  # no mean of NaNs to draw
     assert rows[4]["loss"] == pytest.approx(2.5)  # attempt 1's step 5
-    grid = read_views.step_grid(cur, RUN)
+    grid = views.step_grid(cur, RUN)
     assert len(grid) == 12 and {g["rank"] for g in grid} == {0, 1}
     assert [g["compute_s"] for g in grid if g["rank"] == 1] == pytest.approx([0.95] * 6)
-    assert len(read_views.step_grid(cur, RUN, max_steps=2)) == 4  # 2 buckets of 3 steps x 2 ranks
+    assert len(views.step_grid(cur, RUN, max_steps=2)) == 4  # 2 buckets of 3 steps x 2 ranks
 
 
 def test_markdown_report(cur):

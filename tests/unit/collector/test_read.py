@@ -9,8 +9,8 @@ import pytest
 
 from agent import wire
 from analysis.findings import Finding
-from collector import read
-from collector.decode import decode
+from collector.ingest.decode import decode
+from collector.read import queries
 from collector.settings import Settings
 from collector.storage import Storage, connect
 from tests.unit.collector.collector_batches import columns, make_batch, steps_section
@@ -20,25 +20,25 @@ RUN = {"run_id": "run1", "config": {"lr": 0.001}, "mesh": {"dp": 2, "tp": 1, "pp
 
 # every read function, with the arguments to call it with
 QUERIES = [
-    (read.runs, (), {}),
-    (read.run, ("run1",), {}),
-    (read.run, ("missing",), {}),
-    (read.open_incidents, (), {}),
-    (read.steps, ("run1", "loss"), {"max_points": 7}),
-    (read.steps, ("run1", "step_s"), {"rank": 1, "step_from": 3, "step_to": 30}),
-    (read.steps, ("run1", "eval_loss"), {}),
-    (read.step_summary, ("run1",), {"limit": 5}),
-    (read.ranks, ("run1",), {}),
-    (read.collectives, ("run1",), {"last_steps": 3}),
-    (read.incidents, ("run1",), {}),
-    (read.incidents, ("run1",), {"status": "open"}),
-    (read.actions, ("run1",), {}),
-    (read.checkpoints, ("run1",), {}),
-    (read.nodes, ("run1",), {}),
-    (read.events, ("run1",), {"limit": 10}),
-    (read.events, ("run1",), {"kind": "checkpoint_saved"}),
-    (read.heartbeats_latest, ("run1",), {}),
-    (read.commands, ("run1",), {}),
+    (queries.runs, (), {}),
+    (queries.run, ("run1",), {}),
+    (queries.run, ("missing",), {}),
+    (queries.open_incidents, (), {}),
+    (queries.steps, ("run1", "loss"), {"max_points": 7}),
+    (queries.steps, ("run1", "step_s"), {"rank": 1, "step_from": 3, "step_to": 30}),
+    (queries.steps, ("run1", "eval_loss"), {}),
+    (queries.step_summary, ("run1",), {"limit": 5}),
+    (queries.ranks, ("run1",), {}),
+    (queries.collectives, ("run1",), {"last_steps": 3}),
+    (queries.incidents, ("run1",), {}),
+    (queries.incidents, ("run1",), {"status": "open"}),
+    (queries.actions, ("run1",), {}),
+    (queries.checkpoints, ("run1",), {}),
+    (queries.nodes, ("run1",), {}),
+    (queries.events, ("run1",), {"limit": 10}),
+    (queries.events, ("run1",), {"kind": "checkpoint_saved"}),
+    (queries.heartbeats_latest, ("run1",), {}),
+    (queries.commands, ("run1",), {}),
 ]
 
 
@@ -106,7 +106,7 @@ def test_the_same_answers_live_and_on_the_closed_file(tmp_path):
 def test_a_job_with_only_local_losses_has_their_mean_as_its_loss_curve(tmp_path):
     """agent.watch records each rank's own loss (`local_loss`) and no global one: the curves
     the dashboard draws are the mean over the ranks, what data parallelism averages."""
-    from collector import read_views
+    from collector.read import views
 
     storage = Storage(Settings(db_path=tmp_path / "w.duckdb", group_linger_s=0.0, group_min_interval_s=0.0))
     try:
@@ -115,9 +115,9 @@ def test_a_job_with_only_local_losses_has_their_mean_as_its_loss_curve(tmp_path)
                 rank=rank, run=RUN if rank == 0 else None,
                 sections={wire.STEP: steps_section(range(1, 4), loss=wire.NULL_F64, local_loss=1.0 + 2 * rank,
                                                       local_loss_valid=1)})))
-        overview = storage.read(read_views.overview, "run1")
-        window = storage.read(read.step_window, "run1", step_from=1, step_to=3)
-        curve = storage.read(read.steps, "run1", "loss")
+        overview = storage.read(views.overview, "run1")
+        window = storage.read(queries.step_window, "run1", step_from=1, step_to=3)
+        curve = storage.read(queries.steps, "run1", "loss")
     finally:
         storage.close()
     assert [r["loss"] for r in overview] == [2.0, 2.0, 2.0]
@@ -130,7 +130,7 @@ def test_a_read_only_connection_cannot_write(tmp_path):
     Storage(Settings(db_path=path)).close()
     con = connect(path, read_only=True)
     try:
-        assert read.runs(con) == []
+        assert queries.runs(con) == []
         with pytest.raises(Exception, match="read-only"):
             con.execute("INSERT INTO runs (run_id, created_ts, updated_ts) VALUES ('x', 0, 0)")
     finally:

@@ -11,9 +11,10 @@ import polars as pl
 import pytest
 
 from analysis import Finding, score, truths_from_rows
-from collector import cli, read
-from collector.replaycmd import IncidentLedger, replay_run, scored_incidents
-from collector.schema import migrate
+from collector import cli
+from collector.offline.replay import IncidentLedger, replay_run, scored_incidents
+from collector.read import queries
+from collector.store.schema import migrate
 from tests.unit.analysis.sim import Layout, Nan, Sim, Straggler
 
 _ROW_TABLES = ("steps", "collectives", "heartbeats", "events", "scalars", "runs", "ranks", "nodes")
@@ -60,7 +61,7 @@ def test_replay_of_the_file_finds_the_faults(simulated):
     path, truth = simulated
     con = duckdb.connect(str(path), read_only=True)
     try:
-        (run_id,) = read.run_ids(con)
+        (run_id,) = queries.run_ids(con)
         r = replay_run(con, run_id)
     finally:
         con.close()
@@ -104,7 +105,7 @@ def test_the_ledger_collapses_findings_as_the_writer_does():
 
 
 def test_a_slow_links_latency_counts_from_its_fired_step_and_a_divergence_keeps_its_suspects():
-    from collector.replaycmd import RunReplay
+    from collector.offline.replay import RunReplay
 
     ledger = IncidentLedger()
     ledger.record("r", [_finding(kind="slow_link", key="slow_link:dp0#1", evidence={"fired_at_step": 11}),

@@ -1,4 +1,4 @@
-"""Retention (collector/retention.py): rolling old collectives up keeps every total the
+"""Retention (collector/offline/retention.py): rolling old collectives up keeps every total the
 comm views and collective_summary show, drops the raw rows, is idempotent, refuses a
 young age, and runs on a live collector's writer thread."""
 
@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 from agent import wire
-from collector import read, read_views, retention
-from collector.decode import decode
-from collector.schema import MIGRATIONS
+from collector.ingest.decode import decode
+from collector.offline import retention
+from collector.read import queries, views
 from collector.settings import Settings
 from collector.storage import Storage, connect
+from collector.store.schema import MIGRATIONS
 from tests.polling import wait_until
 from tests.unit.collector.collector_batches import columns, make_batch
 
@@ -102,10 +103,10 @@ def fill_run(storage: Storage, run_id: str = "done1", *, num_steps: int = 40, ro
 def comm_answers(cur, run_id: str = "done1") -> dict:
     """What the dashboard's comm views and collective_summary answer over the whole run."""
     whole = {"step_from": 0, "step_to": 10_000}
-    return {"ops": read_views.comm_ops(cur, run_id, **whole), "waits": read_views.comm_waits(cur, run_id, **whole),
-            "latency": read_views.comm_latency(cur, run_id, **whole),
-            "last": read_views.comm_ops(cur, run_id),  # the default window: the last steps
-            "summary": read.collectives(cur, run_id, step_from=0, step_to=10_000)}
+    return {"ops": views.comm_ops(cur, run_id, **whole), "waits": views.comm_waits(cur, run_id, **whole),
+            "latency": views.comm_latency(cur, run_id, **whole),
+            "last": views.comm_ops(cur, run_id),  # the default window: the last steps
+            "summary": queries.collectives(cur, run_id, step_from=0, step_to=10_000)}
 
 
 def assert_rows_close(a: list[dict], b: list[dict], *, keys: tuple[str, ...], skip: tuple[str, ...] = (),
@@ -253,7 +254,7 @@ def test_serve_rolls_up_on_the_writer_thread(tmp_path):
         fill_run(s)
         assert wait_until(lambda: s.read(_counts)["collectives"] == 0, timeout_s=30.0, interval_s=0.05)
         assert s.read(_counts)["collectives_rollup"] == RANKS * 3 * 50
-        assert s.read(read_views.comm_ops, "done1", step_from=0, step_to=100)[0]["num_ops"] > 0
+        assert s.read(views.comm_ops, "done1", step_from=0, step_to=100)[0]["num_ops"] > 0
     finally:
         s.close()
     assert not s.rollup.alive()

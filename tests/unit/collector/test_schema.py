@@ -6,10 +6,10 @@ import duckdb
 import pytest
 
 from agent import wire
-from collector.decode import decode
-from collector.schema import MIGRATIONS, SchemaTooNew, current_version, migrate
+from collector.ingest.decode import decode
 from collector.settings import Settings
 from collector.storage import Storage, connect
+from collector.store.schema import MIGRATIONS, SchemaTooNew, current_version, migrate
 from tests.unit.collector.collector_batches import make_batch, steps_section
 
 CONTRACT = {"runs", "ranks", "steps", "collectives", "scalars", "heartbeats", "events", "incidents", "actions",

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from agent import wire
-from collector.decode import decode
+from collector.ingest.decode import decode
 from tests.docs_sql import sql_blocks
 from tests.unit.collector.collector_batches import columns, make_batch, steps_section
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from collector import sqlallow
+from collector.sql import allow
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -26,21 +26,21 @@ def catalog() -> dict[str, set[str]]:
 
 def test_every_allowed_function_exists(catalog):
     """A typo would allow nothing; a name DuckDB dropped should leave the list."""
-    scalars = sqlallow.SCALARS - sqlallow.BINDER_FUNCTIONS
+    scalars = allow.SCALARS - allow.BINDER_FUNCTIONS
     assert {n for n in scalars if not catalog.get(n, set()) & {"scalar", "macro"}} == set()
-    assert {n for n in sqlallow.OPERATORS if "scalar" not in catalog.get(n, set())} == set()
-    assert {n for n in sqlallow.AGGREGATES if not catalog.get(n, set()) & {"aggregate", "macro"}} == set()
-    assert {n for n in sqlallow.WINDOW_FUNCTIONS if "window" not in catalog.get(n, set())} == set()
-    assert {n for n in sqlallow.TABLE_FUNCTIONS if "table" not in catalog.get(n, set())} == set()
-    assert set(sqlallow.ARG_RULES) <= sqlallow.SCALARS | sqlallow.AGGREGATES
+    assert {n for n in allow.OPERATORS if "scalar" not in catalog.get(n, set())} == set()
+    assert {n for n in allow.AGGREGATES if not catalog.get(n, set()) & {"aggregate", "macro"}} == set()
+    assert {n for n in allow.WINDOW_FUNCTIONS if "window" not in catalog.get(n, set())} == set()
+    assert {n for n in allow.TABLE_FUNCTIONS if "table" not in catalog.get(n, set())} == set()
+    assert set(allow.ARG_RULES) <= allow.SCALARS | allow.AGGREGATES
 
 
 def test_nothing_that_acts_or_reads_is_allowed(catalog):
-    allowed = sqlallow.SCALARS | sqlallow.AGGREGATES | sqlallow.TABLE_FUNCTIONS | sqlallow.WINDOW_FUNCTIONS
+    allowed = allow.SCALARS | allow.AGGREGATES | allow.TABLE_FUNCTIONS | allow.WINDOW_FUNCTIONS
     pragmas = {n for n, k in catalog.items() if "pragma" in k}
     assert allowed & pragmas == set()
     assert {n for n in allowed if n.startswith(("read_", "parquet_", "duckdb_", "pragma_", "__internal"))} == set()
-    assert (sqlallow.SCALARS | sqlallow.AGGREGATES) & set(sqlallow.WHY_NOT) == set()  # WHY_NOT: refused names
+    assert (allow.SCALARS | allow.AGGREGATES) & set(allow.WHY_NOT) == set()  # WHY_NOT: refused names
 
 
 def readme_queries() -> list[str]:

@@ -8,8 +8,8 @@ import time
 import duckdb
 import pytest
 
-from collector import sqlallow
-from collector.sqlguard import SqlRefused, check_select, run_select
+from collector.sql import allow
+from collector.sql.guard import SqlRefused, check_select, run_select
 from collector.storage import connect
 
 
@@ -260,8 +260,8 @@ def test_relations_follow_the_migrations():
     migrations = [(1, ["CREATE TABLE a (x INT)", "CREATE OR REPLACE VIEW v AS SELECT 1"]),
                   (2, ["ALTER TABLE a RENAME TO b", "CREATE TABLE IF NOT EXISTS c (x INT)", "DROP VIEW v",
                        "ALTER TABLE b ADD COLUMN y INT"])]
-    assert sqlallow.project_relations(migrations) == {"b", "c", "schema_version"}
-    assert {"steps", "steps_effective", "batches", "step_summary"} <= sqlallow.RELATIONS
+    assert allow.project_relations(migrations) == {"b", "c", "schema_version"}
+    assert {"steps", "steps_effective", "batches", "step_summary"} <= allow.RELATIONS
 
 
 # -- the result: rows and bytes, fetched incrementally --------------------------------

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from collector.sqlslots import SqlBusy, SqlDeadline, SqlSlots
+from collector.sql.slots import SqlBusy, SqlDeadline, SqlSlots
 
 
 def wait_until(cond, timeout_s: float = 5.0) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from agent import wire
-from collector.decode import decode
+from collector.ingest.decode import decode
 from collector.storage import Storage
 from tests.unit.collector.collector_batches import columns, make_batch, steps_section
 

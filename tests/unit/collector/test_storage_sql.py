@@ -10,8 +10,8 @@ import time
 import pytest
 
 from collector.settings import Settings
-from collector.sqlguard import SqlRefused
-from collector.sqlslots import SqlBusy
+from collector.sql.guard import SqlRefused
+from collector.sql.slots import SqlBusy
 from collector.storage import Storage
 
 SLOW = "SELECT count(*) FROM range(1000000000000) a, range(10) b"

@@ -9,11 +9,11 @@ from concurrent.futures import Future
 import pytest
 
 from agent import wire
-from collector.decode import BatchRejected, decode
-from collector.projection import Group, Projection
+from collector.ingest.decode import BatchRejected, decode
 from collector.settings import Settings
 from collector.storage import Storage
-from collector.writer import QueueFull, StorageError
+from collector.store.projection import Group, Projection
+from collector.store.writer import QueueFull, StorageError
 from tests.unit.collector.collector_batches import make_batch, steps_section
 
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from agent import wire
 from analysis.findings import Finding
-from collector.decode import decode
+from collector.ingest.decode import decode
 from collector.settings import Settings
 from collector.storage import Storage
 from tests.unit.collector.collector_batches import columns, make_batch

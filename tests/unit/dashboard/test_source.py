@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from collector.read_views import VIEWS
+from collector.read.views import VIEWS
 from dashboard.source import TABLES, DbSource, HttpSource, SourceError, SqlError
 from tests.unit.collector.collector_server import CollectorProcess
 from tests.unit.dashboard.synthetic import RUN_ID

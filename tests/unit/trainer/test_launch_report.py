@@ -13,7 +13,7 @@ import time
 from agent import wire
 from agent.launcher import LauncherReporter
 from agent.transport import PostResult
-from collector.decode import decode
+from collector.ingest.decode import decode
 from tests.unit.trainer.fakes import FakeClock, FakeProc
 from trainer import supervisor
 from trainer.config import HealingConfig, JobConfig, ParallelConfig

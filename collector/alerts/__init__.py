@@ -1,0 +1,1 @@
+"""Alerts: the payloads and their signature, the outbox written with each incident, the delivery lanes."""

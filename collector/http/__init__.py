@@ -1,0 +1,1 @@
+"""The HTTP side: the ASGI app, the gate every request passes, tokens by role, the bounded protocol, the routes."""

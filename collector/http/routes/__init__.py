@@ -1,0 +1,1 @@
+"""HTTP routes, one thin module per resource; no SQL here (see collector/read/)."""

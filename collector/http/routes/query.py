@@ -1,0 +1,146 @@
+"""The dashboard's read API: JSON, bearer auth, every query in collector/read/queries.py.
+
+Handlers are plain `def`s: FastAPI runs them in its thread pool, where a
+storage query blocks only its own thread (each gets its own DuckDB cursor).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from pydantic import BeforeValidator, Field
+from starlette.responses import HTMLResponse, Response
+
+from collector.http.routes.common import json_response
+from collector.offline import postmortem
+from collector.read import views
+from collector.storage import Storage
+
+router = APIRouter(prefix="/v1/runs")  # the read role: collector/http/gate.py
+
+
+def _storage(request: Request) -> Storage:
+    return request.app.state.storage
+
+
+StorageDep = Annotated[Storage, Depends(_storage)]
+# An empty query value (`?rank=`) means "not given", as a dashboard's empty field sends it.
+_EmptyIsNone = BeforeValidator(lambda v: None if v == "" else v)
+Step = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+StepFrom = Annotated[Step | None, _EmptyIsNone, Query()]
+StepTo = Annotated[Step | None, _EmptyIsNone, Query()]
+Rank = Annotated[Annotated[int, Field(ge=0, lt=2**31)] | None, _EmptyIsNone, Query()]
+Points = Annotated[Annotated[int, Field(ge=1, le=10_000)] | None, _EmptyIsNone, Query()]
+
+
+@router.get("")
+def list_runs(storage: StorageDep, detail: bool = False) -> Response:
+    """Every run; `detail=true`: the newest 50 with their last step, attempts, incidents
+    and actions (the dashboard's runs page)."""
+    return json_response(storage.read(views.runs_overview) if detail else storage.runs())
+
+
+@router.get("/{run_id}")
+def get_run(run_id: str, storage: StorageDep) -> Response:
+    run = storage.run(run_id)
+    if run is None:
+        raise HTTPException(404, f"unknown run {run_id!r}")
+    return json_response(run)
+
+
+@router.get("/{run_id}/view/{name}")
+def get_view(run_id: str, name: str, storage: StorageDep, step_from: StepFrom = None, step_to: StepTo = None,
+             max_points: Points = None, max_steps: Points = None, last_steps: Points = None,
+             prefix: Annotated[str | None, Query(max_length=200)] = None) -> Response:
+    """One of collector/read/views.py's aggregate views (what a dashboard chart draws),
+    with the parameters that view takes; the others are ignored."""
+    fn = views.VIEWS.get(name)
+    if fn is None:
+        raise HTTPException(404, f"unknown view {name!r}; views: {', '.join(sorted(views.VIEWS))}")
+    given = {"step_from": step_from, "step_to": step_to, "max_points": max_points, "max_steps": max_steps,
+             "last_steps": last_steps, "prefix": prefix}
+    accepted = inspect.signature(fn).parameters
+    return json_response(storage.read(fn, run_id, **{k: v for k, v in given.items()
+                                                     if v is not None and k in accepted}))
+
+
+@router.get("/{run_id}/report")
+def get_report(run_id: str, storage: StorageDep) -> Response:
+    """The run's postmortem report as one self-contained HTML page (collector/offline/postmortem.py)."""
+    try:
+        report = storage.read(postmortem.gather, run_id)
+    except LookupError:
+        raise HTTPException(404, f"unknown run {run_id!r}") from None
+    return HTMLResponse(postmortem.render_html(report))
+
+
+@router.get("/{run_id}/steps")
+def get_steps(run_id: str, storage: StorageDep, metric: str = "loss",
+              rank: Rank = None, step_from: StepFrom = None,
+              step_to: StepTo = None, max_points: Annotated[int, Query(ge=1, le=100_000)] = 2000) -> Response:
+    """Effective curve of a steps column (or a scalar name), min/max/avg per step bucket."""
+    return json_response({"run_id": run_id, "metric": metric, "rank": rank,
+                          "points": storage.steps(run_id, metric, rank=rank, step_from=step_from,
+                                                  step_to=step_to, max_points=max_points)})
+
+
+@router.get("/{run_id}/step_summary")
+def get_step_summary(run_id: str, storage: StorageDep, step_from: StepFrom = None, step_to: StepTo = None,
+                     limit: Annotated[int, Query(ge=1, le=100_000)] = 2000) -> Response:
+    return json_response(storage.step_summary(run_id, step_from=step_from, step_to=step_to, limit=limit))
+
+
+@router.get("/{run_id}/ranks")
+def get_ranks(run_id: str, storage: StorageDep) -> Response:
+    return json_response(storage.ranks(run_id))
+
+
+@router.get("/{run_id}/collectives")
+def get_collectives(run_id: str, storage: StorageDep, step_from: StepFrom = None, step_to: StepTo = None,
+                    last_steps: Annotated[int, Query(ge=1, le=100_000)] = 20) -> Response:
+    return json_response(storage.collectives(run_id, step_from=step_from, step_to=step_to, last_steps=last_steps))
+
+
+@router.get("/{run_id}/incidents")
+def get_incidents(run_id: str, storage: StorageDep, status: str | None = None) -> Response:
+    return json_response(storage.incidents(run_id, status=status))
+
+
+@router.get("/{run_id}/actions")
+def get_actions(run_id: str, storage: StorageDep) -> Response:
+    return json_response(storage.actions(run_id))
+
+
+@router.get("/{run_id}/goodput")
+def get_goodput(run_id: str, storage: StorageDep) -> Response:
+    """The share of the run's wall time in steps that counted (collector/offline/postmortem.py)."""
+    return json_response(storage.goodput(run_id))
+
+
+@router.get("/{run_id}/bad_batches")
+def get_bad_batches(run_id: str, storage: StorageDep) -> Response:
+    """The sample windows the run's rollbacks skipped (from batch_skipped events)."""
+    return json_response(storage.bad_batches(run_id))
+
+
+@router.get("/{run_id}/checkpoints")
+def get_checkpoints(run_id: str, storage: StorageDep) -> Response:
+    return json_response(storage.checkpoints(run_id))
+
+
+@router.get("/{run_id}/nodes")
+def get_nodes(run_id: str, storage: StorageDep) -> Response:
+    return json_response(storage.nodes(run_id))
+
+
+@router.get("/{run_id}/events")
+def get_events(run_id: str, storage: StorageDep, kind: str | None = None,
+               limit: Annotated[int, Query(ge=1, le=100_000)] = 500) -> Response:
+    return json_response(storage.events(run_id, kind=kind, limit=limit))
+
+
+@router.get("/{run_id}/heartbeats/latest")
+def get_heartbeats_latest(run_id: str, storage: StorageDep) -> Response:
+    return json_response(storage.heartbeats_latest(run_id))

@@ -1,0 +1,1 @@
+"""What runs beside ingest on each commit: detection (the analysis) and healing (the policy carried out)."""

@@ -1,0 +1,203 @@
+"""Detection off the ingest path: the analysis on a thread of its own.
+
+The `DetectionRunner` reads a post-commit subscription (collector/store/feed.py), so
+ingest never waits for it: while a pass runs, the writer keeps committing and
+acknowledging, and if the runner falls behind its queue drops commits (counted)
+and the next delivery says how many were missed.
+
+It owns one `Analyzer` (analysis/engine.py), which keeps every run's state. Per
+pass, for each run the commit holds:
+
+    analyzer.feed_run(run_id, Frames.from_arrow(tables), now=now) -> findings
+
+`tables` maps a target table (steps, collectives, heartbeats, events, scalars) to
+the run's Arrow rows of that commit (zero copy). Until the run's mesh is known
+(the run info comes with rank 0's first batch, the ranks' coordinates with each
+rank's first, and again after a restart round) the run's `runs`, `ranks` and
+`nodes` rows, read through `meta(run_id)` (the read side), ride along, so steps
+can be assembled across ranks and peers compared within a pipeline stage. `now`
+is the runner's clock (the analysis reads no clock). A "tick" pass with empty
+tables runs every `tick_s` while no commit comes, so the analysis notices what
+stopped (heartbeats of a crashed rank). Findings go back through the writer as
+one `RecordFindings` intent per run and pass: submitted, never waited for.
+
+A pass that raises is logged and counted, and the next pass runs. On a gap
+(commits missed) `on_gap(missed)` runs; by default every run's state is dropped,
+so the analysis warms up again from the next commit rather than judge across a
+hole it cannot see.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from analysis import Analyzer, Frames
+from analysis.engine import is_new_round
+from collector.store.feed import Commit, Subscription
+
+log = logging.getLogger("collector.live.detection")
+
+# (run_id, findings, done) -> None; never blocks (Storage.record_findings)
+Submit = Callable[..., Any]
+# run_id -> its runs, ranks and nodes rows (collector/read/queries.py run_meta_tables, through Storage.read)
+Meta = Callable[[str], Mapping[str, pa.Table]]
+
+
+def run_tables(commit: Commit, run_id: str) -> dict[str, pa.Table]:
+    """The rows of `commit` that belong to `run_id` (the tables themselves when the
+    commit holds that run only, the usual case)."""
+    if len(commit.run_ids) == 1 and run_id in commit.run_ids:
+        return dict(commit.tables)
+    out = {}
+    for name, t in commit.tables.items():
+        if "run_id" not in t.schema.names:
+            continue
+        col = t["run_id"]
+        if pa.types.is_dictionary(col.type):
+            col = col.cast(col.type.value_type)
+        part = t.filter(pc.equal(col, run_id))
+        if part.num_rows:
+            out[name] = part
+    return out
+
+
+class DetectionRunner:
+    """Runs `analyzer` over each commit of `subscription`, per run, on its own thread."""
+
+    def __init__(self, subscription: Subscription, analyzer: Analyzer, *, submit: Submit, meta: Meta | None = None,
+                 clock: Callable[[], float] = time.time, tick_s: float = 1.0, idle_run_s: float = 600.0,
+                 on_gap: Callable[[int], None] | None = None, registry: CollectorRegistry | None = None) -> None:
+        """`meta(run_id)`: the run's runs, ranks and nodes rows (None: the commits carry
+        what the analysis needs). `tick_s`: a run without a pass this long gets one with
+        empty tables. `idle_run_s`: a run without rows this long is forgotten."""
+        self.analyzer = analyzer
+        self._sub = subscription
+        self._submit = submit
+        self._meta = meta
+        self._clock = clock
+        self._tick_s, self._idle_run_s = tick_s, idle_run_s
+        self._on_gap = on_gap or (lambda missed: self.forget())
+        self._complete: set[str] = set()  # runs whose size and every rank's coordinates the analysis has
+        self._last_rows: dict[str, float] = {}  # run_id -> time.monotonic() of its last commit
+        self._last_pass: dict[str, float] = {}  # run_id -> time.monotonic() of its last pass
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="collector-detection", daemon=True)
+        self.num_passes = self.num_gaps = self.num_errors = 0
+        self._metrics = _Metrics(registry)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """End after the pass in progress (what is still queued is not looked at)."""
+        self._stop.set()
+        self._sub.close()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def forget(self, run_id: str | None = None) -> None:
+        """Drop the analysis of `run_id` (None: of every run); it starts over from its next rows."""
+        for r in list(self.analyzer.runs) if run_id is None else [run_id]:
+            self.analyzer.drop_run(r)
+            self._complete.discard(r)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            delivery = self._sub.get(self._tick_s)
+            if self._stop.is_set() or (delivery is None and self._sub.closed):
+                return
+            if delivery is not None and delivery.missed:
+                self.num_gaps += 1
+                self._metrics.gaps.inc()
+                log.warning("detection missed %d commits (its queue was full)", delivery.missed)
+                self._on_gap(delivery.missed)
+            if delivery is not None and delivery.commit is not None:
+                self.run_commit(delivery.commit)
+            self.tick()
+
+    def run_commit(self, commit: Commit) -> None:
+        now = time.monotonic()
+        for run_id in sorted(commit.run_ids):
+            self._last_rows[run_id] = now
+            self.run_pass(run_tables(commit, run_id), [run_id])
+
+    def tick(self) -> None:
+        """A pass with empty tables for each run that had none for `tick_s`; runs
+        without rows for `idle_run_s` are forgotten."""
+        now = time.monotonic()
+        for run_id in [r for r, ts in self._last_rows.items() if now - ts > self._idle_run_s]:
+            del self._last_rows[run_id]
+            self._last_pass.pop(run_id, None)
+            self.forget(run_id)
+        due = [r for r in self._last_rows if now - self._last_pass.get(r, float("-inf")) >= self._tick_s]
+        if due:
+            self.run_pass({}, due)
+
+    def run_pass(self, tables: Mapping[str, pa.Table], run_ids: Sequence[str]) -> None:
+        """The analysis of each of `run_ids` over `tables`; findings submitted per run."""
+        t0 = time.perf_counter()
+        now = self._clock()
+        for run_id in run_ids:
+            self._last_pass[run_id] = time.monotonic()
+            try:
+                findings = self.analyzer.feed_run(run_id, self._frames(run_id, tables), now=now)
+            except Exception:
+                self.num_errors += 1
+                self._metrics.errors.inc()
+                log.exception("detection failed on run %s", run_id)
+                continue
+            if findings:
+                self._metrics.findings.inc(len(findings))
+                self._submit(run_id, findings, done=self._recorded)
+        self.num_passes += 1
+        self._metrics.pass_seconds.observe(time.perf_counter() - t0)
+
+    def _frames(self, run_id: str, tables: Mapping[str, pa.Table]) -> Frames:
+        """The run's rows, and its meta rows while its mesh is not known (a new round's is not)."""
+        frames = Frames.from_arrow(tables)
+        if is_new_round(frames):
+            self._complete.discard(run_id)
+        if self._meta is None or run_id in self._complete:
+            return frames
+        meta = self._meta(run_id)
+        if _complete(meta):
+            self._complete.add(run_id)
+        return Frames.from_arrow({**tables, **meta})
+
+    def _recorded(self, result: Any, error: BaseException | None) -> None:
+        """On the writer thread, after the findings' commit: only log a failure."""
+        if error is not None:
+            log.warning("findings could not be recorded: %s", error)
+
+
+def _complete(meta: Mapping[str, pa.Table]) -> bool:
+    """The run's size is known and every rank has reported its coordinates."""
+    runs, ranks = meta.get("runs"), meta.get("ranks")
+    if runs is None or not runs.num_rows or ranks is None:
+        return False
+    world = runs.column("world_size")[0].as_py()
+    return bool(world) and ranks.num_rows >= world
+
+
+class _Metrics:
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        r = registry or CollectorRegistry()  # unregistered instruments when none is given
+        self.pass_seconds = Histogram("llmwatch_collector_detection_pass_seconds",
+                                      "Duration of one detection pass over a commit", registry=r,
+                                      buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0))
+        self.errors = Counter("llmwatch_collector_detection_errors", "Detection passes that raised", registry=r)
+        self.findings = Counter("llmwatch_collector_detection_findings", "Findings handed to the writer",
+                                registry=r)
+        self.gaps = Counter("llmwatch_collector_detection_gaps",
+                            "Times detection missed commits because its queue was full", registry=r)

@@ -1,0 +1,1 @@
+"""What runs on a file rather than on a live run: replay, postmortem, archive, retention."""

@@ -1,0 +1,178 @@
+"""`collector archive`: finished runs out of the DuckDB file into a Parquet archive.
+
+Layout (hive partitioning, what DuckDB, polars, Spark and Trino read as is):
+
+    DIR/<table>/run_id=<id>/day=YYYY-MM-DD/data_0.parquet
+
+One folder per table with per-run rows (`ARCHIVED`), partitioned by run and by the
+UTC day of the row's own time column (`ARCHIVED[table]`; a row without one gets
+its run's `created_ts` day). The partition values live in the paths only (DuckDB
+URL-encodes them: a run id may hold `/`), so a reader adds them back as columns
+with hive partitioning; give `run_id` as VARCHAR (`hive_types`), or a run id of
+digits is read as a number. docs/scale.md has the queries.
+
+Re-archiving a run replaces it: every table's files of the run are written into a
+staging folder under DIR first, then each `run_id=<id>` folder is swapped in
+(the old one renamed away, the new one renamed in, the old one removed), so a
+run is never in the archive twice and a failed archive leaves the old copy.
+
+Not archived: `alert_outbox` (the delivery queue: the exact bytes sent to
+receivers, whose URLs and signing secret the collector never stores anyway) and
+`schema_version` (not about a run). No table holds a token or a secret
+(DESIGN.md section 5): a column whose name says so is refused all the same.
+
+The source is opened read-only: a closed file, or a copy of a live one (DuckDB
+lets no second process open a file a collector holds; `collector serve` itself
+never archives). A run still `running` is skipped unless asked for with `force`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import quote
+
+import duckdb
+
+# table -> the column whose UTC day partitions it
+ARCHIVED: dict[str, str | None] = {
+    "runs": "created_ts", "ranks": "first_seen_ts", "steps": "ts", "collectives": "start_ts",
+    "collectives_rollup": "start_ts", "collective_waits_rollup": None, "scalars": "ts", "heartbeats": "ts",
+    "device_health": "ts",
+    "events": "ts", "incidents": "opened_ts", "actions": "requested_ts", "checkpoints": "ts",
+    "nodes": "updated_ts", "commands": "issued_ts", "bad_batches": "ts", "batches": "received_ts",
+}
+NOT_ARCHIVED = {"alert_outbox": "the alert delivery queue, not telemetry",
+                "schema_version": "not about a run"}
+# a column named like a credential (not `tokens`: training tokens are a count)
+_SECRET_COLUMN = re.compile(r"(^|_)(token|secret|password|passwd|credentials?|api_key|auth)($|_)", re.I)
+_MAX_TS = 253402300799.0  # 9999-12-31: a clock that far off is no day
+
+
+class ArchiveError(RuntimeError):
+    pass
+
+
+@dataclass(slots=True)
+class ArchiveResult:
+    archived: list[str] = field(default_factory=list)  # run ids written
+    skipped: dict[str, str] = field(default_factory=dict)  # run id -> why not
+    rows: dict[str, int] = field(default_factory=dict)  # table -> rows written
+    files: int = 0
+
+
+def partition_name(run_id: str) -> str:
+    """The folder DuckDB's PARTITION_BY writes for this run (its value URL-encoded)."""
+    return "run_id=" + quote(run_id, safe="")
+
+
+def _day_sql(column: str | None) -> str:
+    """The UTC day of `column` (unix s), falling back to the run's created_ts."""
+    ts = f"CASE WHEN isfinite(t.{column}) AND t.{column} BETWEEN 0 AND {_MAX_TS} THEN t.{column} END" \
+        if column else "NULL"
+    return (f"strftime(make_timestamp(CAST(coalesce({ts}, r.created_ts, 0) * 1e6 AS BIGINT)), '%Y-%m-%d')")
+
+
+def _tables(con: duckdb.DuckDBPyConnection) -> list[str]:
+    """Tables of the file with per-run rows that are archived; an unknown one is an error
+    (a new table must be placed in ARCHIVED or NOT_ARCHIVED)."""
+    have = {t: [c for (c,) in con.execute("SELECT column_name FROM duckdb_columns() WHERE table_name = ? "
+                                          "AND schema_name = 'main' ORDER BY column_index", [t]).fetchall()]
+            for (t,) in con.execute("SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main'").fetchall()}
+    unknown = sorted(t for t, cols in have.items() if "run_id" in cols and t not in ARCHIVED and t not in NOT_ARCHIVED)
+    if unknown:
+        raise ArchiveError(f"tables {unknown} are neither archived nor excluded (collector/offline/archive.py ARCHIVED)")
+    for t in ARCHIVED:
+        secret = [c for c in have.get(t, []) if _SECRET_COLUMN.search(c)]
+        if secret:
+            raise ArchiveError(f"{t} has columns {secret} that may hold secrets: refusing to archive them")
+    return [t for t in ARCHIVED if t in have]
+
+
+def select_runs(con: duckdb.DuckDBPyConnection, run_ids: list[str] | None, *,
+                force: bool = False) -> tuple[list[str], dict[str, str]]:
+    """(runs to archive, {run: why skipped}): the finished runs, or those named."""
+    status = dict(con.execute("SELECT run_id, status FROM runs ORDER BY created_ts, run_id").fetchall())
+    chosen, skipped = [], {}
+    for run_id in (run_ids if run_ids else list(status)):
+        if run_id not in status:
+            skipped[run_id] = "no such run"
+        elif status[run_id] == "running" and not force:
+            skipped[run_id] = "still running (--force archives what it has so far)"
+        else:
+            chosen.append(run_id)
+    return chosen, skipped
+
+
+def archive(db_path: str | Path, out_dir: str | Path, *, run_ids: list[str] | None = None,
+            force: bool = False, con: duckdb.DuckDBPyConnection | None = None) -> ArchiveResult:
+    """Write the runs' rows of every archived table under `out_dir` (see the module
+    doc). `con`: an open connection to use instead of opening `db_path` read-only."""
+    own = con is None
+    if own:
+        # read-only, but not collector.storage.connect's lockdown: COPY writes files
+        con = duckdb.connect(str(db_path), read_only=True)
+    out = Path(out_dir)
+    try:
+        tables = _tables(con)
+        chosen, skipped = select_runs(con, run_ids, force=force)
+        result = ArchiveResult(skipped=skipped)
+        if not chosen:
+            return result
+        out.mkdir(parents=True, exist_ok=True)
+        staging = out / f".staging-{uuid.uuid4().hex[:12]}"
+        staging.mkdir()
+        try:
+            con.execute("CREATE OR REPLACE TEMP TABLE _archive_runs (run_id VARCHAR)")
+            con.executemany("INSERT INTO _archive_runs VALUES (?)", [[r] for r in chosen])
+            for table in tables:
+                (n,), = con.execute(f"SELECT count(*) FROM {table} JOIN _archive_runs USING (run_id)").fetchall()
+                result.rows[table] = int(n)
+                if not n:
+                    continue
+                target = staging / table
+                target.mkdir()
+                con.execute(f"""
+                    COPY (SELECT t.*, {_day_sql(ARCHIVED[table])} AS day
+                          FROM {table} t JOIN _archive_runs USING (run_id)
+                          LEFT JOIN (SELECT run_id, created_ts FROM runs) r USING (run_id))
+                    TO '{_sql_text(target)}' (FORMAT parquet, PARTITION_BY (run_id, day), COMPRESSION zstd)""")
+            result.files = _swap_in(staging, out, tables, chosen)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+            con.execute("DROP TABLE IF EXISTS _archive_runs")
+        result.archived = chosen
+        return result
+    finally:
+        if own:
+            con.close()
+
+
+def _swap_in(staging: Path, out: Path, tables: list[str], run_ids: list[str]) -> int:
+    """Replace each run's folder of each table with the staged one (or remove it when
+    the run has no rows there now). Returns the number of files placed."""
+    files = 0
+    for table in tables:
+        (out / table).mkdir(exist_ok=True)
+        for run_id in run_ids:
+            name = partition_name(run_id)
+            new, old = staging / table / name, out / table / name
+            trash = out / table / f".old-{uuid.uuid4().hex[:12]}"
+            if old.exists():
+                os.replace(old, trash)
+            if new.exists():
+                os.replace(new, old)
+                files += sum(1 for _ in old.rglob("*.parquet"))
+            shutil.rmtree(trash, ignore_errors=True)
+        left = [p.name for p in (staging / table).glob("run_id=*")] if (staging / table).exists() else []
+        if left:  # DuckDB named a partition otherwise than partition_name: never lose it silently
+            raise ArchiveError(f"unexpected partition folders for {table}: {left}")
+    return files
+
+
+def _sql_text(path: Path) -> str:
+    return str(path).replace("'", "''")

@@ -1,1 +1,0 @@
-"""HTTP routes, one thin module per resource; no SQL here (see read.py)."""

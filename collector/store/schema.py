@@ -1,0 +1,467 @@
+"""The DuckDB schema: tables, views and the migrations that create them.
+
+Table and column names are a contract (DESIGN.md section 5, docs/schema.md, the
+SQL cookbook). Times are unix seconds (UTC) in DOUBLE columns named `*_ts`;
+durations are seconds named `*_s`; sizes are bytes. JSON columns hold objects
+that vary by record (config, evidence, event data).
+
+`MIGRATIONS` is an append-only list: version N's statements run once, in one
+transaction, and `schema_version` records it. Opening a database applies what is
+missing, so opening twice (or opening an old file) is safe.
+"""
+
+from __future__ import annotations
+
+import time
+
+import duckdb
+
+_TABLES_V1 = [
+    """CREATE TABLE runs (
+        run_id VARCHAR PRIMARY KEY,
+        created_ts DOUBLE NOT NULL,
+        updated_ts DOUBLE NOT NULL,
+        status VARCHAR NOT NULL DEFAULT 'running',
+        config JSON,
+        mesh JSON,
+        world_size INTEGER,
+        code_version VARCHAR,
+        data_version VARCHAR,
+        node_map JSON,
+        started_ts DOUBLE
+    )""",
+    """CREATE TABLE ranks (
+        run_id VARCHAR NOT NULL,
+        rank INTEGER NOT NULL,
+        node VARCHAR,
+        dp INTEGER,
+        tp INTEGER,
+        pp INTEGER,
+        pid BIGINT,
+        incarnation VARCHAR,
+        first_seen_ts DOUBLE NOT NULL,
+        last_seen_ts DOUBLE NOT NULL,
+        agent_drops BIGINT NOT NULL DEFAULT 0,
+        PRIMARY KEY (run_id, rank)
+    )""",
+    """CREATE TABLE steps (
+        run_id VARCHAR NOT NULL,
+        attempt INTEGER NOT NULL,
+        step BIGINT NOT NULL,
+        rank INTEGER NOT NULL,
+        ts DOUBLE,
+        loss DOUBLE,
+        grad_norm DOUBLE,
+        loss_scale DOUBLE,
+        lr DOUBLE,
+        tokens BIGINT,
+        step_s DOUBLE,
+        fwd_s DOUBLE,
+        bwd_s DOUBLE,
+        opt_s DOUBLE,
+        data_s DOUBLE,
+        comm_exposed_s DOUBLE,
+        mem_bytes BIGINT,
+        skipped BOOLEAN,
+        node VARCHAR
+    )""",
+    """CREATE TABLE collectives (
+        run_id VARCHAR NOT NULL,
+        attempt INTEGER NOT NULL,
+        step BIGINT NOT NULL,
+        rank INTEGER NOT NULL,
+        seq BIGINT,
+        group_seq BIGINT,
+        op VARCHAR,
+        axis VARCHAR,
+        group_id INTEGER,
+        peer INTEGER,
+        bytes BIGINT,
+        start_ts DOUBLE,
+        duration_s DOUBLE,
+        wait_s DOUBLE
+    )""",
+    """CREATE TABLE scalars (
+        run_id VARCHAR NOT NULL,
+        attempt INTEGER NOT NULL,
+        step BIGINT NOT NULL,
+        rank INTEGER NOT NULL,
+        ts DOUBLE,
+        name VARCHAR NOT NULL,
+        value DOUBLE,
+        attrs JSON
+    )""",
+    """CREATE TABLE heartbeats (
+        run_id VARCHAR NOT NULL,
+        rank INTEGER NOT NULL,
+        ts DOUBLE NOT NULL,
+        node VARCHAR,
+        pid BIGINT,
+        phase VARCHAR,
+        step BIGINT,
+        last_seq BIGINT
+    )""",
+    """CREATE TABLE events (
+        run_id VARCHAR NOT NULL,
+        rank INTEGER NOT NULL,
+        ts DOUBLE NOT NULL,
+        step BIGINT,
+        attempt INTEGER,
+        kind VARCHAR NOT NULL,
+        data JSON
+    )""",
+    """CREATE TABLE incidents (
+        id BIGINT PRIMARY KEY,
+        run_id VARCHAR NOT NULL,
+        kind VARCHAR NOT NULL,
+        severity VARCHAR NOT NULL,
+        rank INTEGER,
+        node VARCHAR,
+        step_from BIGINT,
+        step_to BIGINT,
+        opened_ts DOUBLE NOT NULL,
+        updated_ts DOUBLE NOT NULL,
+        closed_ts DOUBLE,
+        status VARCHAR NOT NULL DEFAULT 'open',
+        evidence JSON,
+        root_cause VARCHAR,
+        confidence DOUBLE
+    )""",
+    """CREATE TABLE actions (
+        id BIGINT PRIMARY KEY,
+        run_id VARCHAR NOT NULL,
+        incident_id BIGINT,
+        kind VARCHAR NOT NULL,
+        status VARCHAR NOT NULL,
+        dry_run BOOLEAN NOT NULL DEFAULT false,
+        requested_ts DOUBLE NOT NULL,
+        finished_ts DOUBLE,
+        detail JSON
+    )""",
+    """CREATE TABLE checkpoints (
+        run_id VARCHAR NOT NULL,
+        step BIGINT NOT NULL,
+        attempt INTEGER NOT NULL,
+        path VARCHAR,
+        num_shards INTEGER,
+        bytes BIGINT,
+        checksums JSON,
+        verified BOOLEAN NOT NULL DEFAULT false,
+        write_s DOUBLE,
+        ts DOUBLE NOT NULL,
+        num_ranks INTEGER NOT NULL DEFAULT 1,
+        PRIMARY KEY (run_id, step, attempt)
+    )""",
+    """CREATE TABLE nodes (
+        run_id VARCHAR NOT NULL,
+        node VARCHAR NOT NULL,
+        ranks JSON,
+        status VARCHAR NOT NULL DEFAULT 'healthy',
+        reason VARCHAR,
+        updated_ts DOUBLE NOT NULL,
+        PRIMARY KEY (run_id, node)
+    )""",
+    """CREATE TABLE commands (
+        id BIGINT PRIMARY KEY,
+        run_id VARCHAR NOT NULL,
+        kind VARCHAR NOT NULL,
+        args JSON,
+        ranks JSON,
+        issued_ts DOUBLE NOT NULL,
+        status VARCHAR NOT NULL,
+        delivered JSON,
+        acks JSON,
+        updated_ts DOUBLE NOT NULL
+    )""",
+    """CREATE TABLE batches (
+        run_id VARCHAR NOT NULL,
+        rank INTEGER NOT NULL,
+        incarnation VARCHAR NOT NULL,
+        batch_seq BIGINT NOT NULL,
+        received_ts DOUBLE NOT NULL,
+        rows BIGINT NOT NULL,
+        PRIMARY KEY (run_id, rank, incarnation, batch_seq)
+    )""",
+]
+
+_VIEWS_V1 = [
+    # The effective curve: after a rollback the same (run, step, rank) exists once per
+    # attempt; only the highest attempt counts. Written as a join against the (few)
+    # rows of later attempts rather than a window over every row: ~70x faster on 10M rows.
+    """CREATE OR REPLACE VIEW steps_effective AS
+        WITH latest AS (SELECT run_id, step, rank, max(attempt) AS attempt FROM steps WHERE attempt > 0
+                        GROUP BY run_id, step, rank)
+        SELECT s.* FROM steps s LEFT JOIN latest l USING (run_id, step, rank)
+        WHERE l.attempt IS NULL OR s.attempt = l.attempt""",
+    """CREATE OR REPLACE VIEW steps_history AS
+        WITH latest AS (SELECT run_id, step, rank, max(attempt) AS attempt FROM steps WHERE attempt > 0
+                        GROUP BY run_id, step, rank)
+        SELECT s.*, l.attempt IS NULL OR s.attempt = l.attempt AS effective
+        FROM steps s LEFT JOIN latest l USING (run_id, step, rank)""",
+    """CREATE OR REPLACE VIEW step_summary AS
+        SELECT run_id, attempt, step,
+               count(*) AS num_ranks,
+               median(step_s) AS median_step_s,
+               max(step_s) AS max_step_s,
+               min(step_s) AS min_step_s,
+               arg_max(rank, step_s) AS slowest_rank,
+               avg(loss) AS loss_mean,
+               sum(tokens) AS tokens,
+               max(ts) AS ts
+        FROM steps GROUP BY run_id, attempt, step""",
+    """CREATE OR REPLACE VIEW collective_summary AS
+        SELECT run_id, attempt, step, op, axis,
+               count(*) AS num_ops,
+               sum(bytes) AS bytes,
+               avg(duration_s) AS mean_duration_s,
+               max(duration_s) AS max_duration_s,
+               avg(wait_s) AS mean_wait_s,
+               max(wait_s) AS max_wait_s,
+               sum(wait_s) AS total_wait_s
+        FROM collectives GROUP BY run_id, attempt, step, op, axis""",
+]
+
+# v2: the blake2b-128 of each stored batch's body, so that a batch key seen again
+# with other bytes is refused instead of acknowledged as a duplicate. Rows stored
+# before it keep NULL (unknown: any content under their key counts as the same).
+_BATCH_HASH_V2 = ["ALTER TABLE batches ADD COLUMN content_hash BLOB"]
+
+# v3: the cause an incident is about, as the detector named it ("straggler:node1#1"),
+# so that after a collector restart a finding about the same cause updates the open
+# incident instead of opening a second one. Rows from before keep NULL (their cause
+# is then "kind:rank:node").
+_INCIDENT_CAUSE_V3 = ["ALTER TABLE incidents ADD COLUMN cause_key VARCHAR"]
+
+# v4: the per-rank local signals the detectors name an origin with (analysis/frames.py):
+# the replica's loss before the data-parallel average, whether this rank's forward
+# output and local gradients were finite, the replica's sample window; and on the
+# heartbeat, which collective `last_seq` is (so a hang names the op it waits in).
+# Rows from older agents keep NULL (the detectors fall back, docs/rules.md).
+_LOCAL_SIGNALS_V4 = [
+    "ALTER TABLE steps ADD COLUMN local_loss DOUBLE",
+    "ALTER TABLE steps ADD COLUMN finite_fwd TINYINT",
+    "ALTER TABLE steps ADD COLUMN finite_bwd TINYINT",
+    "ALTER TABLE steps ADD COLUMN sample_epoch BIGINT",
+    "ALTER TABLE steps ADD COLUMN sample_from BIGINT",
+    "ALTER TABLE steps ADD COLUMN sample_to BIGINT",
+    "ALTER TABLE heartbeats ADD COLUMN last_op VARCHAR",
+    "ALTER TABLE heartbeats ADD COLUMN last_axis VARCHAR",
+    "ALTER TABLE heartbeats ADD COLUMN last_group_id INTEGER",
+    "ALTER TABLE heartbeats ADD COLUMN last_group_seq BIGINT",
+]
+
+# v5: the alert outbox. One row per alert to deliver to one receiver (a webhook URL
+# or an Alertmanager); it is written in the same transaction as the incident change
+# it reports, so an alert is never lost to a crash, and it survives a restart until
+# it is delivered or given up. `body` is the exact bytes that are signed and sent.
+# Ids come from the writer (collector/alerts/outbox.py), like incidents': the sender is
+# handed the committed rows, ids and all. `labels`: those of the firing alert the
+# row carries, which the incident's resolved alert repeats (after a restart too).
+_ALERT_OUTBOX_V5 = [
+    """CREATE TABLE alert_outbox (
+        id BIGINT PRIMARY KEY,
+        run_id VARCHAR NOT NULL,
+        incident_id BIGINT,
+        action_id BIGINT,
+        receiver VARCHAR NOT NULL,
+        kind VARCHAR NOT NULL,
+        status VARCHAR NOT NULL DEFAULT 'pending',
+        body BLOB NOT NULL,
+        labels JSON,
+        created_ts DOUBLE NOT NULL,
+        next_attempt_ts DOUBLE NOT NULL,
+        attempts INTEGER NOT NULL DEFAULT 0,
+        last_error VARCHAR,
+        delivered_ts DOUBLE
+    )""",
+]
+
+# v6: step_summary.tokens counts each data-parallel replica once. `steps.tokens` is
+# what the rank's replica processed, the same on its tp x pp ranks, so v1's plain
+# sum counted the step tp x pp times over (runs.mesh says how many; a run without a
+# mesh counts every rank, as an agent outside the trainer reports its own tokens).
+_STEP_SUMMARY_V6 = [
+    """CREATE OR REPLACE VIEW step_summary AS
+        SELECT s.run_id, s.attempt, s.step,
+               count(*) AS num_ranks,
+               median(s.step_s) AS median_step_s,
+               max(s.step_s) AS max_step_s,
+               min(s.step_s) AS min_step_s,
+               arg_max(s.rank, s.step_s) AS slowest_rank,
+               avg(s.loss) AS loss_mean,
+               CAST(round(sum(s.tokens) / any_value(
+                   greatest(coalesce(TRY_CAST(json_extract(r.mesh, '$.tp') AS INTEGER), 1), 1)
+                   * greatest(coalesce(TRY_CAST(json_extract(r.mesh, '$.pp') AS INTEGER), 1), 1))) AS BIGINT)
+                   AS tokens,
+               max(s.ts) AS ts
+        FROM steps s LEFT JOIN runs r USING (run_id)
+        GROUP BY s.run_id, s.attempt, s.step""",
+]
+
+# v7: automated healing (collector/store/actions.py). An action row says how it was taken
+# (`mode`: 'auto' did it, 'shadow' only recorded what it would have done), the command
+# it issued, the node or rank it was about, the training attempt it produced, when
+# the trainer started it, and how long the run took to train again (`recovery_s`,
+# from the incident's opened_ts to the first new step). Older rows get their mode
+# from dry_run and their updated_ts from their last time. `bad_batches`: the samples
+# a rollback skipped, from the trainer's `batch_skipped` events (each rank reports the
+# same window: stored once). `nodes` remembers when a node was isolated and the
+# incident that changed its status.
+_HEALING_V7 = [
+    "ALTER TABLE actions ADD COLUMN mode VARCHAR",
+    "ALTER TABLE actions ADD COLUMN command_id BIGINT",
+    "ALTER TABLE actions ADD COLUMN node VARCHAR",
+    "ALTER TABLE actions ADD COLUMN rank INTEGER",
+    "ALTER TABLE actions ADD COLUMN attempt INTEGER",
+    "ALTER TABLE actions ADD COLUMN started_ts DOUBLE",
+    "ALTER TABLE actions ADD COLUMN recovery_s DOUBLE",
+    "ALTER TABLE actions ADD COLUMN updated_ts DOUBLE",
+    """UPDATE actions SET mode = CASE WHEN dry_run THEN 'shadow' ELSE 'auto' END,
+        updated_ts = coalesce(finished_ts, requested_ts)""",
+    """CREATE TABLE bad_batches (
+        run_id VARCHAR NOT NULL,
+        epoch BIGINT NOT NULL,
+        sample_from BIGINT NOT NULL,
+        sample_to BIGINT NOT NULL,
+        step BIGINT,
+        incident_id BIGINT,
+        verdict VARCHAR,
+        ts DOUBLE NOT NULL,
+        PRIMARY KEY (run_id, epoch, sample_from, sample_to)
+    )""",
+    "ALTER TABLE nodes ADD COLUMN isolated_ts DOUBLE",
+    "ALTER TABLE nodes ADD COLUMN incident_id BIGINT",
+]
+
+# v8: retention (collector/offline/retention.py). Old `collectives` rows are rolled up into
+# per-step summaries and deleted: one row per (run, attempt, step, rank, axis, op,
+# group_id) with counts, sums and maxima (every total and collective_summary column
+# stays exact), and who waited for whom per step, as read/views.py comm_waits computes
+# it from the raw rows. collective_summary reads both the raw rows and the summaries.
+_ROLLUP_V8 = [
+    """CREATE TABLE collectives_rollup (
+        run_id VARCHAR NOT NULL,
+        attempt INTEGER NOT NULL,
+        step BIGINT NOT NULL,
+        rank INTEGER NOT NULL,
+        axis VARCHAR,
+        op VARCHAR,
+        group_id INTEGER,
+        num_ops BIGINT NOT NULL,
+        bytes BIGINT,
+        duration_s DOUBLE,
+        max_duration_s DOUBLE,
+        wait_s DOUBLE,
+        max_wait_s DOUBLE,
+        start_ts DOUBLE,
+        end_ts DOUBLE
+    )""",
+    """CREATE TABLE collective_waits_rollup (
+        run_id VARCHAR NOT NULL,
+        attempt INTEGER NOT NULL,
+        step BIGINT NOT NULL,
+        waiter INTEGER NOT NULL,
+        waited_for INTEGER NOT NULL,
+        num_ops BIGINT NOT NULL,
+        wait_s DOUBLE
+    )""",
+    """CREATE OR REPLACE VIEW collective_summary AS
+        WITH u AS (
+            SELECT run_id, attempt, step, op, axis, 1 AS num_ops, bytes, duration_s, duration_s AS max_duration_s,
+                   wait_s, wait_s AS max_wait_s FROM collectives
+            UNION ALL
+            SELECT run_id, attempt, step, op, axis, num_ops, bytes, duration_s, max_duration_s, wait_s, max_wait_s
+            FROM collectives_rollup)
+        SELECT run_id, attempt, step, op, axis,
+               sum(num_ops)::BIGINT AS num_ops,
+               sum(bytes) AS bytes,
+               sum(duration_s) / sum(num_ops) FILTER (WHERE duration_s IS NOT NULL) AS mean_duration_s,
+               max(max_duration_s) AS max_duration_s,
+               sum(wait_s) / sum(num_ops) FILTER (WHERE wait_s IS NOT NULL) AS mean_wait_s,
+               max(max_wait_s) AS max_wait_s,
+               sum(wait_s) AS total_wait_s
+        FROM u GROUP BY run_id, attempt, step, op, axis""",
+]
+
+# v9: device health (agent/device_health.py): one sample per heartbeat per rank. GPU
+# columns come from NVML and are NULL without it (a CPU host, no pynvml); the host's
+# memory and the process's CPU time are always there. Read by the `device_health`
+# detector (analysis/detectors/device_health.py).
+_DEVICE_HEALTH_V9 = [
+    """CREATE TABLE device_health (
+        run_id VARCHAR NOT NULL,
+        rank INTEGER NOT NULL,
+        ts DOUBLE NOT NULL,
+        node VARCHAR,
+        step BIGINT,
+        gpu_index INTEGER,
+        temperature_c DOUBLE,
+        power_w DOUBLE,
+        sm_clock_mhz BIGINT,
+        throttle_reasons BIGINT,
+        ecc_uncorrectable BIGINT,
+        retired_pages BIGINT,
+        mem_available_bytes BIGINT,
+        mem_total_bytes BIGINT,
+        cpu_s DOUBLE
+    )""",
+]
+
+# v10: step_summary.loss_mean of a job we did not write. Its ranks report only their own
+# loss (`local_loss`; `loss`, the global mean, would take a collective), so v6's avg(loss)
+# was NULL there: the mean is now over each rank's loss, its local_loss where loss is NULL
+# (the read side's curves do the same: collector/read/queries.py).
+_STEP_SUMMARY_V10 = [_STEP_SUMMARY_V6[0].replace("avg(s.loss) AS loss_mean", "avg(coalesce(s.loss, s.local_loss)) AS loss_mean")]
+assert _STEP_SUMMARY_V10[0] != _STEP_SUMMARY_V6[0]
+
+MIGRATIONS: list[tuple[int, list[str]]] = [
+    (1, _TABLES_V1 + _VIEWS_V1),
+    (2, _BATCH_HASH_V2),
+    (3, _INCIDENT_CAUSE_V3),
+    (4, _LOCAL_SIGNALS_V4),
+    (5, _ALERT_OUTBOX_V5),
+    (6, _STEP_SUMMARY_V6),
+    (7, _HEALING_V7),
+    (8, _ROLLUP_V8),
+    (9, _DEVICE_HEALTH_V9),
+    (10, _STEP_SUMMARY_V10),
+]
+
+
+class SchemaTooNew(RuntimeError):
+    """The file was written by a newer collector (schema version beyond MIGRATIONS)."""
+
+
+def current_version(con: duckdb.DuckDBPyConnection) -> int:
+    con.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL, applied_ts DOUBLE NOT NULL)")
+    (version,), = con.execute("SELECT max(version) FROM schema_version").fetchall()
+    return 0 if version is None else int(version)
+
+
+def migrate(con: duckdb.DuckDBPyConnection, migrations: list[tuple[int, list[str]]] = MIGRATIONS) -> list[int]:
+    """Apply every migration newer than the database's version, each in its own
+    transaction. Returns the versions applied (empty when already current).
+
+    A file at a newer version than this code knows (written by a newer collector)
+    is refused with SchemaTooNew, before anything is written: an older collector
+    could not fill the columns a newer one reads, and would corrupt its file."""
+    have = current_version(con)
+    known = max((version for version, _ in migrations), default=0)
+    if have > known:
+        raise SchemaTooNew(f"the database is at schema version {have}, newer than this collector's {known}: "
+                           f"open it with the collector version that wrote it, or a newer one")
+    applied = []
+    for version, statements in sorted(migrations):
+        if version <= have:
+            continue
+        con.execute("BEGIN TRANSACTION")
+        try:
+            for sql in statements:
+                con.execute(sql)
+            con.execute("INSERT INTO schema_version (version, applied_ts) VALUES (?, ?)", [version, time.time()])
+            con.execute("COMMIT")
+        except Exception:
+            con.execute("ROLLBACK")
+            raise
+        applied.append(version)
+    return applied
