@@ -1,7 +1,7 @@
 """What one group commit is made of, as its projections see it.
 
 The writer (collector/store/writer.py) is an engine. Per group commit it asks the
-admission (collector/store/batchkeys.py) which batches are new, builds the row tables
+admission (collector/store/dedupe.py) which batches are new, builds the row tables
 (collector/ingest/columns.py), and then runs every projection in its list, in order:
 
     plan(group)              before the transaction. Pure: computed from the group
@@ -29,10 +29,14 @@ import duckdb
 import pyarrow as pa
 
 from collector.ingest.decode import DecodedBatch
-from collector.store.batchkeys import CONFLICT
 
 # Tables whose rows get ids from the writer, not from the senders.
 ID_TABLES = ("commands", "incidents", "actions")
+
+
+# What the admission (collector/store/dedupe.py) says of each batch of a group: store
+# it, acknowledge it as stored already, or refuse it (409: its key holds other bytes).
+FRESH, DUPLICATE, CONFLICT = "fresh", "duplicate", "conflict"
 
 
 @dataclass(slots=True)

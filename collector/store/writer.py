@@ -52,9 +52,8 @@ import pyarrow as pa
 from collector.ingest import columns
 from collector.ingest.decode import BatchRejected, DecodedBatch
 from collector.metrics import CollectorMetrics
-from collector.store.batchkeys import CONFLICT, DUPLICATE, FRESH
 from collector.store.feed import Feed, committed_run_ids, committed_tables
-from collector.store.projection import Group, Ids, Projection
+from collector.store.projection import CONFLICT, DUPLICATE, FRESH, Group, Ids, Projection
 
 log = logging.getLogger("collector.store.writer")
 

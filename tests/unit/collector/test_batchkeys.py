@@ -6,7 +6,7 @@ import random
 
 import duckdb
 
-from collector.store.batchkeys import CONFLICT, DUPLICATE, FRESH, BatchKeys
+from collector.store.dedupe import CONFLICT, DUPLICATE, FRESH, BatchKeys
 
 
 def key(seq: int, rank: int = 0, inc: str = "a") -> tuple[str, int, str, int]:
