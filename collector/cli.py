@@ -124,7 +124,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"collector: error: {e}", file=sys.stderr)
         return 2
     print(f"collector: tokens from {where}", flush=True)
-    from collector.alerts.outbox import WEBHOOK_SECRET_ENV, build_receivers
+    from collector.alerts.receivers import WEBHOOK_SECRET_ENV, build_receivers
     from collector.http.auth import read_token_file
 
     if args.webhook_secret:

@@ -18,7 +18,7 @@ batch's transaction. Subscribers
 (`subscribe`) get each commit's rows after it; an `Analyzer` given to the
 constructor runs on a subscriber thread of its own (collector/live/detection.py).
 With alert receivers in the settings, incident changes and actions also write
-alert_outbox rows in their transaction, and a sender delivers them (collector/alerts/outbox.py).
+alert_outbox rows in their transaction, and a sender delivers them (collector/alerts/delivery.py).
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ from prometheus_client import Counter, Gauge
 
 from analysis import Analyzer, Finding
 from analysis.policy import Policy
-from collector.alerts.outbox import AlertOutbox, RetryPolicy, Sender, Transport, build_receivers, urllib_transport
+from collector.alerts.delivery import RetryPolicy, Sender, Transport, urllib_transport
+from collector.alerts.outbox import AlertOutbox
+from collector.alerts.receivers import build_receivers
 from collector.ingest.decode import DecodedBatch
 from collector.live.detection import DetectionRunner
 from collector.live.policy import IncidentWatch, PolicyRunner

@@ -14,7 +14,8 @@ import pytest
 
 from agent import wire
 from collector.alerts import payloads
-from collector.alerts.outbox import AlertOutbox, build_receivers
+from collector.alerts.outbox import AlertOutbox
+from collector.alerts.receivers import build_receivers
 from collector.http.server import create_app
 from collector.ingest.decode import decode
 from collector.settings import Settings

@@ -12,8 +12,9 @@ import time
 import pytest
 
 from analysis.findings import RESOLVED, Finding
-from collector.alerts import outbox, payloads
-from collector.alerts.outbox import Delivery, DeliveryResult, Lane, RetryPolicy, build_receivers
+from collector.alerts import delivery, payloads, receivers
+from collector.alerts.delivery import Delivery, DeliveryResult, Lane, RetryPolicy
+from collector.alerts.receivers import build_receivers
 from collector.settings import Settings
 from collector.storage import Storage
 from collector.store.projection import Projection
@@ -309,7 +310,7 @@ def test_receivers_are_checked_and_named_not_stored_as_urls():
     assert [r.name for r in rs] == ["webhook:1", "alertmanager:1", "alertmanager:2"]
     assert [r.endpoint for r in rs[1:]] == ["http://am:9093/api/v2/alerts", "http://am2:9093/api/v2/alerts"]
     assert repr(rs[0]) == "Receiver(webhook:1, http://127.0.0.1:9/...)"
-    assert outbox.redact_url("https://u:p@[::1]:8443/a?b=c") == "https://[::1]:8443/..."
+    assert receivers.redact_url("https://u:p@[::1]:8443/a?b=c") == "https://[::1]:8443/..."
 
 
 def test_errors_and_logs_name_the_receiver_never_its_credentials(caplog):
@@ -317,7 +318,7 @@ def test_errors_and_logs_name_the_receiver_never_its_credentials(caplog):
     leak = OSError(f"cannot reach {HOOK} (alice:pa55word, /hooks/T0K3N?key=qu3ry)")
     lane, reported = lane_for(FakeTransport(leak), clock)
     lane.offer([Delivery(3, "webhook:1", b"{}", 0, clock.t, clock.t)])
-    with caplog.at_level(logging.WARNING, logger="collector.alerts.outbox"):
+    with caplog.at_level(logging.WARNING, logger="collector.alerts.delivery"):
         lane.deliver_due()
     text = caplog.text + reported[0].last_error
     assert "webhook:1" in caplog.text
@@ -327,8 +328,8 @@ def test_errors_and_logs_name_the_receiver_never_its_credentials(caplog):
 
 def test_rows_for_a_receiver_no_longer_configured_are_left_pending_and_said_so(caplog):
     reported: list = []
-    s = outbox.Sender(build_receivers(alertmanagers=[AM]), report=reported.append, transport=FakeTransport())
-    with caplog.at_level(logging.WARNING, logger="collector.alerts.outbox"):
+    s = delivery.Sender(build_receivers(alertmanagers=[AM]), report=reported.append, transport=FakeTransport())
+    with caplog.at_level(logging.WARNING, logger="collector.alerts.delivery"):
         s.offer([Delivery(1, "webhook:9", b"{}", 0, 0.0, 0.0), Delivery(2, "alertmanager:1", b"[]", 0, 0.0, 0.0)])
     assert s.num_pending() == 1 and s.deliver_due() == 1
     assert [r.id for r in reported] == [2]  # row 1 is not touched: it stays pending in the table
@@ -338,7 +339,7 @@ def test_rows_for_a_receiver_no_longer_configured_are_left_pending_and_said_so(c
 def test_cli_refuses_a_webhook_that_is_not_http_or_has_no_secret(tmp_path, capsys, monkeypatch):
     from collector import cli
 
-    monkeypatch.setenv(outbox.WEBHOOK_SECRET_ENV, "")
+    monkeypatch.setenv(receivers.WEBHOOK_SECRET_ENV, "")
     db = str(tmp_path / "c.duckdb")
     assert cli.main(["serve", "--db", db, "--token", "t" * 20, "--webhook", "file:///etc/passwd"]) == 2
     assert "not http(s)" in capsys.readouterr().err
