@@ -47,7 +47,7 @@ from collector.live.detection import DetectionRunner
 from collector.live.policy import IncidentWatch, PolicyRunner
 from collector.metrics import CollectorMetrics
 from collector.offline.retention import RollupJob, check_age
-from collector.read import queries, views
+from collector.read import queries
 from collector.settings import Settings
 from collector.sql.guard import SelectResult, SqlRefused, run_select
 from collector.sql.slots import SqlDeadline, SqlSlots
@@ -139,7 +139,7 @@ class Storage:
         self._read_lock = threading.Lock()
         self._init_sql()
         self.metrics.watch_queue(self.queue_depth)
-        self.metrics.watch_incidents(self.open_incidents)
+        self.metrics.watch_incidents(lambda: self.read(queries.open_incidents))
         self._writer.start()
         if self.sender is not None:
             self.sender.offer(self._outbox.pending_at_start)  # what an earlier run left undelivered
@@ -427,61 +427,11 @@ class Storage:
                         self._sql_cursors.discard(cur)
         return job, timeout_s
 
-    # -- the read side's queries (collector/read/queries.py), each on a cursor of its own --------
+    # -- the read side (collector/read/), each query on a cursor of its own ------------------
     def read(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """`fn(cursor, *args, **kwargs)` on a cursor of its own: any collector/read/queries.py query."""
+        """`fn(cursor, *args, **kwargs)` on a cursor of its own: any function of
+        collector/read/ (`storage.read(queries.incidents, run_id)`). The read side's
+        functions take a cursor, so a route, the CLI or a test calls them through this,
+        and a closed file's reader (the dashboard's DbSource) calls the same ones."""
         with self.cursor() as cur:
             return fn(cur, *args, **kwargs)
-
-    def open_incidents(self) -> dict[str, int]:
-        return self.read(queries.open_incidents)
-
-    def runs(self) -> list[dict[str, Any]]:
-        return self.read(queries.runs)
-
-    def run(self, run_id: str) -> dict[str, Any] | None:
-        return self.read(queries.run, run_id)
-
-    def steps(self, run_id: str, metric: str, *, rank: int | None = None, step_from: int | None = None,
-              step_to: int | None = None, max_points: int = 2000) -> list[dict[str, Any]]:
-        return self.read(queries.steps, run_id, metric, rank=rank, step_from=step_from, step_to=step_to,
-                         max_points=max_points)
-
-    def step_summary(self, run_id: str, *, step_from: int | None = None, step_to: int | None = None,
-                     limit: int = 2000) -> list[dict[str, Any]]:
-        return self.read(queries.step_summary, run_id, step_from=step_from, step_to=step_to, limit=limit)
-
-    def ranks(self, run_id: str) -> list[dict[str, Any]]:
-        return self.read(queries.ranks, run_id)
-
-    def collectives(self, run_id: str, *, step_from: int | None = None, step_to: int | None = None,
-                    last_steps: int = 20) -> list[dict[str, Any]]:
-        return self.read(queries.collectives, run_id, step_from=step_from, step_to=step_to, last_steps=last_steps)
-
-    def incidents(self, run_id: str, *, status: str | None = None) -> list[dict[str, Any]]:
-        return self.read(queries.incidents, run_id, status=status)
-
-    def goodput(self, run_id: str) -> dict[str, Any]:
-        """The run's goodput and what it is made of (collector/read/goodput.py)."""
-        return self.read(views.run_goodput, run_id)
-
-    def actions(self, run_id: str) -> list[dict[str, Any]]:
-        return self.read(queries.actions, run_id)
-
-    def bad_batches(self, run_id: str) -> list[dict[str, Any]]:
-        return self.read(queries.bad_batches, run_id)
-
-    def checkpoints(self, run_id: str) -> list[dict[str, Any]]:
-        return self.read(queries.checkpoints, run_id)
-
-    def nodes(self, run_id: str) -> list[dict[str, Any]]:
-        return self.read(queries.nodes, run_id)
-
-    def events(self, run_id: str, *, kind: str | None = None, limit: int = 500) -> list[dict[str, Any]]:
-        return self.read(queries.events, run_id, kind=kind, limit=limit)
-
-    def heartbeats_latest(self, run_id: str) -> list[dict[str, Any]]:
-        return self.read(queries.heartbeats_latest, run_id)
-
-    def commands(self, run_id: str) -> list[dict[str, Any]]:
-        return self.read(queries.commands, run_id)

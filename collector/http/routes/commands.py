@@ -9,6 +9,7 @@ from pydantic import BaseModel
 from starlette.responses import Response
 
 from collector.http.routes.common import json_response
+from collector.read import queries
 from collector.storage import Storage
 
 router = APIRouter(prefix="/v1/runs")  # the control role: collector/http/gate.py
@@ -35,4 +36,4 @@ def post_command(run_id: str, req: CommandRequest, request: Request) -> Response
 
 @router.get("/{run_id}/commands")
 def get_commands(run_id: str, request: Request) -> Response:
-    return json_response(request.app.state.storage.commands(run_id))
+    return json_response(request.app.state.storage.read(queries.commands, run_id))

@@ -15,7 +15,7 @@ from starlette.responses import HTMLResponse, Response
 
 from collector.http.routes.common import json_response
 from collector.offline import postmortem
-from collector.read import views
+from collector.read import queries, views
 from collector.storage import Storage
 
 router = APIRouter(prefix="/v1/runs")  # the read role: collector/http/gate.py
@@ -39,12 +39,12 @@ Points = Annotated[Annotated[int, Field(ge=1, le=10_000)] | None, _EmptyIsNone, 
 def list_runs(storage: StorageDep, detail: bool = False) -> Response:
     """Every run; `detail=true`: the newest 50 with their last step, attempts, incidents
     and actions (the dashboard's runs page)."""
-    return json_response(storage.read(views.runs_overview) if detail else storage.runs())
+    return json_response(storage.read(views.runs_overview) if detail else storage.read(queries.runs))
 
 
 @router.get("/{run_id}")
 def get_run(run_id: str, storage: StorageDep) -> Response:
-    run = storage.run(run_id)
+    run = storage.read(queries.run, run_id)
     if run is None:
         raise HTTPException(404, f"unknown run {run_id!r}")
     return json_response(run)
@@ -82,65 +82,65 @@ def get_steps(run_id: str, storage: StorageDep, metric: str = "loss",
               step_to: StepTo = None, max_points: Annotated[int, Query(ge=1, le=100_000)] = 2000) -> Response:
     """Effective curve of a steps column (or a scalar name), min/max/avg per step bucket."""
     return json_response({"run_id": run_id, "metric": metric, "rank": rank,
-                          "points": storage.steps(run_id, metric, rank=rank, step_from=step_from,
+                          "points": storage.read(queries.steps, run_id, metric, rank=rank, step_from=step_from,
                                                   step_to=step_to, max_points=max_points)})
 
 
 @router.get("/{run_id}/step_summary")
 def get_step_summary(run_id: str, storage: StorageDep, step_from: StepFrom = None, step_to: StepTo = None,
                      limit: Annotated[int, Query(ge=1, le=100_000)] = 2000) -> Response:
-    return json_response(storage.step_summary(run_id, step_from=step_from, step_to=step_to, limit=limit))
+    return json_response(storage.read(queries.step_summary, run_id, step_from=step_from, step_to=step_to, limit=limit))
 
 
 @router.get("/{run_id}/ranks")
 def get_ranks(run_id: str, storage: StorageDep) -> Response:
-    return json_response(storage.ranks(run_id))
+    return json_response(storage.read(queries.ranks, run_id))
 
 
 @router.get("/{run_id}/collectives")
 def get_collectives(run_id: str, storage: StorageDep, step_from: StepFrom = None, step_to: StepTo = None,
                     last_steps: Annotated[int, Query(ge=1, le=100_000)] = 20) -> Response:
-    return json_response(storage.collectives(run_id, step_from=step_from, step_to=step_to, last_steps=last_steps))
+    return json_response(storage.read(queries.collectives, run_id, step_from=step_from, step_to=step_to, last_steps=last_steps))
 
 
 @router.get("/{run_id}/incidents")
 def get_incidents(run_id: str, storage: StorageDep, status: str | None = None) -> Response:
-    return json_response(storage.incidents(run_id, status=status))
+    return json_response(storage.read(queries.incidents, run_id, status=status))
 
 
 @router.get("/{run_id}/actions")
 def get_actions(run_id: str, storage: StorageDep) -> Response:
-    return json_response(storage.actions(run_id))
+    return json_response(storage.read(queries.actions, run_id))
 
 
 @router.get("/{run_id}/goodput")
 def get_goodput(run_id: str, storage: StorageDep) -> Response:
     """The share of the run's wall time in steps that counted (collector/offline/postmortem.py)."""
-    return json_response(storage.goodput(run_id))
+    return json_response(storage.read(views.run_goodput, run_id))
 
 
 @router.get("/{run_id}/bad_batches")
 def get_bad_batches(run_id: str, storage: StorageDep) -> Response:
     """The sample windows the run's rollbacks skipped (from batch_skipped events)."""
-    return json_response(storage.bad_batches(run_id))
+    return json_response(storage.read(queries.bad_batches, run_id))
 
 
 @router.get("/{run_id}/checkpoints")
 def get_checkpoints(run_id: str, storage: StorageDep) -> Response:
-    return json_response(storage.checkpoints(run_id))
+    return json_response(storage.read(queries.checkpoints, run_id))
 
 
 @router.get("/{run_id}/nodes")
 def get_nodes(run_id: str, storage: StorageDep) -> Response:
-    return json_response(storage.nodes(run_id))
+    return json_response(storage.read(queries.nodes, run_id))
 
 
 @router.get("/{run_id}/events")
 def get_events(run_id: str, storage: StorageDep, kind: str | None = None,
                limit: Annotated[int, Query(ge=1, le=100_000)] = 500) -> Response:
-    return json_response(storage.events(run_id, kind=kind, limit=limit))
+    return json_response(storage.read(queries.events, run_id, kind=kind, limit=limit))
 
 
 @router.get("/{run_id}/heartbeats/latest")
 def get_heartbeats_latest(run_id: str, storage: StorageDep) -> Response:
-    return json_response(storage.heartbeats_latest(run_id))
+    return json_response(storage.read(queries.heartbeats_latest, run_id))

@@ -18,6 +18,7 @@ from collector.alerts.outbox import AlertOutbox
 from collector.alerts.receivers import build_receivers
 from collector.http.server import create_app
 from collector.ingest.decode import decode
+from collector.read import queries
 from collector.settings import Settings
 from collector.storage import Storage
 from collector.store.actions import ActionPlan
@@ -50,7 +51,7 @@ def st(settings, clock) -> Iterator[Storage]:
 
 
 def action(storage: Storage, aid: int) -> dict:
-    (row,) = [a for run in ("run1", "run2") for a in storage.actions(run) if a["id"] == aid]
+    (row,) = [a for run in ("run1", "run2") for a in storage.read(queries.actions, run) if a["id"] == aid]
     return row
 
 
@@ -112,7 +113,7 @@ def test_shadow_and_refused_actions_are_finished_when_recorded(st):
     assert (r["mode"], r["dry_run"], r["finished_ts"], r["detail"]["guard"]) == (
         "auto", False, r["requested_ts"], "cooldown")
     assert (old["mode"], old["dry_run"], old["finished_ts"]) == ("shadow", True, None)
-    assert [a["id"] for a in st.actions("run1")] == [shadow, refused, legacy]
+    assert [a["id"] for a in st.read(queries.actions, "run1")] == [shadow, refused, legacy]
 
 
 def test_ids_continue_after_a_restart(settings):
@@ -137,7 +138,7 @@ def test_node_status_upserts_and_isolated_ts_is_when_it_was_isolated(st, clock):
     clock.t = 1200.0
     st.set_node_status("run1", "node1", "isolated", "still slow", incident_id=6).result(10)  # isolated already
     st.set_node_status("run1", "node9", "isolated", "gone").result(10)  # a node the run never named
-    nodes = {n["node"]: n for n in st.nodes("run1")}
+    nodes = {n["node"]: n for n in st.read(queries.nodes, "run1")}
     n1 = nodes["node1"]
     assert (n1["status"], n1["reason"], n1["ranks"], n1["isolated_ts"], n1["incident_id"], n1["updated_ts"]) == (
         "isolated", "still slow", [2, 3], 1100.0, 6, 1200.0)
@@ -145,7 +146,7 @@ def test_node_status_upserts_and_isolated_ts_is_when_it_was_isolated(st, clock):
     assert (nodes["node9"]["isolated_ts"], nodes["node9"]["ranks"]) == (1200.0, None)
     clock.t = 1300.0
     st.set_node_status("run1", "node1", "healthy", "back after restart").result(10)
-    n1 = {n["node"]: n for n in st.nodes("run1")}["node1"]
+    n1 = {n["node"]: n for n in st.read(queries.nodes, "run1")}["node1"]
     assert (n1["status"], n1["isolated_ts"], n1["incident_id"], n1["updated_ts"]) == ("healthy", 1100.0, None, 1300.0)
 
 
@@ -176,7 +177,7 @@ def test_bad_intents_are_answered_with_errors_and_the_rest_of_their_group_commit
     assert "running-ish" in errors[0] and "yolo" in errors[1] and "lowercase identifier" in errors[2]
     assert "JSON" in errors[3] and "rank" in errors[4] and "no action 999" in errors[5]
     assert "colour" in errors[6] and "recovery_s" in errors[7] and "on fire" in errors[9]
-    assert [(a["id"], a["status"]) for a in st.actions("run1")] == [(1, "acked")]
+    assert [(a["id"], a["status"]) for a in st.read(queries.actions, "run1")] == [(1, "acked")]
     assert st.health() == (True, "")
     assert st.record_action("run1", "restart", "issued").result(10) == 2  # the writer goes on
 
@@ -199,15 +200,15 @@ def test_bad_batches_from_batch_skipped_events_once_per_window(st):
     st.ingest_blocking(decode(body))
     assert st.ingest_blocking(decode(body)).duplicate  # a batch sent twice adds nothing
     st.ingest_blocking(decode(make_batch("run2", 0, 0, events=[skipped(0, 320, 352)])))  # another run's
-    assert st.bad_batches("run1") == [
+    assert st.read(queries.bad_batches, "run1") == [
         {"run_id": "run1", "epoch": 0, "sample_from": 320, "sample_to": 352, "step": 40, "incident_id": 3,
          "verdict": "data", "ts": 370.0},
         {"run_id": "run1", "epoch": 1, "sample_from": 0, "sample_to": 32, "step": None, "incident_id": 3,
          "verdict": "data", "ts": 50.0}]
-    assert len(st.bad_batches("run2")) == 1
-    assert len(st.events("run1", kind="batch_skipped")) == 6
+    assert len(st.read(queries.bad_batches, "run2")) == 1
+    assert len(st.read(queries.events, "run1", kind="batch_skipped")) == 6
     ok, anonymous = asyncio.run(get(create_app(st, close_storage=False), "/v1/runs/run1/bad_batches"))
-    assert ok.status_code == 200 and ok.json() == st.bad_batches("run1")
+    assert ok.status_code == 200 and ok.json() == st.read(queries.bad_batches, "run1")
     assert anonymous.status_code == 401  # the read role, as every query route
 
 
@@ -290,7 +291,7 @@ def test_no_action_and_no_alert_survive_a_rolled_back_transaction(tmp_path):
     try:
         with pytest.raises(RuntimeError, match="disk on fire"):
             storage.record_action("run1", "rollback", "issued").result(10)
-        assert storage.actions("run1") == [] and outbox_rows(storage) == []
+        assert storage.read(queries.actions, "run1") == [] and outbox_rows(storage) == []
         storage.open_incident("run1", "hang", "critical").result(10)  # the writer goes on; ids were not taken
         assert [r["id"] for r in outbox_rows(storage)] == [1]
     finally:

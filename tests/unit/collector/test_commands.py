@@ -9,6 +9,7 @@ import pytest
 
 from agent import wire
 from collector.ingest.decode import CommandAck, decode
+from collector.read import queries
 from collector.store.commands import Command, CommandBook, validate_request
 from tests.unit.collector.collector_batches import make_batch, steps_section
 
@@ -132,7 +133,7 @@ def test_issue_deliver_ack_through_storage(storage):
     for rank, seq in ((0, 3), (1, 3)):
         storage.ingest_blocking(decode(make_batch(rank=rank, batch_seq=seq, events=[ack],
                                                   sections={wire.STEP: steps_section([seq])})))
-    (row,) = storage.commands("run1")
+    (row,) = storage.read(queries.commands, "run1")
     assert (row["status"], row["delivered"], sorted(row["acks"])) == ("acked", [1, 0], ["0", "1"])
 
 
@@ -210,7 +211,7 @@ def test_a_command_issued_in_the_group_of_a_ranks_batch_reaches_it_at_once(stora
     assert batch.result(10).commands == [{"id": row["id"], "kind": "rollback", "args": {"to_step": 3},
                                           "issued_ts": row["issued_ts"]}]
     assert row["delivered"] == [1] and row["status"] == "delivered"
-    (stored,) = storage.commands("run1")
+    (stored,) = storage.read(queries.commands, "run1")
     assert (stored["status"], stored["delivered"]) == ("delivered", [1])
 
 

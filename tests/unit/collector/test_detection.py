@@ -15,6 +15,7 @@ from agent import wire
 from analysis.findings import RESOLVED, Finding
 from collector.ingest.decode import decode
 from collector.live.detection import DetectionRunner, run_tables
+from collector.read import queries
 from collector.settings import Settings
 from collector.storage import Storage
 from collector.store.feed import Commit, Subscription
@@ -71,15 +72,15 @@ def test_findings_open_update_and_close_an_incident(fast_settings):
     try:
         storage.ingest_blocking(decode(steps_batch(1, 0, step_s=0.5)))
         storage.ingest_blocking(decode(steps_batch(1, 1, step_s=2.0)))
-        assert wait_until(lambda: len(storage.incidents("run1")) == 1)
+        assert wait_until(lambda: len(storage.read(queries.incidents, "run1")) == 1)
         storage.ingest_blocking(decode(steps_batch(1, 2, step_s=2.5)))
-        assert wait_until(lambda: storage.incidents("run1")[0]["step_to"] == 2)
-        (inc,) = storage.incidents("run1")
+        assert wait_until(lambda: storage.read(queries.incidents, "run1")[0]["step_to"] == 2)
+        (inc,) = storage.read(queries.incidents, "run1")
         assert (inc["kind"], inc["rank"], inc["status"], inc["step_from"], inc["evidence"]) == (
             "straggler", 1, "open", 1, {"step_s": 2.5})
         storage.ingest_blocking(decode(steps_batch(1, 3, step_s=0.5)))
-        assert wait_until(lambda: storage.incidents("run1")[0]["status"] == "closed")
-        assert len(storage.incidents("run1")) == 1  # one incident for the one cause
+        assert wait_until(lambda: storage.read(queries.incidents, "run1")[0]["status"] == "closed")
+        assert len(storage.read(queries.incidents, "run1")) == 1  # one incident for the one cause
         assert storage.detection.num_errors == 0
     finally:
         storage.close()
@@ -124,7 +125,7 @@ def test_a_failing_pass_is_counted_and_the_next_one_runs(fast_settings):
         storage.ingest_blocking(decode(steps_batch(2, 0, step_s=3.0)))
         assert wait_until(lambda: storage.detection.num_errors == 1)
         storage.ingest_blocking(decode(steps_batch(2, 1, step_s=3.0)))
-        assert wait_until(lambda: len(storage.incidents("run1")) == 1)
+        assert wait_until(lambda: len(storage.read(queries.incidents, "run1")) == 1)
         assert storage.detection.alive()
         assert storage.metrics.registry.get_sample_value("llmwatch_collector_detection_errors_total") == 1
     finally:

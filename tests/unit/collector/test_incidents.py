@@ -4,6 +4,7 @@ plans without changing and reloads what is open."""
 from __future__ import annotations
 
 from analysis.findings import RESOLVED, Finding
+from collector.read import queries
 from collector.store.incidents import OpenIncident, OpenIncidents, RecordFindings, UpdateIncident, default_key
 
 
@@ -87,15 +88,15 @@ def test_through_storage_rows_follow_the_findings(storage):
     again = storage.record_findings("run1", [finding("loss_spike", key="spike#1", step_from=21,
                                                      rank=1, confidence=0.8)]).result(10)
     assert first == again
-    (inc,) = storage.incidents("run1")
+    (inc,) = storage.read(queries.incidents, "run1")
     assert (inc["id"], inc["status"], inc["step_from"], inc["step_to"], inc["evidence"], inc["root_cause"],
             inc["confidence"], inc["opened_ts"]) == (first[0], "open", 20, 21, {"z": 9.5}, "data", 0.8, 50.0)
-    assert storage.open_incidents() == {"run1": 1}
+    assert storage.read(queries.open_incidents) == {"run1": 1}
     storage.record_findings("run1", [finding("loss_spike", key="spike#1", rank=1, resolved=True,
                                              ts=60.0)]).result(10)
-    (inc,) = storage.incidents("run1")
+    (inc,) = storage.read(queries.incidents, "run1")
     assert (inc["status"], inc["closed_ts"]) == ("closed", 60.0)
-    assert storage.open_incidents() == {}
+    assert storage.read(queries.open_incidents) == {}
 
 
 def test_a_restarted_collector_matches_a_keyed_cause_to_its_open_incident(settings):
@@ -111,7 +112,7 @@ def test_a_restarted_collector_matches_a_keyed_cause_to_its_open_incident(settin
     s = Storage(settings)
     try:
         assert s.record_findings("run1", [straggler(key="straggler:n1#1", step_from=46, step_to=50)]).result(10) == [iid]
-        (row,) = s.incidents("run1")
+        (row,) = s.read(queries.incidents, "run1")
         assert (row["id"], row["cause_key"], row["step_from"], row["step_to"]) == (iid, "straggler:n1#1", 40, 50)
     finally:
         s.close()
@@ -122,5 +123,5 @@ def test_an_update_carries_the_newest_culprit(storage):
     (iid,) = storage.record_findings("run1", [straggler(key="straggler:n1#1", step_from=40)]).result(10)
     storage.record_findings("run1", [finding("straggler", key="straggler:n1#1", rank=None, node="n1",
                                              step_from=40, step_to=48)]).result(10)
-    (row,) = storage.incidents("run1")
+    (row,) = storage.read(queries.incidents, "run1")
     assert (row["id"], row["rank"], row["node"], row["step_to"]) == (iid, None, "n1", 48)

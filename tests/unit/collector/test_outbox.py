@@ -15,6 +15,7 @@ from analysis.findings import RESOLVED, Finding
 from collector.alerts import delivery, payloads, receivers
 from collector.alerts.delivery import Delivery, DeliveryResult, Lane, RetryPolicy
 from collector.alerts.receivers import build_receivers
+from collector.read import queries
 from collector.settings import Settings
 from collector.storage import Storage
 from collector.store.projection import Projection
@@ -119,7 +120,7 @@ def test_no_alert_row_survives_a_rolled_back_incident(tmp_path):
     try:
         with pytest.raises(RuntimeError, match="disk on fire"):
             st.record_findings("run1", [finding()]).result(5)
-        assert outbox_rows(st) == [] and st.incidents("run1") == []
+        assert outbox_rows(st) == [] and st.read(queries.incidents, "run1") == []
     finally:
         st.close()
     assert t.calls == []
@@ -178,7 +179,7 @@ def test_an_incident_that_never_fired_closes_silently(tmp_path):
     st = make_storage(tmp_path, t, webhooks=(HOOK,))
     try:
         st.record_findings("run1", [finding(resolved=True)]).result(5)
-        assert st.incidents("run1")[0]["status"] == "closed"
+        assert st.read(queries.incidents, "run1")[0]["status"] == "closed"
         assert outbox_rows(st) == []
     finally:
         st.close()

@@ -73,7 +73,7 @@ def test_the_same_answers_live_and_on_the_closed_file(tmp_path):
         populate(storage)
         live = [storage.read(fn, *args, **kwargs) for fn, args, kwargs in QUERIES]
         # the thin Storage wrappers are the same functions
-        assert storage.incidents("run1") == live[10] and storage.steps("run1", "loss", max_points=7) == live[4]
+        assert storage.read(queries.incidents, "run1") == live[10] and storage.read(queries.steps, "run1", "loss", max_points=7) == live[4]
     finally:
         storage.close()
     con = connect(path, read_only=True)

@@ -10,6 +10,7 @@ import pytest
 
 from agent import wire
 from collector.ingest.decode import decode
+from collector.read import queries
 from collector.storage import Storage
 from tests.unit.collector.collector_batches import columns, make_batch, steps_section
 
@@ -149,7 +150,7 @@ def test_views_effective_vs_history_after_rollback(storage):
     summary = rows(storage, "SELECT attempt, step, num_ranks, median_step_s, max_step_s, min_step_s, slowest_rank, "
                             "loss_mean FROM step_summary WHERE step = 4 ORDER BY attempt")
     assert summary == [(0, 4, 2, 1.5, 2.0, 1.0, 1, 4.0), (1, 4, 2, 1.5, 2.0, 1.0, 0, 2.0)]
-    api = storage.step_summary("run1")
+    api = storage.read(queries.step_summary, "run1")
     assert [(r["step"], r["attempt"], r["slowest_rank"]) for r in api][-3:] == [(3, 1, 0), (4, 1, 0), (5, 1, 0)]
 
 
@@ -164,25 +165,25 @@ def test_step_summary_of_a_job_with_only_local_losses_is_the_ranks_mean(storage)
 def test_steps_api_downsamples_effective_curve(storage):
     ingest(storage, make_batch(sections={wire.STEP: steps_section(range(100), loss=np.arange(100) * 1.0)}))
     ingest(storage, make_batch(batch_seq=1, sections={wire.STEP: steps_section(range(50, 60), attempt=1, loss=-1.0)}))
-    points = storage.steps("run1", "loss", max_points=10)
+    points = storage.read(queries.steps, "run1", "loss", max_points=10)
     assert len(points) == 10
     assert points[0] == {"step": 0, "step_to": 9, "min": 0.0, "max": 9.0, "avg": 4.5, "num_points": 10}
     assert points[5]["min"] == points[5]["max"] == -1.0  # steps 50-59 from attempt 1
-    assert storage.steps("run1", "loss", rank=5) == []
-    assert storage.steps("nope", "loss") == []
+    assert storage.read(queries.steps, "run1", "loss", rank=5) == []
+    assert storage.read(queries.steps, "nope", "loss") == []
 
 
 def test_collective_summary_and_query_api(storage):
     coll = columns(wire.COLLECTIVE, 4, step=[1, 1, 2, 2], attempt=0, op=0, axis=0, bytes=100, duration_s=[1.0, 3.0, 2.0, 2.0],
                    wait_s=[0.5, 0.0, 0.0, 0.25])
     ingest(storage, make_batch(sections={wire.COLLECTIVE: (4, coll)}))
-    got = storage.collectives("run1")
+    got = storage.read(queries.collectives, "run1")
     assert [(r["step"], r["op"], r["axis"], r["num_ops"], r["bytes"], r["max_duration_s"], r["total_wait_s"])
             for r in got] == [(1, "all_reduce", "dp", 2, 200, 3.0, 0.5), (2, "all_reduce", "dp", 2, 200, 2.0, 0.25)]
-    assert storage.collectives("run1", step_from=2, step_to=2)[0]["step"] == 2
-    assert storage.run("run1")["num_ranks"] == 1
-    assert storage.run("missing") is None
-    assert [r["run_id"] for r in storage.runs()] == ["run1"]
+    assert storage.read(queries.collectives, "run1", step_from=2, step_to=2)[0]["step"] == 2
+    assert storage.read(queries.run, "run1")["num_ranks"] == 1
+    assert storage.read(queries.run, "missing") is None
+    assert [r["run_id"] for r in storage.read(queries.runs)] == ["run1"]
 
 
 def test_incidents_actions_node_status(storage):
@@ -192,14 +193,14 @@ def test_incidents_actions_node_status(storage):
     aid = storage.record_action("run1", "isolate", "running", incident_id=iid, dry_run=True).result()
     storage.finish_action(aid, "done", {"ok": True}).result()
     storage.set_node_status("run1", "n1", "isolated", "straggler").result()
-    assert storage.open_incidents() == {"run1": 1}
+    assert storage.read(queries.open_incidents) == {"run1": 1}
     storage.update_incident(iid, status="closed").result()
-    (inc,) = storage.incidents("run1")
+    (inc,) = storage.read(queries.incidents, "run1")
     assert (inc["status"], inc["root_cause"], inc["evidence"], inc["closed_ts"] is not None) == (
         "closed", "slow node", {"ratio": 1.5}, True)
-    (act,) = storage.actions("run1")
+    (act,) = storage.read(queries.actions, "run1")
     assert (act["status"], act["dry_run"], act["detail"], act["incident_id"]) == ("done", True, {"ok": True}, iid)
-    assert [(n["node"], n["status"], n["reason"]) for n in storage.nodes("run1")] == [("n1", "isolated", "straggler")]
+    assert [(n["node"], n["status"], n["reason"]) for n in storage.read(queries.nodes, "run1")] == [("n1", "isolated", "straggler")]
     with pytest.raises(ValueError):
         storage.open_incident("run1", "x", "info", colour="red")
 
