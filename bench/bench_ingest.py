@@ -52,7 +52,7 @@ import loadgen  # noqa: E402
 from agent import wire  # noqa: E402
 from collector.ingest import columns  # noqa: E402
 from collector.ingest.decode import decode  # noqa: E402
-from collector.settings import Settings  # noqa: E402
+from collector.settings import Settings, WriterSettings  # noqa: E402
 from collector.storage import Storage, connect  # noqa: E402
 from collector.store import schema  # noqa: E402
 
@@ -96,8 +96,8 @@ def ceiling(tmp: Path, bodies: list[bytes]) -> dict:
     bulk_s = time.perf_counter() - t0
     con.close()
 
-    def through_storage(name: str, **settings) -> float:
-        storage = Storage(Settings(db_path=fresh_db(tmp, name), group_linger_s=0.0, **settings))
+    def through_storage(name: str, **writer) -> float:
+        storage = Storage(Settings(db_path=fresh_db(tmp, name), writer=WriterSettings(linger_s=0.0, **writer)))
         t = time.perf_counter()
         futures = []
         for body in bodies:
@@ -110,7 +110,7 @@ def ceiling(tmp: Path, bodies: list[bytes]) -> dict:
         storage.close()
         return elapsed
 
-    per_request_s = through_storage("per_request", group_max_rows=1)
+    per_request_s = through_storage("per_request", max_rows=1)
     grouped_s = through_storage("grouped")
     return {"rows": rows, "bulk_rows_per_s": rows / bulk_s, "per_request_rows_per_s": rows / per_request_s,
             "storage_rows_per_s": rows / grouped_s}

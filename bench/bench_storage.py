@@ -40,7 +40,7 @@ from dashsim import STEP_OPS, TrainingRun  # noqa: E402
 
 from collector.ingest.decode import decode  # noqa: E402
 from collector.offline import archive, retention  # noqa: E402
-from collector.settings import Settings  # noqa: E402
+from collector.settings import Settings, WriterSettings  # noqa: E402
 from collector.storage import Storage, connect  # noqa: E402
 
 GB = 1e9
@@ -48,8 +48,8 @@ GB = 1e9
 
 def fill(path: Path, run: TrainingRun, steps_per_batch: int) -> float:
     """Store the whole run through Storage; seconds it took."""
-    storage = Storage(Settings(db_path=path, token="bench-token-0123456789", group_linger_s=0.0,
-                               group_min_interval_s=0.0))
+    storage = Storage(Settings(db_path=path, token="bench-token-0123456789",
+                               writer=WriterSettings(linger_s=0.0, min_interval_s=0.0)))
     t0 = time.perf_counter()
     try:
         for e0, attempt, steps in run.chunks(steps_per_batch):

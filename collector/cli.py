@@ -16,7 +16,16 @@ from pathlib import Path
 from agent.api import ApiClient, ApiError
 from collector.http.auth import ALL_ROLES_ENV, Role, TokenSources, client_token
 from collector.offline.retention import MIN_ROLLUP_AGE_S, parse_age
-from collector.settings import MiB, Settings
+from collector.settings import (
+    AlertSettings,
+    DuckDBSettings,
+    GateSettings,
+    MiB,
+    RetentionSettings,
+    Settings,
+    SqlSettings,
+    WriterSettings,
+)
 from collector.store.schema import SchemaTooNew
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
@@ -140,24 +149,24 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     if receivers:
         print(f"collector: alerts to {', '.join(repr(r) for r in receivers)}", flush=True)
-    settings = Settings(db_path=db_path, host=args.host, port=args.port, tokens=tokens,
-                        public_metrics=args.public_metrics, max_inflight_requests=args.max_inflight_requests,
-                        body_timeout_s=args.body_timeout_s,
-                        max_batch_bytes=args.max_batch_bytes, sql_timeout_s=args.sql_timeout_s,
-                        sql_max_bytes=args.sql_max_bytes, sql_max_concurrent=args.sql_max_concurrent,
-                        sql_queue_timeout_s=args.sql_queue_timeout_s, sql_max_waiting=args.sql_max_waiting,
-                        otlp_max_bytes=args.otlp_max_bytes, otlp_max_points=args.otlp_max_points,
-                        duckdb_max_temp_size=args.duckdb_max_temp_size,
-                        sql_max_rows=args.sql_max_rows, group_linger_s=args.group_linger_s,
-                        group_min_interval_s=args.group_min_interval_s,
-                        group_min_rows=args.group_min_rows, duckdb_threads=args.duckdb_threads,
-                        duckdb_memory_limit=args.duckdb_memory_limit,
-                        webhooks=tuple(args.webhook), alertmanagers=tuple(args.alertmanager),
-                        webhook_secret=webhook_secret, external_url=args.external_url,
-                        alert_timeout_s=args.alert_timeout_s, alert_retry_base_s=args.alert_retry_base_s,
-                        alert_retry_cap_s=args.alert_retry_cap_s, alert_max_age_s=args.alert_give_up_s,
-                        alert_max_attempts=args.alert_max_attempts, rollup_after_s=rollup_after_s,
-                        rollup_every_s=rollup_every_s)
+    settings = Settings(
+        db_path=db_path, host=args.host, port=args.port, tokens=tokens, public_metrics=args.public_metrics,
+        gate=GateSettings(max_inflight_requests=args.max_inflight_requests, body_timeout_s=args.body_timeout_s,
+                          max_batch_bytes=args.max_batch_bytes, otlp_max_bytes=args.otlp_max_bytes,
+                          otlp_max_points=args.otlp_max_points),
+        writer=WriterSettings(linger_s=args.group_linger_s, min_interval_s=args.group_min_interval_s,
+                              min_rows=args.group_min_rows),
+        sql=SqlSettings(timeout_s=args.sql_timeout_s, max_rows=args.sql_max_rows, max_bytes=args.sql_max_bytes,
+                        max_concurrent=args.sql_max_concurrent, queue_timeout_s=args.sql_queue_timeout_s,
+                        max_waiting=args.sql_max_waiting),
+        duckdb=DuckDBSettings(threads=args.duckdb_threads, memory_limit=args.duckdb_memory_limit,
+                              max_temp_size=args.duckdb_max_temp_size),
+        alerts=AlertSettings(webhooks=tuple(args.webhook), alertmanagers=tuple(args.alertmanager),
+                             webhook_secret=webhook_secret, external_url=args.external_url,
+                             timeout_s=args.alert_timeout_s, retry_base_s=args.alert_retry_base_s,
+                             retry_cap_s=args.alert_retry_cap_s, max_age_s=args.alert_give_up_s,
+                             max_attempts=args.alert_max_attempts),
+        retention=RetentionSettings(rollup_after_s=rollup_after_s, rollup_every_s=rollup_every_s))
     from analysis import Analyzer, RulesError, load_rules
     from collector.live.policy import policy_for
 

@@ -117,16 +117,16 @@ class Storage:
         `alert_transport`: how the alert sender POSTs (default: urllib; tests fake it).
         `policy`: the healing policy (analysis/policy.py), carried out on a thread of
         its own (collector/live/policy.py); None acts on nothing."""
-        if settings.rollup_after_s:
-            check_age(settings.rollup_after_s)  # ValueError before anything starts
+        if settings.retention.rollup_after_s:
+            check_age(settings.retention.rollup_after_s)  # ValueError before anything starts
         self.settings = settings
         self._policy = policy
         self._clock = clock
         self._alert_transport = alert_transport or urllib_transport
-        self._con = connect(settings.db_path, threads=settings.duckdb_threads,
-                            memory_limit=settings.duckdb_memory_limit,
-                            checkpoint_threshold=settings.duckdb_checkpoint_threshold,
-                            max_temp_size=settings.duckdb_max_temp_size)
+        self._con = connect(settings.db_path, threads=settings.duckdb.threads,
+                            memory_limit=settings.duckdb.memory_limit,
+                            checkpoint_threshold=settings.duckdb.checkpoint_threshold,
+                            max_temp_size=settings.duckdb.max_temp_size)
         self._closed = False
         try:
             migrate(self._con)
@@ -157,9 +157,10 @@ class Storage:
             self.policy = PolicyRunner(self, policy, self.subscribe("policy"), self._incident_watch, clock=clock)
             self.policy.start()
         self.rollup: RollupJob | None = None  # old collectives into per-step summaries, on the writer
-        if settings.rollup_after_s:
-            self.rollup = RollupJob(self.write, self.read, older_than_s=settings.rollup_after_s,
-                                    every_s=settings.rollup_every_s, max_rows=settings.rollup_chunk_rows,
+        if settings.retention.rollup_after_s:
+            self.rollup = RollupJob(self.write, self.read, older_than_s=settings.retention.rollup_after_s,
+                                    every_s=settings.retention.rollup_every_s,
+                                    max_rows=settings.retention.rollup_chunk_rows,
                                     clock=clock).start()
 
     def _build_writer(self, extra: Sequence[Projection]) -> Writer:
@@ -178,28 +179,28 @@ class Storage:
                        self._outbox, *extra]
         return Writer(con, admission=keys, projections=projections, replies=commands, ids=ids,
                       metrics=self.metrics, feed=Feed(self.metrics.registry), clock=self._clock,
-                      group_max_rows=s.group_max_rows, group_max_bytes=s.group_max_bytes,
-                      group_min_rows=s.group_min_rows, group_linger_s=s.group_linger_s,
-                      group_gap_s=s.group_gap_s, group_min_interval_s=s.group_min_interval_s,
-                      queue_max_bytes=s.queue_max_bytes)
+                      group_max_rows=s.writer.max_rows, group_max_bytes=s.writer.max_bytes,
+                      group_min_rows=s.writer.min_rows, group_linger_s=s.writer.linger_s,
+                      group_gap_s=s.writer.gap_s, group_min_interval_s=s.writer.min_interval_s,
+                      queue_max_bytes=s.writer.queue_max_bytes)
 
     def _build_outbox(self) -> tuple[AlertOutbox, Sender | None]:
         """The alert outbox (collector/alerts/outbox.py) and, with receivers, its sender, whose
         results come back through the writer. ValueError for a bad receiver."""
         s = self.settings
-        receivers = build_receivers(webhooks=s.webhooks, alertmanagers=s.alertmanagers,
-                                    webhook_secret=s.webhook_secret)
+        receivers = build_receivers(webhooks=s.alerts.webhooks, alertmanagers=s.alerts.alertmanagers,
+                                    webhook_secret=s.alerts.webhook_secret)
         sender = None
         if receivers:
             counter = Counter("llmwatch_collector_alerts", "alert delivery attempts, by receiver and outcome "
                               "(delivered, retry, failed)", ["receiver", "outcome"], registry=self.metrics.registry)
             sender = Sender(receivers, report=lambda r: self._writer.submit_intent("outbox", r, done=_log_refusal),
-                            policy=RetryPolicy(base_s=s.alert_retry_base_s, cap_s=s.alert_retry_cap_s,
-                                               max_age_s=s.alert_max_age_s, max_attempts=s.alert_max_attempts),
-                            transport=self._alert_transport, clock=self._clock, timeout_s=s.alert_timeout_s,
+                            policy=RetryPolicy(base_s=s.alerts.retry_base_s, cap_s=s.alerts.retry_cap_s,
+                                               max_age_s=s.alerts.max_age_s, max_attempts=s.alerts.max_attempts),
+                            transport=self._alert_transport, clock=self._clock, timeout_s=s.alerts.timeout_s,
                             count=lambda receiver, outcome: counter.labels(receiver, outcome).inc())
-        outbox = AlertOutbox(self._con, receivers=receivers, external_url=s.external_url,
-                             firing_hold_s=s.alert_firing_hold_s,
+        outbox = AlertOutbox(self._con, receivers=receivers, external_url=s.alerts.external_url,
+                             firing_hold_s=s.alerts.firing_hold_s,
                              on_commit=sender.offer if sender is not None else None)
         return outbox, sender
 
@@ -224,7 +225,7 @@ class Storage:
                 self._writer.submit_call(lambda ctx: None).result(timeout=30.0)
             except Exception:  # the writer is gone or stuck: what is pending stays pending
                 log.warning("the alert outbox could not be brought up to date before closing")
-            self.sender.stop(timeout_s=self.settings.alert_timeout_s + 5.0, drain=True)
+            self.sender.stop(timeout_s=self.settings.alerts.timeout_s + 5.0, drain=True)
         self._close_sql()
         self._writer.stop()
         self._read_root.close()
@@ -364,8 +365,8 @@ class Storage:
     # -- read-only SQL (POST /v1/sql) ----------------------------------------------
     def _init_sql(self) -> None:
         s = self.settings
-        self._sql = SqlSlots(num_slots=s.sql_max_concurrent, queue_timeout_s=s.sql_queue_timeout_s,
-                             max_waiting=s.sql_max_waiting)
+        self._sql = SqlSlots(num_slots=s.sql.max_concurrent, queue_timeout_s=s.sql.queue_timeout_s,
+                             max_waiting=s.sql.max_waiting)
         self._sql_cursors: set[duckdb.DuckDBPyConnection] = set()  # running: interrupted by close()
         self._sql_cursors_lock = threading.Lock()
         # Saturation of the slots, on /metrics (registered here: the slots live here).
@@ -412,15 +413,15 @@ class Storage:
     def _sql_job(self, sql: str, *, fmt: str, max_rows: int | None, timeout_s: float | None,
                  encode_row: Callable[[tuple], bytes] | None) -> tuple[Callable[[], SelectResult], float]:
         s = self.settings
-        max_rows = s.sql_max_rows if max_rows is None else min(max_rows, s.sql_max_rows)
-        timeout_s = timeout_s or s.sql_timeout_s
+        max_rows = s.sql.max_rows if max_rows is None else min(max_rows, s.sql.max_rows)
+        timeout_s = timeout_s or s.sql.timeout_s
 
         def job() -> SelectResult:
             with self.cursor() as cur:
                 with self._sql_cursors_lock:
                     self._sql_cursors.add(cur)
                 try:
-                    return run_select(cur, sql, max_rows=max_rows, max_bytes=s.sql_max_bytes, timeout_s=timeout_s,
+                    return run_select(cur, sql, max_rows=max_rows, max_bytes=s.sql.max_bytes, timeout_s=timeout_s,
                                       fmt=fmt, encode_row=encode_row)
                 finally:
                     with self._sql_cursors_lock:

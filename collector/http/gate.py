@@ -56,13 +56,13 @@ def rule_for(method: str, path: str, settings: Settings) -> Rule:
         return Rule(None, 0)
     if method == "POST":
         if path == "/v1/ingest":
-            return Rule(Role.INGEST, settings.max_batch_bytes, streamed=True)
+            return Rule(Role.INGEST, settings.gate.max_batch_bytes, streamed=True)
         if path == "/v1/metrics":
-            return Rule(Role.INGEST, settings.otlp_max_bytes)
+            return Rule(Role.INGEST, settings.gate.otlp_max_bytes)
         if path == "/v1/sql":
-            return Rule(Role.READ, settings.max_sql_request_bytes)
+            return Rule(Role.READ, settings.gate.max_sql_request_bytes)
         if _COMMANDS.match(path):
-            return Rule(Role.CONTROL, settings.max_command_request_bytes)
+            return Rule(Role.CONTROL, settings.gate.max_command_request_bytes)
     if path == "/metrics" and method in ("GET", "HEAD"):
         return Rule(None if settings.public_metrics else Role.READ, 0)
     return Rule(Role.READ, 16 * KiB)  # the query API, /openapi.json, and whatever does not exist
@@ -89,7 +89,7 @@ class Gate:
         if rule.role is None and scope["path"] == "/healthz":
             await self.app(scope, receive, send)
             return
-        if self.inflight >= self.settings.max_inflight_requests:
+        if self.inflight >= self.settings.gate.max_inflight_requests:
             await self._refuse(scope, receive, send, 503, "busy", "too many requests in flight, retry later",
                                [(b"retry-after", b"1")])
             return
@@ -113,7 +113,7 @@ class Gate:
                 await self._refuse(scope, receive, send, 413, "too_large",
                                    f"body of {int(declared)} bytes exceeds the limit of {rule.max_body_bytes}")
             return
-        deadline = time.monotonic() + self.settings.body_timeout_s
+        deadline = time.monotonic() + self.settings.gate.body_timeout_s
         started = False
 
         async def send_tracked(message: Message) -> None:
@@ -136,7 +136,7 @@ class Gate:
         except BodyTimeout:
             if not started:
                 await self._answer(send, 408, "timeout",
-                                   f"request body not received within {self.settings.body_timeout_s:g} s",
+                                   f"request body not received within {self.settings.gate.body_timeout_s:g} s",
                                    [(b"connection", b"close")])
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, status: int, reason: str, message: str,

@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from agent import wire
 from collector.http.auth import write_secret_file
 from collector.http.server import create_app
-from collector.settings import Settings
+from collector.settings import Settings, WriterSettings
 from collector.storage import Storage
 from tests.unit.collector.collector_batches import make_batch, steps_section
 from tests.unit.collector.collector_server import ROOT, CollectorProcess
@@ -151,7 +151,8 @@ def test_past_the_inflight_bound_503_with_retry_after(roles):
 
 
 def test_healthz_reports_a_dead_writer(tmp_path):
-    storage = Storage(Settings(db_path=tmp_path / "h.duckdb", token="health-token-123", group_linger_s=0.0))
+    storage = Storage(Settings(db_path=tmp_path / "h.duckdb", token="health-token-123",
+                               writer=WriterSettings(linger_s=0.0)))
     try:
         with TestClient(create_app(storage, close_storage=False)) as c:
             assert c.get("/healthz").json()["status"] == "ok"

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.integration
 
 MiB = 1 << 20
 SQL_TIMEOUT_S = 3.0
-QUEUE_TIMEOUT_S = 5.0  # Settings.sql_queue_timeout_s
-NUM_SLOTS = 4  # Settings.sql_max_concurrent
+QUEUE_TIMEOUT_S = 5.0  # SqlSettings.queue_timeout_s
+NUM_SLOTS = 4  # SqlSettings.max_concurrent
 NUM_SLOW = 44  # as many as took the shared thread pool in the report
 # Allowed, interruptible, and as long as the timeout lets it run.
 SLOW = "SELECT count(*) FROM range(1000000000000) a, range(10) b"

@@ -73,7 +73,7 @@ class IngestEndpoint:
                 content_type = value
             elif name == b"content-length":
                 content_length = value
-        limit = self.settings.max_batch_bytes
+        limit = self.settings.gate.max_batch_bytes
         if content_type is not None and content_type.split(b";")[0].strip().lower() not in _BATCH_TYPES:
             return 415, dumps({"error": f"Content-Type must be {wire.CONTENT_TYPE}"}), []
         declared = int(content_length) if content_length is not None and content_length.isdigit() else None
@@ -86,7 +86,7 @@ class IngestEndpoint:
         except _Disconnected:
             return 400, dumps({"error": "client disconnected"}), []
         try:
-            if len(body) <= self.settings.inline_decode_max_bytes:
+            if len(body) <= self.settings.gate.inline_decode_max_bytes:
                 batch = decode(body)
             else:
                 batch = await run_in_threadpool(decode, body)
@@ -127,7 +127,7 @@ async def otlp_metrics(request: Request) -> Response:
     """OTLP/HTTP metrics export (protobuf or JSON); every data point -> scalars."""
     storage: Storage = request.app.state.storage
     settings = storage.settings
-    limit = settings.otlp_max_bytes
+    limit = settings.gate.otlp_max_bytes
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type not in (otlp.PROTOBUF, otlp.JSON):
         storage.metrics.rejects.labels("content_type").inc()
@@ -137,7 +137,7 @@ async def otlp_metrics(request: Request) -> Response:
         table = await run_in_threadpool(
             otlp.decode_request, body, content_type=content_type,
             content_encoding=request.headers.get("content-encoding"), max_bytes=limit,
-            max_points=settings.otlp_max_points, max_text_chars=settings.max_batch_bytes)
+            max_points=settings.gate.otlp_max_points, max_text_chars=settings.gate.max_batch_bytes)
     except BodyTooLarge:
         storage.metrics.rejects.labels("too_large").inc()
         return error_response(413, f"body exceeds the limit of {limit} bytes")

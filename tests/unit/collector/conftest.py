@@ -6,13 +6,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from collector.settings import Settings
+from collector.settings import Settings, WriterSettings
 from collector.storage import Storage
 
 
 @pytest.fixture
 def settings(tmp_path) -> Settings:
-    return Settings(db_path=tmp_path / "t.duckdb", token="tok", group_linger_s=0.0)
+    return Settings(db_path=tmp_path / "t.duckdb", token="tok", writer=WriterSettings(linger_s=0.0))
 
 
 @pytest.fixture

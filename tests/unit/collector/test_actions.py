@@ -19,7 +19,7 @@ from collector.alerts.receivers import build_receivers
 from collector.http.server import create_app
 from collector.ingest.decode import decode
 from collector.read import queries
-from collector.settings import Settings
+from collector.settings import AlertSettings, Settings, WriterSettings
 from collector.storage import Storage
 from collector.store.actions import ActionPlan
 from collector.store.incidents import IncidentPlan
@@ -285,8 +285,8 @@ class FailsWithActions(Projection):
 
 def test_no_action_and_no_alert_survive_a_rolled_back_transaction(tmp_path):
     t = FakeTransport()
-    s = Settings(db_path=tmp_path / "t.duckdb", token="tok-0123456789abcdef", group_linger_s=0.0,
-                 webhooks=(HOOK,), webhook_secret=SECRET)
+    s = Settings(db_path=tmp_path / "t.duckdb", token="tok-0123456789abcdef", writer=WriterSettings(linger_s=0.0),
+                 alerts=AlertSettings(webhooks=(HOOK,), webhook_secret=SECRET))
     storage = Storage(s, alert_transport=t, extra_projections=[FailsWithActions()])
     try:
         with pytest.raises(RuntimeError, match="disk on fire"):

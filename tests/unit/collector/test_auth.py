@@ -97,7 +97,7 @@ def test_every_route_has_a_role_and_a_body_limit(method, path, role):
     s = Settings(db_path="x", token="t" * 16)
     rule = rule_for(method, path, s)
     assert rule.role == role
-    assert rule.max_body_bytes <= s.max_batch_bytes
+    assert rule.max_body_bytes <= s.gate.max_batch_bytes
     assert rule_for("GET", "/metrics", Settings(db_path="x", token="t" * 16, public_metrics=True)).role is None
 
 

@@ -16,7 +16,7 @@ from analysis.findings import RESOLVED, Finding
 from collector.ingest.decode import decode
 from collector.live.detection import DetectionRunner, run_tables
 from collector.read import queries
-from collector.settings import Settings
+from collector.settings import Settings, WriterSettings
 from collector.storage import Storage
 from collector.store.feed import Commit, Subscription
 from tests.polling import wait_until
@@ -64,7 +64,7 @@ def steps_batch(rank: int, seq: int, step_s: float, step: int | None = None) -> 
 
 @pytest.fixture
 def fast_settings(tmp_path) -> Settings:
-    return Settings(db_path=tmp_path / "d.duckdb", group_linger_s=0.0, group_min_interval_s=0.0)
+    return Settings(db_path=tmp_path / "d.duckdb", writer=WriterSettings(linger_s=0.0, min_interval_s=0.0))
 
 
 def test_findings_open_update_and_close_an_incident(fast_settings):

@@ -10,7 +10,7 @@ import pytest
 
 from agent import wire
 from collector.ingest.decode import decode
-from collector.settings import Settings
+from collector.settings import Settings, WriterSettings
 from collector.storage import Storage
 from collector.store.feed import Commit, Feed, Subscription, committed_tables
 from tests.unit.collector.collector_batches import columns, make_batch, steps_section
@@ -81,7 +81,8 @@ def test_prepared_tables_join_the_row_table_of_the_same_name():
 
 def test_subscribers_get_the_committed_tables_with_runs_and_time(tmp_path):
     clock = [1000.0]
-    storage = Storage(Settings(db_path=tmp_path / "f.duckdb", group_linger_s=0.0), clock=lambda: clock[0])
+    storage = Storage(Settings(db_path=tmp_path / "f.duckdb",
+                               writer=WriterSettings(linger_s=0.0)), clock=lambda: clock[0])
     try:
         sub = storage.subscribe("test")
         hb = columns(wire.HEARTBEAT, 1, ts=12.0, step=5, phase=1, last_seq=11)
@@ -101,7 +102,7 @@ def test_subscribers_get_the_committed_tables_with_runs_and_time(tmp_path):
 
 
 def test_a_subscriber_that_never_reads_does_not_hold_the_writer(tmp_path):
-    storage = Storage(Settings(db_path=tmp_path / "g.duckdb", group_linger_s=0.0, group_min_interval_s=0.0))
+    storage = Storage(Settings(db_path=tmp_path / "g.duckdb", writer=WriterSettings(linger_s=0.0, min_interval_s=0.0)))
     try:
         stuck = storage.subscribe("stuck", max_commits=2)
         t0 = time.monotonic()

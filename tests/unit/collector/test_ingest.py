@@ -9,15 +9,15 @@ import pytest
 
 from agent import wire
 from collector.http.routes import ingest
-from collector.settings import Settings
+from collector.settings import GateSettings, Settings, WriterSettings
 from collector.storage import Storage
 from tests.unit.collector.collector_batches import columns, make_batch, steps_section
 
 
 @pytest.fixture
 def storage(tmp_path):
-    s = Storage(Settings(db_path=tmp_path / "i.duckdb", group_linger_s=0.0, group_min_interval_s=0.0,
-                         inline_decode_max_bytes=4096))
+    s = Storage(Settings(db_path=tmp_path / "i.duckdb", writer=WriterSettings(linger_s=0.0, min_interval_s=0.0),
+                         gate=GateSettings(inline_decode_max_bytes=4096)))
     yield s
     s.close()
 

@@ -16,7 +16,7 @@ from collector.alerts import delivery, payloads, receivers
 from collector.alerts.delivery import Delivery, DeliveryResult, Lane, RetryPolicy
 from collector.alerts.receivers import build_receivers
 from collector.read import queries
-from collector.settings import Settings
+from collector.settings import AlertSettings, Settings, WriterSettings
 from collector.storage import Storage
 from collector.store.projection import Projection
 from tests.polling import wait_until
@@ -47,9 +47,9 @@ class FakeTransport:
             return [json.loads(b) for u, b, _ in self.calls if url_part in u]
 
 
-def make_storage(tmp_path, transport, **settings) -> Storage:
-    s = Settings(db_path=tmp_path / "t.duckdb", token="tok-0123456789abcdef", group_linger_s=0.0,
-                 webhook_secret=SECRET, **settings)
+def make_storage(tmp_path, transport, **alerts) -> Storage:
+    s = Settings(db_path=tmp_path / "t.duckdb", token="tok-0123456789abcdef", writer=WriterSettings(linger_s=0.0),
+                 alerts=AlertSettings(webhook_secret=SECRET, **alerts))
     return Storage(s, alert_transport=transport)
 
 
@@ -113,8 +113,8 @@ class FailsWithIncidents(Projection):
 
 
 def test_no_alert_row_survives_a_rolled_back_incident(tmp_path):
-    s = Settings(db_path=tmp_path / "t.duckdb", token="tok-0123456789abcdef", group_linger_s=0.0,
-                 webhooks=(HOOK,), webhook_secret=SECRET)
+    s = Settings(db_path=tmp_path / "t.duckdb", token="tok-0123456789abcdef", writer=WriterSettings(linger_s=0.0),
+                 alerts=AlertSettings(webhooks=(HOOK,), webhook_secret=SECRET))
     t = FakeTransport()
     st = Storage(s, alert_transport=t, extra_projections=[FailsWithIncidents()])
     try:
@@ -201,7 +201,7 @@ def test_manual_incidents_alert_too(tmp_path):
 
 def test_pending_alerts_are_delivered_after_a_restart(tmp_path):
     down = FakeTransport(*[503] * 1000)
-    st = make_storage(tmp_path, down, webhooks=(HOOK,), alert_retry_base_s=0.01, alert_retry_cap_s=0.02)
+    st = make_storage(tmp_path, down, webhooks=(HOOK,), retry_base_s=0.01, retry_cap_s=0.02)
     st.record_findings("run1", [finding()]).result(5)
     assert wait_until(lambda: len(down.calls) >= 2)
     st.close()
@@ -356,7 +356,7 @@ def test_the_outbox_queries_in_operations_md_run_through_the_sql_guard(tmp_path)
     section = doc.split("\n## Alerts\n")[1].split("\n## ")[0]
     (block,) = re.findall(r"```sql\n(.*?)```", section, flags=re.S)
     queries = [q.strip() for q in block.split(";") if q.strip()]
-    st = make_storage(tmp_path, FakeTransport(*[503] * 100), webhooks=(HOOK,), alert_retry_base_s=10.0)
+    st = make_storage(tmp_path, FakeTransport(*[503] * 100), webhooks=(HOOK,), retry_base_s=10.0)
     try:
         st.record_findings("run1", [finding()]).result(5)
         assert wait_until(lambda: outbox_rows(st)[0]["attempts"] == 1)

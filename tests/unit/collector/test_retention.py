@@ -13,7 +13,7 @@ from agent import wire
 from collector.ingest.decode import decode
 from collector.offline import retention
 from collector.read import queries, views
-from collector.settings import Settings
+from collector.settings import RetentionSettings, Settings, WriterSettings
 from collector.storage import Storage, connect
 from collector.store.schema import MIGRATIONS
 from tests.polling import wait_until
@@ -239,15 +239,17 @@ def test_parse_age():
 
 def test_storage_refuses_a_young_rollup_age(tmp_path):
     with pytest.raises(ValueError, match="minimum"):
-        Storage(Settings(db_path=tmp_path / "t.duckdb", token="tok", rollup_after_s=3600.0))
+        Storage(Settings(db_path=tmp_path / "t.duckdb", token="tok",
+                         retention=RetentionSettings(rollup_after_s=3600.0)))
     assert not (tmp_path / "t.duckdb").exists()
 
 
 def test_serve_rolls_up_on_the_writer_thread(tmp_path):
     """Storage with rollup_after_s: the job's chunks run as writer jobs (beside ingest),
     and the rows of a run a month old become summaries without a restart."""
-    s = Storage(Settings(db_path=tmp_path / "t.duckdb", token="tok", group_linger_s=0.0,
-                         rollup_after_s=retention.DAY_S, rollup_every_s=1.0, rollup_chunk_rows=100),
+    s = Storage(Settings(db_path=tmp_path / "t.duckdb", token="tok", writer=WriterSettings(linger_s=0.0),
+                         retention=RetentionSettings(rollup_after_s=retention.DAY_S, rollup_every_s=1.0,
+                                                     rollup_chunk_rows=100)),
                 clock=lambda: NOW)
     try:
         assert s.rollup is not None and s.health() == (True, "")

@@ -7,7 +7,7 @@ import pytest
 
 from agent import wire
 from collector.ingest.decode import decode
-from collector.settings import Settings
+from collector.settings import Settings, WriterSettings
 from collector.storage import Storage, connect
 from collector.store.schema import MIGRATIONS, SchemaTooNew, current_version, migrate
 from tests.unit.collector.collector_batches import make_batch, steps_section
@@ -83,7 +83,7 @@ def test_v2_adds_batch_hashes_to_a_v1_file_and_its_old_batches_stay_duplicates(t
     assert migrate(con, MIGRATIONS[:1]) == [1]
     con.execute("INSERT INTO batches VALUES ('old', 0, 'inc0', 0, 1.0, 1)")
     con.close()
-    storage = Storage(Settings(db_path=path, group_linger_s=0.0))
+    storage = Storage(Settings(db_path=path, writer=WriterSettings(linger_s=0.0)))
     try:
         with storage.cursor() as cur:
             assert cur.execute("SELECT max(version) FROM schema_version").fetchall() == [(LATEST,)]

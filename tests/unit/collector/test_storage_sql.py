@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from collector.settings import Settings
+from collector.settings import DuckDBSettings, Settings, SqlSettings, WriterSettings
 from collector.sql.guard import SqlRefused
 from collector.sql.slots import SqlBusy
 from collector.storage import Storage
@@ -33,8 +33,9 @@ def wait_until(cond, timeout_s: float = 10.0) -> None:
 
 @pytest.fixture
 def one_slot(tmp_path):
-    s = Storage(Settings(db_path=tmp_path / "s.duckdb", token="tok", group_linger_s=0.0, sql_max_concurrent=1,
-                         sql_queue_timeout_s=0.2, sql_timeout_s=60.0, duckdb_threads=1))
+    s = Storage(Settings(db_path=tmp_path / "s.duckdb", token="tok", writer=WriterSettings(linger_s=0.0),
+                         sql=SqlSettings(max_concurrent=1, queue_timeout_s=0.2, timeout_s=60.0),
+                         duckdb=DuckDBSettings(threads=1)))
     yield s
     s.close()
 
@@ -57,7 +58,8 @@ def test_busy_slots_answer_sql_busy_and_close_interrupts_the_query(one_slot):
 
 
 def test_the_byte_cap_is_a_setting(tmp_path):
-    s = Storage(Settings(db_path=tmp_path / "b.duckdb", token="tok", group_linger_s=0.0, sql_max_bytes=10_000))
+    s = Storage(Settings(db_path=tmp_path / "b.duckdb", token="tok", writer=WriterSettings(linger_s=0.0),
+                         sql=SqlSettings(max_bytes=10_000)))
     try:
         result = s.sql("SELECT lpad('', 100, 'x') || i AS s FROM range(100000) t(i)", max_rows=100_000)
         assert result.truncated and 0 < result.num_bytes <= 10_000

@@ -10,7 +10,7 @@ import pytest
 
 from agent import wire
 from collector.ingest.decode import BatchRejected, decode
-from collector.settings import Settings
+from collector.settings import Settings, WriterSettings
 from collector.storage import Storage
 from collector.store.projection import Group, Projection
 from collector.store.writer import QueueFull, StorageError
@@ -65,7 +65,8 @@ def test_a_batch_the_database_refuses_fails_alone(storage):
 
 
 def test_back_pressure_when_the_queue_is_full(tmp_path):
-    storage = Storage(Settings(db_path=tmp_path / "q.duckdb", queue_max_bytes=1000, group_linger_s=0.0))
+    storage = Storage(Settings(db_path=tmp_path / "q.duckdb",
+                               writer=WriterSettings(queue_max_bytes=1000, linger_s=0.0)))
     try:
         release = hold_writer(storage)
         body = decode(make_batch(sections={wire.STEP: steps_section(range(20))}))
@@ -215,7 +216,8 @@ def test_a_failed_group_applies_nothing_and_retries_each_job_alone(noted):
 
 
 def test_an_intent_does_not_wait_for_the_small_group_interval(tmp_path):
-    storage = Storage(Settings(db_path=tmp_path / "i.duckdb", group_min_interval_s=30.0, group_linger_s=30.0),
+    storage = Storage(Settings(db_path=tmp_path / "i.duckdb",
+                               writer=WriterSettings(min_interval_s=30.0, linger_s=30.0)),
                       extra_projections=[Notes()])
     try:
         storage.ingest_blocking(decode(steps_batch([1])))  # the first group commits at once

@@ -19,7 +19,7 @@ import numpy as np
 from agent import wire
 from analysis.findings import Finding
 from collector.ingest.decode import decode
-from collector.settings import Settings
+from collector.settings import Settings, WriterSettings
 from collector.storage import Storage
 from tests.unit.collector.collector_batches import columns, make_batch
 
@@ -90,7 +90,7 @@ def _attempt_batch(rank: int, seq: int, attempt: int, steps: np.ndarray, ts0: fl
 
 def build(path: Path) -> Path:
     """Write the run into a new collector file at `path` and close it."""
-    storage = Storage(Settings(db_path=path, group_linger_s=0.0, group_min_interval_s=0.0))
+    storage = Storage(Settings(db_path=path, writer=WriterSettings(linger_s=0.0, min_interval_s=0.0)))
     try:
         for rank in range(NUM_RANKS):
             storage.ingest_blocking(decode(_attempt_batch(rank, 0, 0, np.arange(1, 41), T0)))
