@@ -246,7 +246,8 @@ requests = st.one_of(random_bytes(), truncated(), header_bit_flips(), wrong_layo
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     proc = CollectorProcess(tmp_path_factory.mktemp("fuzz") / "f.duckdb", token="tok",
-                            args=("--group-linger-s", "0", "--max-batch-bytes", str(LIMIT))).start()
+                            args=("--group-linger-s", "0", "--group-min-interval-s", "0",
+                                  "--max-batch-bytes", str(LIMIT))).start()
     yield proc
     assert proc.stop() == 0
 
