@@ -287,7 +287,7 @@ def test_rejected_batch_is_dropped_counted_and_the_agent_keeps_going(collector, 
 
 
 def test_commands_land_in_the_mailbox_once_and_acks_come_back(collector, tmp_path):
-    collector.store.commands = [{"id": "c1", "kind": "rollback", "args": {"to_step": 3}, "issued_ts": 12.5}]
+    collector.commands = [{"id": "c1", "kind": "rollback", "args": {"to_step": 3}, "issued_ts": 12.5}]
     agent = Agent(_config(collector.url, tmp_path), run_id="run5", rank=0)
     agent.start()
     for step in range(3):  # every response repeats the command
