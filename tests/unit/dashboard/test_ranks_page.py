@@ -4,6 +4,9 @@ node1 isolated) and on hand-made rows for 64 ranks."""
 
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
+
 import plotly.io as pio
 import pytest
 from dash import no_update
@@ -137,11 +140,18 @@ def test_the_layout_reads_its_state_from_the_url():
 
 
 def test_the_callback_redraws_only_when_the_run_moved(db_source, monkeypatch):
+    """The page's clock is pinned: a running run's signature has the clock in 10 s buckets
+    (a rank goes silent by time alone), so two draws that straddled a bucket's edge redrew
+    and the test failed (once in CI, where a draw takes a second)."""
+    clock = [time.time()]
+    monkeypatch.setattr(ranks, "time", SimpleNamespace(time=lambda: clock[0]))
     monkeypatch.setattr(state, "_source", db_source)
     first = ranks._draw(RUN_ID, 0, [3], "step", {}, None)
     assert list(first[0].data[0].y) == ["r3 · node1"] and first[6].startswith("steps 1–60")
     again = ranks._draw(RUN_ID, 1, [3], "step", {}, first[7])
     assert all(v is no_update for v in again)
+    clock[0] += 10.0  # the next bucket: a running run's page redraws by time alone
+    assert not all(v is no_update for v in ranks._draw(RUN_ID, 1, [3], "step", {}, first[7]))
     other = ranks._draw(RUN_ID, 2, [], "step", {}, first[7])
     assert len(other[0].data[0].y) == 4
     zoomed = ranks._draw(RUN_ID, 3, [], "step", {"from": 41, "to": 50}, other[7])  # the heatmap's zoom
