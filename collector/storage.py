@@ -5,8 +5,8 @@ changes from SQL), applies migrations, starts the writer thread with its
 projections (collector/store/projection.py), and answers queries on cursors of their
 own: DuckDB's MVCC lets readers run beside the writer's transactions, so a
 query never waits for a commit and a commit never waits for a query. The
-queries themselves are collector/read/queries.py's; the methods here open a cursor and
-call them.
+queries themselves are collector/read/'s functions of a cursor; `Storage.read` opens
+a cursor and calls one.
 
 Writes (ingest, commands, incidents, actions, node status) all go through the
 writer thread; the methods here only queue them and return futures (or take a

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from analysis import Analyzer, Frames, Rules, Score, load_rules, replay_commits, score, truths_from_rows
+from analysis import Analyzer, Finding, Frames, Rules, Score, load_rules, replay_commits, score, truths_from_rows
 from analysis.judging import Judgement, judge, summary
 from analysis.kinds import COSTED
 from analysis.policy import Policy, RunPolicy
@@ -66,11 +66,10 @@ class IncidentLedger:
         self.opened_step: dict[int, int | None] = {}
         self._next_id = 1
 
-    def record(self, run_id: str, findings: list, *, now: float) -> None:
+    def record(self, run_id: str, findings: list[Finding], *, now: float) -> None:
         if not findings:
             return
-        plan = self.book.plan([RecordFindings(run_id, tuple(findings))], now=now,
-                              next_id=self._next_id)
+        plan = self.book.plan([RecordFindings(run_id, tuple(findings))], now=now, next_id=self._next_id)
         for row in plan.inserts:
             self.rows[row["id"]] = {**row, "closed_ts": None}
         for iid, values in plan.updates:
@@ -82,11 +81,10 @@ class IncidentLedger:
         self._next_id = plan.next_id
 
 
-
-def _opened_step(f) -> int | None:
+def _opened_step(f: Finding) -> int | None:
     """The newest step the run had reported when the incident opened (a straggler's or a
     slow link's counts from the step it fired at): scoring's latency in steps."""
-    return opened_step_of(getattr(f, "kind", ""), getattr(f, "evidence", None), getattr(f, "detected_step", None))
+    return opened_step_of(f.kind, f.evidence, f.detected_step)
 
 
 def _evidence(row: dict[str, Any]) -> dict[str, Any]:
@@ -96,14 +94,15 @@ def _evidence(row: dict[str, Any]) -> dict[str, Any]:
 
 def replay_run(cur: queries.Cursor, run_id: str, *, rules: Rules | None = None, window_s: float = 1.0,
                tail_s: float = 30.0) -> RunReplay:
-    """Every pass the live collector would have run over `run_id`, in order, with a
-    fresh analyzer (live, one analyzer keeps a state per run: collector/live/detection.py)."""
+    """Every pass the live collector would have run over `run_id`, in order: a fresh
+    analyzer fed the run's commits as the live detection runner feeds it
+    (collector/live/detection.py: `Analyzer.feed_run`, one run at a time)."""
     analyzer = Analyzer(rules)
     frames = Frames.from_arrow(queries.run_tables(cur, run_id))
     ledger = IncidentLedger()
     out = RunReplay(run_id=run_id, incidents=[])
     for now, commit in replay_commits(frames, window_s=window_s, tail_s=tail_s):
-        findings = [f for f in analyzer.feed(commit, now=now) if f.run_id == run_id]
+        findings = analyzer.feed_run(run_id, commit, now=now)
         out.num_passes += 1
         out.num_findings += len(findings)
         ledger.record(run_id, findings, now=now)

@@ -100,7 +100,8 @@ def get_ranks(run_id: str, storage: StorageDep) -> Response:
 @router.get("/{run_id}/collectives")
 def get_collectives(run_id: str, storage: StorageDep, step_from: StepFrom = None, step_to: StepTo = None,
                     last_steps: Annotated[int, Query(ge=1, le=100_000)] = 20) -> Response:
-    return json_response(storage.read(queries.collectives, run_id, step_from=step_from, step_to=step_to, last_steps=last_steps))
+    return json_response(storage.read(queries.collectives, run_id, step_from=step_from, step_to=step_to,
+                                      last_steps=last_steps))
 
 
 @router.get("/{run_id}/incidents")
