@@ -35,7 +35,7 @@ _EXCLUDED_MEMORY = 1024
 
 
 # A rank that exits with this left for the supervisor's restart (an isolation; the
-# trainer's control.EXIT_RESTART, EX_TEMPFAIL): not a crash.
+# trainer's membership.EXIT_RESTART, EX_TEMPFAIL): not a crash.
 RESTART_EXIT_CODE = 75
 
 

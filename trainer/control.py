@@ -24,7 +24,7 @@ shares, and the collectives it runs (a checkpoint load) are run by all.
 Built in: `checkpoint`, `stop`, `rollback` (restore the newest verified
 checkpoint before the incident, continue as attempt + 1, and plan the rerun that
 diagnoses it: trainer/diagnosis.py) and `isolate` (checkpoint, record the node in
-the run's membership file, exit with `EXIT_RESTART` so that the supervisor
+the run's membership file, trainer/membership.py, exit with `EXIT_RESTART` so that the supervisor
 restarts the job without that node) and `repair` (copy a healthy dp replica's
 parameters and optimizer state over a corrupted one, in place: trainer/integrity.py).
 """
@@ -46,12 +46,11 @@ from typing import Any, ClassVar
 import torch
 
 from trainer.diagnosis import ProbePlan
+from trainer.membership import EXIT_RESTART, record_isolation, under_elastic_agent
 from trainer.parallel_dims import Axis
 
 MAX_COMMAND_BYTES = 4096
 _HEADER = struct.Struct("<I")  # payload length, then the JSON bytes
-EXIT_RESTART = 75  # EX_TEMPFAIL: every rank exits with it after `isolate`; the supervisor restarts the job
-MEMBERSHIP_FILE = "membership.json"  # in the run dir: the nodes isolated so far, read by the supervisor
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,34 +318,6 @@ class IsolateHandler(Handler):
             # so the other agents re-rendezvous without it (--nnodes MIN:MAX).
             os.kill(os.getppid(), signal.SIGTERM)
         return Outcome(f"{node} isolated at step {step}; restarting without it", stop=True, exit_code=EXIT_RESTART)
-
-
-def under_elastic_agent() -> bool:
-    """This rank is a worker of torchrun's elastic agent (not of the embedded launcher,
-    which sets torchrun's rank variables too, but not this one)."""
-    return "TORCHELASTIC_RESTART_COUNT" in os.environ
-
-
-def record_isolation(run_dir: Path, *, node: str, reason: str, incident_id: Any, step: int, command_id: str) -> None:
-    """Append `node` to the run's membership file (atomically replaced)."""
-    path = Path(run_dir) / MEMBERSHIP_FILE
-    current = read_membership(run_dir)
-    if node not in {x["node"] for x in current["isolated"]}:
-        current["isolated"].append({"node": node, "reason": reason, "incident_id": incident_id, "step": step,
-                                    "command_id": command_id, "ts": time.time()})
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(current, indent=2))
-    tmp.replace(path)
-
-
-def read_membership(run_dir: Path) -> dict[str, Any]:
-    try:
-        data = json.loads((Path(run_dir) / MEMBERSHIP_FILE).read_text())
-        if isinstance(data, dict) and isinstance(data.get("isolated"), list):
-            return data
-    except (OSError, ValueError):
-        pass
-    return {"isolated": []}
 
 
 def default_handlers() -> dict[str, Handler]:

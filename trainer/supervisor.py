@@ -44,7 +44,7 @@ from typing import Callable
 
 from agent.api import ApiClient, ApiError
 from trainer.config import JobConfig
-from trainer.control import EXIT_RESTART, read_membership
+from trainer.membership import EXIT_RESTART, read_membership
 
 HW_RANK_ENV = "LLMWATCH_HW_RANK"
 ORIG_WORLD_ENV = "LLMWATCH_ORIG_WORLD"

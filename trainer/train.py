@@ -70,7 +70,7 @@ class LoopState:
     position: DataPosition = DataPosition()
     num_skipped: int = 0
     stopped: bool = False  # ended early by a stop command
-    exit_code: int = 0  # non-zero: the run ends for a restart (control.EXIT_RESTART)
+    exit_code: int = 0  # non-zero: the run ends for a restart (membership.EXIT_RESTART)
 
 
 class Trainer:

@@ -23,9 +23,9 @@ import torch.distributed as dist
 
 from trainer.comm import Comm
 from trainer.config import JobConfig
-from trainer.control import under_elastic_agent
 from trainer.faults import FaultInjector, parse_injections
 from trainer.lifeline import watch_lifeline
+from trainer.membership import under_elastic_agent
 from trainer.parallel_dims import ParallelDims
 from trainer.private import TOKEN_ENV
 from trainer.rundir import agree_run_id, prepare_run

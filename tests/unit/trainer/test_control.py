@@ -15,9 +15,7 @@ import torch
 
 from agent.agent import Command
 from trainer.control import (
-    EXIT_RESTART,
     MAX_COMMAND_BYTES,
-    MEMBERSHIP_FILE,
     AgreedCommand,
     CommandChannel,
     Failed,
@@ -29,10 +27,9 @@ from trainer.control import (
     decode_command,
     default_handlers,
     encode_command,
-    read_membership,
-    record_isolation,
 )
 from trainer.diagnosis import ProbePlan
+from trainer.membership import EXIT_RESTART, MEMBERSHIP_FILE, read_membership, record_isolation
 from trainer.parallel_dims import Axis
 
 # -- fakes -----------------------------------------------------------------------

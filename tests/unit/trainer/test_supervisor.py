@@ -12,7 +12,7 @@ import pytest
 from tests.unit.trainer.fakes import FakeClock, FakeProc
 from trainer import supervisor as sup
 from trainer.config import AlertReceivers, CheckpointConfig, HealingConfig, JobConfig, ParallelConfig, TelemetryConfig
-from trainer.control import EXIT_RESTART, record_isolation
+from trainer.membership import EXIT_RESTART, record_isolation
 from trainer.supervisor import (
     ATTEMPT_FLOOR_ENV,
     HW_RANK_ENV,
@@ -388,3 +388,17 @@ def test_a_crash_answer_counts_only_if_decided_after_this_crash(tmp_path, clock)
     # rank 1 failed at the first poll, at the fake clock's start: an answer must be newer than
     # that (less a second), not any of the last seconds' (a first crash's restart action)
     assert watch.asked and set(watch.asked) == {1.7e9 + 1000.0 - 1.0}
+
+
+def test_the_launcher_imports_no_torch():
+    """`python -m trainer` starts, supervises and restarts the ranks: torch is theirs. In the
+    launcher its import and teardown (~1.5 s of CPU) would delay every start and end of a job."""
+    import subprocess
+    import sys
+
+    code = ("import sys, trainer.cli, trainer.launch, trainer.embedded, trainer.embedded_dashboard, "
+            "trainer.incident_feed; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parents[3])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
