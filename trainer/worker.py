@@ -10,6 +10,7 @@ launcher (the environment), never from the config.
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
@@ -282,5 +283,19 @@ def main(argv: list[str] | None = None) -> int:
     return run_worker(cfg, token=token)
 
 
+def exit_now(code: int) -> None:
+    """End the rank's process once its own cleanup ran (the agent closed, the process group
+    destroyed, every thread of ours a daemon): the exit handlers run, stdout and stderr are
+    flushed, and the interpreter's teardown of torch's modules (~0.6 s of CPU per rank, on
+    every start and end of a job and every restart round) is skipped."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
