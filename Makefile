@@ -37,12 +37,18 @@ demo: venv
 system-deps:
 	@.ci/system-deps
 
+# Two passes. The quick tests (pure logic, a collector on loopback: nothing that measures
+# time on a loaded host) run on $(JOBS) workers at once; the slow ones (real multi-rank runs,
+# whose detection reads step times) one at a time, as a shared CI machine allows.
 # --durations: the slowest tests, in every CI log (the suite's time is a budget: README)
+JOBS ?= 2
+
 test: venv system-deps
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -m "not slow" -n $(JOBS) --dist loadfile --durations=10
+	$(PY) -m pytest -q -m slow --durations=25
 
 test-quick: venv
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" -n $(JOBS) --dist loadfile
 
 # The gates alone (make test runs them too, in tests/unit/test_gates.py): ruff, and DESIGN.md's import direction
 lint: venv
