@@ -27,6 +27,7 @@ drains its write queue and checkpoints the DuckDB file before it exits.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import signal
@@ -113,3 +114,18 @@ def watch_lifeline(environ: Mapping[str, str], *, grace_s: float,
     t = threading.Thread(target=watch, name="llmwatch-lifeline", daemon=True)
     t.start()
     return t
+
+
+def exit_now(code: int) -> None:
+    """End a rank's process once its own cleanup ran (the agent closed, the process group
+    destroyed, every thread of ours a daemon): the exit handlers run, stdout and stderr are
+    flushed, and the interpreter's teardown of torch's modules (~0.6 s of CPU per rank, at
+    every end of a job and every restart round) is skipped. Only for a normal return: an
+    exception unwinds as usual, traceback and all."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

@@ -10,7 +10,6 @@ launcher (the environment), never from the config.
 
 from __future__ import annotations
 
-import atexit
 import os
 import signal
 import subprocess
@@ -25,7 +24,7 @@ import torch.distributed as dist
 from trainer.comm import Comm
 from trainer.config import JobConfig
 from trainer.faults import FaultInjector, parse_injections
-from trainer.lifeline import watch_lifeline
+from trainer.lifeline import exit_now, watch_lifeline
 from trainer.membership import under_elastic_agent
 from trainer.parallel_dims import ParallelDims
 from trainer.private import TOKEN_ENV
@@ -281,20 +280,6 @@ def main(argv: list[str] | None = None) -> int:
     token = os.environ.pop(TOKEN_ENV, None)
     cfg = JobConfig.from_json(Path(argv[0]).read_text())
     return run_worker(cfg, token=token)
-
-
-def exit_now(code: int) -> None:
-    """End the rank's process once its own cleanup ran (the agent closed, the process group
-    destroyed, every thread of ours a daemon): the exit handlers run, stdout and stderr are
-    flushed, and the interpreter's teardown of torch's modules (~0.6 s of CPU per rank, on
-    every start and end of a job and every restart round) is skipped."""
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
 
 
 if __name__ == "__main__":
