@@ -6,7 +6,11 @@ Three sources, most certain first:
   (`cause` "stopped" marks the ranks it stopped itself afterwards): the rank is
   named at once;
 - silence: no heartbeat for `silence_s` while another rank of the run still
-  beats: the rank that went silent first is named;
+  beats: the rank that went silent first is named. A rank that has not begun
+  its first step yet gets `startup_silence_s`: imports, the rendezvous and a
+  compile hold its interpreter for seconds at a time, so its agent's heartbeat
+  thread can miss a few beats there without anything being wrong (a rank that
+  dies at start-up is named at once by its launcher's exit report anyway);
 - the whole run silent for `run_silence_s` without a `run_finished` event: the
   job died (or the collector lost all of it); a rank is named only when it went
   silent clearly (`cascade_s`) before the others.
@@ -67,7 +71,8 @@ class CrashDetector:
         closed[:min(n, len(marks.closed))] = marks.closed[:n]
         known = live.known & ~closed
         age = p.now - live.arrival_s
-        silent = known & (age >= self.cfg.silence_s)
+        started = (live.last_step >= 0) | (live.hb_step >= 0)
+        silent = known & (age >= np.where(started, self.cfg.silence_s, self.cfg.startup_silence_s))
         alive = known & ~silent
         if st.key is not None:
             self._follow(p, st, failed, silent, age)

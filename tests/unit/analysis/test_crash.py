@@ -73,3 +73,22 @@ def test_every_rank_silent_without_run_finished_is_one_crash_and_a_restart_resol
     assert out[0].ts >= 4.0 + 10.0  # run_silence_s
     back = a.feed(Frames(heartbeats=heartbeats_frame([beats(r, 30.0, seq=1) for r in range(3)])), now=30.0)
     assert [f.resolved for f in back] == [True]
+
+
+def test_a_rank_not_yet_at_its_first_step_gets_the_startup_slack_then_is_a_crash():
+    # Before step 1 a rank imports, rendezvous and compiles: its heartbeat thread can go
+    # without the interpreter for seconds. 5 s of silence there is no crash; 15 s is.
+    a = Analyzer()
+
+    def beat(t, ranks):
+        rows = [beats(r, float(t), step=None, seq=-1) | {"phase": "init"} for r in ranks]
+        return a.feed(Frames(heartbeats=heartbeats_frame(rows)), now=float(t))
+
+    out = beat(0, range(3))
+    for t in range(1, 30):
+        out += beat(t, [0, 1] + ([2] if t < 1 or 6 <= t < 8 else []))
+        if t == 7:
+            assert out == []  # rank 2 was silent 1 s..6 s, past silence_s but within the start-up slack
+    assert [(f.kind, f.rank) for f in opened(out).values()] == [("crash", 2)]
+    assert next(f for f in out if f.kind == "crash").ts >= 7.0 + 15.0
+
