@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,14 +92,29 @@ def run_until_incident(run_dir: Path, kind: str, *args: str, timeout_s: float = 
     found = seen.wait(timeout_s)
     proc.send_signal(signal.SIGINT)  # the launcher stops its ranks and the collector, which closes the file
     try:
-        _, stderr = proc.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
+        _, stderr = proc.communicate(timeout=60)  # past the launcher's own bounds (collector stop: 30 s)
+    except subprocess.TimeoutExpired:  # a launcher too slow to stop (a starved host): its whole group goes
         os.killpg(proc.pid, signal.SIGKILL)
         _, stderr = proc.communicate()
+        wait_released(run_dir / "telemetry.duckdb")  # the killed collector's lock goes with its process
     reader.join(timeout=5)
     run = Run(proc.returncode, "".join(lines), stderr, run_dir)
     assert found, f"no {kind} incident within {timeout_s} s:\n{run.stdout[-3000:]}\n{stderr[-3000:]}"
     return read_outcome(run)
+
+
+def wait_released(db: Path, bound_s: float = 30.0) -> None:
+    """Polls until no process holds `db`'s lock (a SIGKILLed collector's exit is not
+    synchronous with its launcher's), for at most `bound_s`."""
+    deadline = time.monotonic() + bound_s
+    while True:
+        try:
+            duckdb.connect(str(db), read_only=True).close()
+            return
+        except duckdb.IOException:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.1)
 
 
 
