@@ -62,6 +62,11 @@ class Liveness:
         """Ranks that ever heartbeat."""
         return ~np.isnan(self.arrival_s)
 
+    @property
+    def started(self) -> np.ndarray:
+        """Ranks that have begun a step (a step row, or a step in a heartbeat): past start-up."""
+        return (self.last_step >= 0) | (self.hb_step >= 0)
+
     def phase_name(self, rank: int) -> str | None:
         code = int(self.phase[rank]) if 0 <= rank < len(self.phase) else -1
         return self.phase_names[code] if code >= 0 else None

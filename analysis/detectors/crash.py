@@ -71,8 +71,7 @@ class CrashDetector:
         closed[:min(n, len(marks.closed))] = marks.closed[:n]
         known = live.known & ~closed
         age = p.now - live.arrival_s
-        started = (live.last_step >= 0) | (live.hb_step >= 0)
-        silent = known & (age >= np.where(started, self.cfg.silence_s, self.cfg.startup_silence_s))
+        silent = known & (age >= np.where(live.started, self.cfg.silence_s, self.cfg.startup_silence_s))
         alive = known & ~silent
         if st.key is not None:
             self._follow(p, st, failed, silent, age)
