@@ -80,6 +80,9 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "LLMWATCH_RESTART_ROUND": ("launcher", "How many times the embedded supervisor restarted the job."),
     "LLMWATCH_LIFELINE_FD": ("launcher", "The read end of the launcher's lifeline pipe: a rank exits when "
                              "the launcher is gone."),
+    "LLMWATCH_ZYGOTE": ("you", "The embedded launcher forks its ranks from a zygote that imported torch once "
+                        "(trainer/zygote.py): unset, with a CPU build of torch; `1` with a GPU build too; `0` "
+                        "never (every rank a process that imports torch itself)."),
     "CUDA_VISIBLE_DEVICES": ("you", "The agent's device-health sampler maps `LOCAL_RANK` through it to the GPU "
                                     "NVML reads (an index or a UUID entry)."),
     "LLMWATCH_URL": ("you", "`agent.watch.watch()`, `llmwatch-instrument` and the `agent.integrations` "

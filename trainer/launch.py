@@ -54,6 +54,19 @@ def launch(cfg: JobConfig, *, token: str | None = None, progress: bool = True, k
     cfg.run_id = cfg.run_id or new_run_id()
     run_dir = prepare_run(cfg)
     (run_dir / "collector.token").unlink(missing_ok=True)  # an older trainer's token file: a secret nothing reads
+    lifeline = Lifeline()
+    zygote = _zygote(cfg, lifeline)  # imports torch for the ranks while the collector starts
+    try:
+        return _launch_embedded(cfg, run_dir, token=token, progress=progress, keep_collector=keep_collector,
+                                lifeline=lifeline, zygote=zygote)
+    finally:
+        if zygote is not None:
+            zygote.close()
+        lifeline.close()
+
+
+def _launch_embedded(cfg: JobConfig, run_dir: Path, *, token: str | None, progress: bool, keep_collector: bool,
+                     lifeline: Lifeline, zygote) -> int:
     collector = dashboard = None
     rank_token = token
     if cfg.telemetry.enabled and not cfg.telemetry.collector_url:
@@ -83,7 +96,7 @@ def launch(cfg: JobConfig, *, token: str | None = None, progress: bool = True, k
     watch = _node_watch(cfg, collector, run_dir)
     try:
         return _spawn_ranks(cfg, config_path, token=rank_token if cfg.telemetry.enabled else None,
-                            progress=progress, reporter=reporter, watch=watch)
+                            progress=progress, reporter=reporter, watch=watch, lifeline=lifeline, zygote=zygote)
     finally:
         if watch is not None:
             watch.close()
@@ -154,16 +167,22 @@ def _node_watch(cfg: JobConfig, collector, run_dir: Path):
     return NodeWatch(collector.url, token, cfg.run_id).start() if token else None
 
 
+def _shared_env(cfg: JobConfig) -> dict[str, str]:
+    """What every rank's environment starts from: the launcher's, less the user's collector
+    tokens (a rank holds at most the one it sends, the ingest token), with its thread count."""
+    threads = max(1, (os.cpu_count() or 1) // cfg.parallel.world_size)
+    env = {k: v for k, v in os.environ.items() if k not in COLLECTOR_TOKEN_ENVS}
+    env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", str(threads))
+    return env
+
+
 def _rank_env(cfg: JobConfig, rank: int, port: int, progress: bool, token: str | None) -> dict[str, str]:
     world = cfg.parallel.world_size
     per_node = world // cfg.parallel.nodes
-    threads = max(1, (os.cpu_count() or 1) // world)
-    # a rank holds at most the one token it sends (the ingest token), never the user's others
-    env = {k: v for k, v in os.environ.items() if k not in COLLECTOR_TOKEN_ENVS}
+    env = _shared_env(cfg)
     env.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node),
         GROUP_RANK=str(rank // per_node), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(threads)),
         LLMWATCH_EMBEDDED="1", LLMWATCH_PROGRESS="1" if progress else "0",
     )
     if token:
@@ -171,11 +190,23 @@ def _rank_env(cfg: JobConfig, rank: int, port: int, progress: bool, token: str |
     return env
 
 
+def _zygote(cfg: JobConfig, lifeline: Lifeline):
+    """The warm interpreter the ranks are forked from (trainer/zygote.py); None off Linux,
+    or where LLMWATCH_ZYGOTE=0 asks for plain processes. A GPU build of torch gets plain
+    processes too unless LLMWATCH_ZYGOTE=1."""
+    from trainer.zygote import MODE_ENV, Zygote
+
+    mode = os.environ.get(MODE_ENV, "auto")
+    if mode == "0" or not sys.platform.startswith("linux"):
+        return None
+    return Zygote(_shared_env(cfg), pass_fds=lifeline.pass_fds, gpu_build_ok=mode == "1")
+
+
 def _spawn_ranks(cfg: JobConfig, config_path: Path, *, token: str | None, progress: bool, reporter=None,
-                 watch=None) -> int:
+                 watch=None, lifeline: Lifeline, zygote=None) -> int:
     """Run the job's rounds under the supervisor (trainer/supervisor.py): the first on
-    every node, each restart on the nodes that are left."""
-    lifeline = Lifeline()
+    every node, each restart on the nodes that are left. A rank is forked from the
+    zygote when there is one, else a process of its own."""
     run_dir = config_path.parent
 
     def spawn(round_cfg: JobConfig, layout: Layout, round_: int) -> list[subprocess.Popen]:
@@ -188,16 +219,15 @@ def _spawn_ranks(cfg: JobConfig, config_path: Path, *, token: str | None, progre
         for rank in range(round_cfg.parallel.world_size):
             env = (_rank_env(round_cfg, rank, port, progress, token) | lifeline.env()
                    | supervisor.rank_env(layout, rank, round_))
-            procs.append(subprocess.Popen([sys.executable, "-m", "trainer.worker", str(path)], env=env,
-                                          pass_fds=lifeline.pass_fds, preexec_fn=die_with_parent()))
+            argv = [sys.executable, "-m", "trainer.worker", str(path)]
+            popen = {"pass_fds": lifeline.pass_fds, "preexec_fn": die_with_parent()}
+            procs.append(zygote.spawn(argv, env, popen_kwargs=popen) if zygote is not None
+                         else subprocess.Popen(argv, env=env, **popen))
         return procs
 
     supervisor = Supervisor(cfg, run_dir, spawn=spawn, on_exit=reporter.rank_exited if reporter is not None else None,
                             watch=watch)
-    try:
-        return supervisor.run()
-    finally:
-        lifeline.close()
+    return supervisor.run()
 
 
 def _launch_torchrun(cfg: JobConfig, *, token: str | None, progress: bool) -> int:
