@@ -23,7 +23,9 @@ One group commit (see collector/store/projection.py for the parts):
 
 Intents (`submit_intent`: issue a command, record findings) join the group like
 batches, but a group holding one does not linger: it commits what is queued at
-once. Submitting never waits, from any thread, the writer's own included; what
+once. So does a group holding a closing batch (`CLOSING_EVENTS`: an agent's last
+flush, the launcher's report of a rank's exit): its sender is a process waiting
+for the ack to exit, and the job's end, or its restart round, waits for it. Submitting never waits, from any thread, the writer's own included; what
 it returns is a future (whose `result()` refuses to wait on the writer thread,
 where it would wait forever) or, given `done`, a callback run after the commit.
 
@@ -109,6 +111,17 @@ class WriterFuture(Future):
         if not self.done() and threading.current_thread() is self._writer_thread:
             raise RuntimeError("waiting for a writer job on the writer thread would deadlock; pass done=")
         return super().result(timeout)
+
+
+# Events that end their sender's life: a batch holding one commits without waiting out
+# group_min_interval_s (the agent's close and the launcher's exit report wait on its ack).
+CLOSING_EVENTS = frozenset({"agent_closed", "rank_exited"})
+
+
+def _urgent(job: "_Job") -> bool:
+    """Its submitter is waiting: an intent, or a batch holding a closing event."""
+    return job.intent is not None or (job.batch is not None
+                                      and any(e.kind in CLOSING_EVENTS for e in job.batch.events))
 
 
 class _Job:
@@ -266,7 +279,7 @@ class Writer:
                 self._run_call(job)
                 continue
             group, nrows, nbytes = [job], job.nrows, job.nbytes
-            urgent = job.intent is not None  # an intent's submitter is waiting: commit what is queued now
+            urgent = _urgent(job)  # its submitter is waiting: commit what is queued now
             now = time.monotonic()
             linger_until = now + self._group_linger_s
             # A trickle of small requests (a few ranks flushing 5x a second) would otherwise
@@ -291,7 +304,7 @@ class Writer:
                     break
                 self._take(nxt)
                 group.append(nxt)
-                urgent = urgent or nxt.intent is not None
+                urgent = urgent or _urgent(nxt)
                 nrows += nxt.nrows
                 nbytes += nxt.nbytes
             self._last_commit = time.monotonic()

@@ -226,6 +226,25 @@ def test_an_intent_does_not_wait_for_the_small_group_interval(tmp_path):
         storage.close()
 
 
+@pytest.mark.parametrize("kind", ["agent_closed", "rank_exited"])
+def test_a_closing_batch_does_not_wait_for_the_small_group_interval(tmp_path, kind):
+    """An agent's last flush and the launcher's exit reports: their senders wait on the ack to
+    exit, so a group holding one commits at once; any other small batch waits its turn."""
+    storage = Storage(Settings(db_path=tmp_path / "c.duckdb",
+                               writer=WriterSettings(min_interval_s=30.0, linger_s=30.0)))
+    try:
+        storage.ingest_blocking(decode(steps_batch([1])))  # the first group commits at once
+        plain, closing = Future(), Future()
+        storage._writer.submit_batch(decode(make_batch(batch_seq=1, sections={wire.STEP: steps_section([2])})),
+                                     plain)
+        event = {"ts": 2.0, "step": 2, "attempt": 0, "kind": kind, "data": {}}
+        storage._writer.submit_batch(decode(make_batch(batch_seq=2, events=[event])), closing)
+        assert closing.result(10).accepted == 1  # not 30 s later
+        assert plain.result(10).accepted == 1  # it rode in the same group
+    finally:
+        storage.close()
+
+
 def test_waiting_on_the_writer_thread_for_the_writer_raises_instead_of_hanging(noted):
     storage, _ = noted
 
