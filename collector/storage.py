@@ -232,6 +232,14 @@ class Storage:
         self._con.execute("CHECKPOINT")
         self._con.close()
 
+    def wait_detected(self, timeout_s: float) -> bool:
+        """Waits (at most `timeout_s`) until detection has analyzed every commit made before
+        this call and stored its findings: an acknowledged batch's verdict is then in the
+        incidents table. True at once without detection; False on the timeout."""
+        if self.detection is None:
+            return True
+        return self.detection.wait_caught_up(self._writer.feed.seq, timeout_s)
+
     def queue_depth(self) -> int:
         return self._writer.depth()
 

@@ -10,8 +10,10 @@ it has not printed yet:
 and one line per action the collector's policy took, as it is taken and when it
 ends (`action: rollback done  1.7 s after the incident  nan at step 30 on rank 1`).
 
-At the end of the run `finish()` polls once more and prints the run's list
-(or "incidents: none"), its actions with their recovery seconds, and its goodput. Only HTTP: the trainer does not import the collector
+At the end of the run `finish()` polls once more, asking the collector to answer
+once its detection has judged every batch it acknowledged (`settle_s=`, bounded),
+and prints the run's list (or "incidents: none"), its actions with their recovery
+seconds, and its goodput. Only HTTP: the trainer does not import the collector
 (DESIGN.md section 2). A collector that does not answer costs a timeout per poll
 and one line on stderr, never the launcher.
 """
@@ -103,6 +105,7 @@ class IncidentFeed:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._warned = False
+        self._settle_s = 0.0  # finish(): the last poll asks the collector to wait for detection
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="llmwatch-incident-feed", daemon=True)
@@ -136,13 +139,13 @@ class IncidentFeed:
                     print(describe_action(a), file=self.out, flush=True)
 
     def finish(self, settle_s: float = 0.0) -> None:
-        """Stop polling; after `settle_s` (the collector's detection catching up with the
-        last batches) poll once more and print the run's incidents, or that there were none."""
+        """Stop polling; poll once more, with the collector's detection caught up with the
+        last batches (waiting at most `settle_s`), and print the run's incidents, or that
+        there were none."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(self.timeout_s + self.interval_s)
-        if settle_s > 0:
-            threading.Event().wait(settle_s)
+        self._settle_s = settle_s
         self.poll()
         with self._lock:
             rows = list(self._incidents.values())
@@ -170,6 +173,10 @@ class IncidentFeed:
             self.poll()
 
     def _get(self) -> list[dict]:
+        if self._settle_s > 0:
+            out = self._api.get_json(ApiClient.run_path(self.run_id, "incidents"), settle_s=self._settle_s,
+                                     timeout_s=self.timeout_s + self._settle_s)
+            return out if isinstance(out, list) else []
         return self._json("incidents", [])
 
     def _json(self, what: str, empty):

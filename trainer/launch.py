@@ -34,7 +34,9 @@ from trainer.rundir import new_run_id, prepare_run, torchrun_run_id
 from trainer.supervisor import ORIG_WORLD_ENV, Layout, NodeWatch, Supervisor, fit_world
 
 EXIT_REPORT_TIMEOUT_S = 2.0  # per rank_exited POST, and for the last ones at the end
-INCIDENT_SETTLE_S = 1.0  # at the end: the collector's detection sees the last batches, then the list is read
+# at the end: the list is read once the collector's detection has judged the last batches, waiting
+# at most this long (it takes tens of milliseconds on an idle host; a loaded one gets the rest)
+INCIDENT_SETTLE_S = 5.0
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

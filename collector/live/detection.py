@@ -21,6 +21,10 @@ tables runs every `tick_s` while no commit comes, so the analysis notices what
 stopped (heartbeats of a crashed rank). Findings go back through the writer as
 one `RecordFindings` intent per run and pass: submitted, never waited for.
 
+`wait_caught_up(seq)` is the one wait on it, for a reader that wants the verdict
+on everything stored so far (the launcher's list at the end of a run): it returns
+once commit `seq` was analyzed and every finding submitted by then is stored.
+
 A pass that raises is logged and counted, and the next pass runs. On a gap
 (commits missed) `on_gap(missed)` runs; by default every run's state is dropped,
 so the analysis warms up again from the next commit rather than judge across a
@@ -89,6 +93,9 @@ class DetectionRunner:
         self._last_rows: dict[str, float] = {}  # run_id -> time.monotonic() of its last commit
         self._last_pass: dict[str, float] = {}  # run_id -> time.monotonic() of its last pass
         self._stop = threading.Event()
+        self._progress = threading.Condition()  # guards the two below: wait_caught_up waits on it
+        self._seen_seq = 0  # the newest commit analyzed (or skipped as missed)
+        self._unrecorded = 0  # findings submitted whose commit has not come yet
         self._thread = threading.Thread(target=self._run, name="collector-detection", daemon=True)
         self.num_passes = self.num_gaps = self.num_errors = 0
         self._metrics = _Metrics(registry)
@@ -124,6 +131,9 @@ class DetectionRunner:
                 self._on_gap(delivery.missed)
             if delivery is not None and delivery.commit is not None:
                 self.run_commit(delivery.commit)
+                with self._progress:
+                    self._seen_seq = delivery.commit.seq
+                    self._progress.notify_all()
             self.tick()
 
     def run_commit(self, commit: Commit) -> None:
@@ -159,6 +169,8 @@ class DetectionRunner:
                 continue
             if findings:
                 self._metrics.findings.inc(len(findings))
+                with self._progress:
+                    self._unrecorded += 1
                 self._submit(run_id, findings, done=self._recorded)
         self.num_passes += 1
         self._metrics.pass_seconds.observe(time.perf_counter() - t0)
@@ -176,9 +188,22 @@ class DetectionRunner:
         return Frames.from_arrow({**tables, **meta})
 
     def _recorded(self, result: Any, error: BaseException | None) -> None:
-        """On the writer thread, after the findings' commit: only log a failure."""
+        """On the writer thread, after the findings' commit: log a failure, count it done."""
         if error is not None:
             log.warning("findings could not be recorded: %s", error)
+        with self._progress:
+            self._unrecorded -= 1
+            self._progress.notify_all()
+
+    def wait_caught_up(self, seq: int, timeout_s: float) -> bool:
+        """Waits (at most `timeout_s`) until commit `seq` and every one before it was analyzed
+        and the findings submitted so far are stored. False on the timeout, or when the
+        runner stopped first."""
+        def done() -> bool:
+            return (self._seen_seq >= seq and self._unrecorded <= 0) or self._stop.is_set()
+
+        with self._progress:
+            return self._progress.wait_for(done, timeout_s) and not self._stop.is_set()
 
 
 def _complete(meta: Mapping[str, pa.Table]) -> bool:

@@ -172,6 +172,11 @@ class Feed:
     def active(self) -> bool:
         return bool(self._subs)
 
+    @property
+    def seq(self) -> int:
+        """The newest commit published (0: none yet)."""
+        return self._seq
+
     def publish(self, *, commit_ts: float, run_ids: frozenset[str], tables: Mapping[str, pa.Table]) -> Commit:
         self._seq += 1
         commit = Commit(seq=self._seq, commit_ts=commit_ts, run_ids=run_ids, tables=tables)

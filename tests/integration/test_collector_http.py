@@ -111,6 +111,11 @@ def test_ingest_query_api_and_duplicates(server):
         assert len(c.get("/v1/runs/api/events", params={"kind": "checkpoint_saved"}).json()) == 2
         assert [h["last_seq"] for h in c.get("/v1/runs/api/heartbeats/latest").json()] == [42, 42]
         assert c.get("/v1/runs/api/incidents").json() == [] and c.get("/v1/runs/api/actions").json() == []
+        # the verdict on everything acknowledged so far: detection caught up first (bounded)
+        settled = c.get("/v1/runs/api/incidents", params={"settle_s": 5})
+        assert settled.status_code == 200 and settled.headers["x-llmwatch-settled"] == "true"
+        assert settled.json() == []
+        assert c.get("/v1/runs/api/incidents", params={"settle_s": 11}).status_code == 422  # past the bound
 
 
 def test_sql_json_arrow_and_refusals(server):

@@ -104,9 +104,20 @@ def get_collectives(run_id: str, storage: StorageDep, step_from: StepFrom = None
                                       last_steps=last_steps))
 
 
+SETTLE_MAX_S = 10.0  # a read request holds a worker thread this long at most
+
+
 @router.get("/{run_id}/incidents")
-def get_incidents(run_id: str, storage: StorageDep, status: str | None = None) -> Response:
-    return json_response(storage.read(queries.incidents, run_id, status=status))
+def get_incidents(run_id: str, storage: StorageDep, status: str | None = None,
+                  settle_s: Annotated[float, Query(ge=0, le=SETTLE_MAX_S)] = 0.0) -> Response:
+    """The run's incidents. `settle_s`: first wait (at most that long) until detection has
+    judged every batch acknowledged before this request; the `X-Llmwatch-Settled` header
+    says whether it had (`true`) or the wait ran out (`false`)."""
+    settled = storage.wait_detected(settle_s) if settle_s > 0 else None
+    response = json_response(storage.read(queries.incidents, run_id, status=status))
+    if settled is not None:
+        response.headers["X-Llmwatch-Settled"] = "true" if settled else "false"
+    return response
 
 
 @router.get("/{run_id}/actions")

@@ -216,3 +216,35 @@ def test_the_runs_meta_rides_along_until_its_mesh_is_known_and_again_after_a_res
                         "data": ['{"restart": 1}'], "attempt": pa.array([1], pa.int32())})
     runner.run_pass({"events": restart}, ["a"])
     assert reads == ["a", "a", "a"] and got[3] == ["events", "ranks", "runs"]
+
+
+def test_wait_detected_returns_once_every_acknowledged_batch_was_judged_and_its_findings_stored(fast_settings):
+    """The end of a run asks for the verdict on everything stored: `wait_detected` holds
+    until the pass over the last commit ran and its findings are in the incidents table
+    (no poll after it), and says False when its bound runs out first."""
+    release = threading.Event()
+
+    def judge(state, frames, now):
+        if frames.steps is None:
+            return []
+        release.wait(30)  # the pass is slow until the test lets it go (bounded)
+        return slow_rank(state, frames, now)
+
+    storage = Storage(fast_settings, analyzer=StandIn(judge), detection_tick_s=60.0)
+    try:
+        storage.ingest_blocking(decode(steps_batch(1, 0, step_s=2.0)))  # acknowledged: its pass is stuck
+        assert storage.wait_detected(0.2) is False
+        assert storage.read(queries.incidents, "run1") == []
+        release.set()
+        assert storage.wait_detected(10.0) is True
+        assert [(i["kind"], i["rank"]) for i in storage.read(queries.incidents, "run1")] == [("straggler", 1)]
+    finally:
+        storage.close()
+
+
+def test_wait_detected_without_detection_returns_at_once(tmp_path):
+    storage = Storage(Settings(db_path=tmp_path / "n.duckdb"))
+    try:
+        assert storage.wait_detected(0.0) is True
+    finally:
+        storage.close()
