@@ -100,6 +100,8 @@ def _launch_embedded(cfg: JobConfig, run_dir: Path, *, token: str | None, progre
         return _spawn_ranks(cfg, config_path, token=rank_token if cfg.telemetry.enabled else None,
                             progress=progress, reporter=reporter, watch=watch, lifeline=lifeline, zygote=zygote)
     finally:
+        if zygote is not None:
+            zygote.close()  # no more rounds: its memory goes now, not after a kept collector
         if watch is not None:
             watch.close()
         if reporter is not None:

@@ -216,7 +216,7 @@ class Zygote:
                 self._cond.wait(0.1 if left is None else min(left, 0.1))
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Ends the zygote (its ranks are the supervisor's to have stopped first)."""
+        """Ends the zygote (its ranks are the supervisor's to have stopped first). Idempotent."""
         if self._cmd_w >= 0:
             try:
                 os.close(self._cmd_w)  # EOF: the zygote leaves its loop
