@@ -98,8 +98,8 @@ class Zygote:
 
     `env`: the zygote's own environment (what the ranks share: no token in it; a rank's
     own environment is set in full at its fork); `pass_fds`: fds the ranks inherit (the
-    lifeline's read end); `stderr`: the ranks' (default: the launcher's). Starting is asynchronous: the first `spawn` waits for the
-    imports, bounded by READY_TIMEOUT_S."""
+    lifeline's read end); `stderr`: the ranks' (default: the launcher's). Starting is
+    asynchronous: the first `spawn` waits for the imports, bounded by READY_TIMEOUT_S."""
 
     def __init__(self, env: Mapping[str, str], *, pass_fds: Sequence[int] = (),
                  preload: Sequence[str] = PRELOAD, warm_optimizer: bool = True, gpu_build_ok: bool = False,
@@ -185,7 +185,9 @@ class Zygote:
         with self._cond:
             before = len(self._spawned)
         try:
-            os.write(self._cmd_w, msg.encode())  # small, and one writer: the pipe takes it whole
+            data = msg.encode()  # an environment can pass the pipe's atomic size: write until all went
+            while data:
+                data = data[os.write(self._cmd_w, data):]
         except OSError as e:
             self._fail(f"request failed: {e}")
             return None

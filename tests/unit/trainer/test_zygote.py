@@ -130,3 +130,12 @@ def test_closing_the_zygote_ends_it(tmp_path):
     assert z.wait_ready(20)
     z.close(timeout_s=10)
     assert z._proc.returncode == 0
+
+
+def test_an_environment_past_the_pipe_buffer_reaches_the_rank_whole(zygote, tmp_path):
+    out = tmp_path / "seen.json"
+    big = "x" * 200_000  # past a pipe's 64 KiB: the request is written in several parts
+    rank = zygote.spawn(argv(out, "exit:0"), base_env(ZYGOTE_TEST_BIG=big))
+    assert isinstance(rank, ForkedRank), zygote.failed
+    assert rank.wait(timeout=20) == 0
+    assert json.loads(out.read_text())["env"]["ZYGOTE_TEST_BIG"] == big
