@@ -174,11 +174,9 @@ class IncidentFeed:
 
     def _get(self) -> list[dict]:
         if self._settle_s > 0:
-            out = self._api.get_json(ApiClient.run_path(self.run_id, "incidents"), settle_s=self._settle_s,
-                                     timeout_s=self.timeout_s + self._settle_s)
-            return out if isinstance(out, list) else []
+            return self._json("incidents", [], timeout_s=self.timeout_s + self._settle_s, settle_s=self._settle_s)
         return self._json("incidents", [])
 
-    def _json(self, what: str, empty):
-        out = self._api.get_json(ApiClient.run_path(self.run_id, what))
+    def _json(self, what: str, empty, *, timeout_s: float | None = None, **params):
+        out = self._api.get_json(ApiClient.run_path(self.run_id, what), timeout_s=timeout_s, **params)
         return out if isinstance(out, type(empty)) else empty

@@ -63,7 +63,7 @@ def launch(cfg: JobConfig, *, token: str | None = None, progress: bool = True, k
                                 lifeline=lifeline, zygote=zygote)
     finally:
         if zygote is not None:
-            zygote.close()
+            zygote.close()  # idempotent: after the rounds it is closed already; this covers an early return
         lifeline.close()
 
 

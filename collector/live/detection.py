@@ -171,7 +171,11 @@ class DetectionRunner:
                 self._metrics.findings.inc(len(findings))
                 with self._progress:
                     self._unrecorded += 1
-                self._submit(run_id, findings, done=self._recorded)
+                try:
+                    self._submit(run_id, findings, done=self._recorded)
+                except BaseException:  # refused (a full write queue): no callback will count it done
+                    self._recorded(None, None)
+                    raise
         self.num_passes += 1
         self._metrics.pass_seconds.observe(time.perf_counter() - t0)
 

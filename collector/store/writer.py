@@ -25,8 +25,9 @@ Intents (`submit_intent`: issue a command, record findings) join the group like
 batches, but a group holding one does not linger: it commits what is queued at
 once. So does a group holding a closing batch (`CLOSING_EVENTS`: an agent's last
 flush, the launcher's report of a rank's exit): its sender is a process waiting
-for the ack to exit, and the job's end, or its restart round, waits for it. Submitting never waits, from any thread, the writer's own included; what
-it returns is a future (whose `result()` refuses to wait on the writer thread,
+for the ack to exit, and the job's end, or its restart round, waits for it.
+Submitting never waits, from any thread, the writer's own included; what it
+returns is a future (whose `result()` refuses to wait on the writer thread,
 where it would wait forever) or, given `done`, a callback run after the commit.
 
 If a group's transaction fails, it is rolled back and each job retried alone,
