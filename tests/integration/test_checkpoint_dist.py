@@ -1,4 +1,4 @@
-"""Checkpointer across real processes (torch.multiprocessing spawn, gloo on 127.0.0.1):
+"""Checkpointer across real processes (torch.multiprocessing, tests/ranks.py, gloo on 127.0.0.1):
 sharded saves, dp resharding on load, and agreement on a fallback when one rank's shard is bad."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests import ranks
 from trainer.checkpoint import MANIFEST, Checkpointer, model_filename, rank_filename, step_dirname
 from trainer.comm import Comm
 from trainer.config import CheckpointConfig
@@ -95,7 +96,8 @@ def spawn(tmp_path: Path, *, dp: int, tp: int, scenario: str, root: Path) -> lis
     out = tmp_path / f"out-{scenario}-dp{dp}-tp{tp}"
     out.mkdir()
     world = dp * tp
-    mp.spawn(_run, args=(world, free_port(), dp, tp, str(root), scenario, str(out)), nprocs=world, join=True)
+    mp.start_processes(_run, args=(world, free_port(), dp, tp, str(root), scenario, str(out)), nprocs=world, join=True,
+                       start_method=ranks.start_method())
     return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(world)]
 
 

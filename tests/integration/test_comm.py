@@ -6,8 +6,8 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests import ranks
 from trainer.comm import Comm
 from trainer.launch import free_port
 from trainer.parallel_dims import Axis, ParallelDims
@@ -58,7 +58,7 @@ def _worker(rank, world, port, queue):
 
 def test_records_and_results():
     world = 4
-    ctx = mp.get_context("spawn")
+    ctx = ranks.context()
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, queue)) for r in range(world)]

@@ -17,8 +17,8 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests import ranks
 from trainer.batch import IGNORE_INDEX, MicroBatch
 from trainer.comm import Comm
 from trainer.config import JobConfig, ModelConfig, OptimConfig, ParallelConfig, PrecisionConfig
@@ -108,7 +108,7 @@ def _worker(rank: int, world: int, port: int, layout: dict, num_global_mb: int, 
 def run_layout(layout: dict, num_global_mb: int, faults_at: dict | None = None) -> dict[int, tuple[dict, dict]]:
     """{rank: (coords, results)} of a real multi-process run."""
     world = layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1)
-    ctx = mp.get_context("spawn")
+    ctx = ranks.context()
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, layout, num_global_mb, faults_at or {}, queue))

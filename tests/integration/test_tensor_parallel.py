@@ -9,9 +9,9 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from tests import ranks
 from trainer.batch import IGNORE_INDEX
 from trainer.comm import Comm
 from trainer.launch import free_port
@@ -115,7 +115,7 @@ def _worker(rank: int, port: int, queue) -> None:
 
 
 def test_mappings_and_vocab_parallel_ops():
-    ctx = mp.get_context("spawn")
+    ctx = ranks.context()
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, port, queue)) for r in range(TP)]
