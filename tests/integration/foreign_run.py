@@ -3,12 +3,14 @@ real collector: `llmwatch-instrument -- torchrun ... loop.py` (zero code), the l
 `watch()` call ($LOOP_WATCH=1), or the framework callbacks. The harness injects the faults
 ($LOOP_FAULTS, loops/faults.py); the collector never sees them.
 
-A run that ends by itself is read after its collector stopped (stopping drains the
-detection of every committed row, so "no incident" is a fact, not a wait). A hang is
-watched live: the job is stopped once the collector holds what the test needs (`stop_when`:
-the incident, and the rows sent before the hang, which may still be on their way from a
-spool), or at a bound. Each run spools under its own directory ($TMPDIR), and a stopped
-run leaves no process behind (tests/procs.py).
+Runs share a collector (`Collectors`: one per policy, started on first use), each
+under its own run id. A run that ended by itself is read once detection has judged
+every row acknowledged before the read (`GET /v1/runs/{run}/incidents?settle_s=`, the
+launcher's end-of-run list): its agents flushed before they exited, so "no incident" is
+a fact, not a wait. A hang is watched live: the job is stopped once the collector holds
+what the test needs (`stop_when`: the incident, and the rows sent before the hang, which
+may still be on their way from a spool), or at a bound. Each run spools under its own
+directory ($TMPDIR), and a stopped run leaves no process behind (tests/procs.py).
 """
 
 from __future__ import annotations
@@ -20,8 +22,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import duckdb
+from urllib.parse import quote
 
 from tests.procs import stop_tree
 from tests.unit.collector.collector_server import CollectorProcess
@@ -31,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LOOPS = Path(__file__).resolve().parent / "loops"
 BIN = Path(sys.executable).parent
 RUN_TIMEOUT_S = 240.0
+SETTLE_S = 10.0  # the route's bound: detection of a finished run's last rows takes tens of ms
 
 # how each loop is watched: the instrumented ones under llmwatch-instrument, the others
 # by their own code (LOOP_WATCH=1: one watch() call; the framework callbacks)
@@ -82,53 +84,86 @@ def _command(loop: str, nproc: int, run_id: str, col: CollectorProcess) -> tuple
     return torchrun, env
 
 
+class Collectors:
+    """One collector per set of arguments (a policy), started on first use, shared by the
+    runs of a module (a start and a stop cost ~2 s of a ~13 s run); `close()` stops them."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._started: dict[tuple[str, ...], CollectorProcess] = {}
+
+    def get(self, args: tuple[str, ...]) -> CollectorProcess:
+        if args not in self._started:
+            db = self.root / f"tel-{len(self._started)}.duckdb"
+            self._started[args] = CollectorProcess(db, args=args).start()
+        return self._started[args]
+
+    def close(self) -> None:
+        for col in self._started.values():
+            col.stop()
+        self._started.clear()
+
+
 def run_loop(tmp: Path, loop: str, *, faults: str = "", steps: int = 60, nproc: int = 2,
-             collector_args: tuple[str, ...] = ("--policy", "off"), stop_when: str | None = None) -> ForeignRun:
+             collector_args: tuple[str, ...] = ("--policy", "off"), stop_when: str | None = None,
+             collectors: Collectors | None = None) -> ForeignRun:
     """Run `loop` with `faults` to its end (or until the SQL `stop_when`, `{run_id}` in it
-    filled in, answers true) and read what the collector stored."""
+    filled in, answers true) and read what the collector stored: a collector of
+    `collectors` for `collector_args`, or one of its own started for the run."""
     tmp.mkdir(parents=True, exist_ok=True)
     run_id = f"{loop}-{tmp.name}"
-    col = CollectorProcess(tmp / "tel.duckdb", args=collector_args).start()
+    own = collectors is None
+    col = CollectorProcess(tmp / "tel.duckdb", args=collector_args).start() if own \
+        else collectors.get(collector_args)
     try:
         cmd, env = _command(loop, nproc, run_id, col)
         env.update(LOOP_FAULTS=faults, LOOP_STEPS=str(steps), LOOP_TRUTH=str(tmp / "truth"), LOOP_OUT=str(tmp / "out"),
                    TMPDIR=str(tmp))
-        log = open(tmp / "job.log", "w+")
-        proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while proc.poll() is None and time.monotonic() < deadline:
-            if stop_when and col.sql(stop_when.format(run_id=run_id))[0][0]:
-                break
-            time.sleep(0.2)
-        stop_tree(proc)
-        log.seek(0)
-        output = log.read()
-        log.close()
+        with open(tmp / "job.log", "w+") as log:
+            proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            deadline = time.monotonic() + RUN_TIMEOUT_S
+            while proc.poll() is None and time.monotonic() < deadline:
+                if stop_when and col.sql(stop_when.format(run_id=run_id))[0][0]:
+                    break
+                time.sleep(0.2)
+            stop_tree(proc)
+            log.seek(0)
+            output = log.read()
+        _settle(col, run_id)
+        return _read(col, loop, run_id, proc.returncode, output)
     finally:
-        col.stop()
-    return _read(tmp / "tel.duckdb", loop, run_id, proc.returncode, output)
+        if own:
+            col.stop()
 
 
-def _read(db: Path, loop: str, run_id: str, returncode: int | None, output: str) -> ForeignRun:
-    con = duckdb.connect(str(db), read_only=True)
-    try:
-        def rows(sql: str) -> list[dict]:
-            cur = con.execute(sql, [run_id])
-            names = [d[0] for d in cur.description]
-            return [dict(zip(names, r)) for r in cur.fetchall()]
+def _settle(col: CollectorProcess, run_id: str) -> None:
+    """Wait until detection judged every row the collector acknowledged (and stored what it found)."""
+    with col.client() as c:
+        r = c.get(f"/v1/runs/{quote(run_id, safe='')}/incidents", params={"settle_s": SETTLE_S},
+                  timeout=SETTLE_S + 30)
+        r.raise_for_status()
+        assert r.headers.get("X-Llmwatch-Settled") == "true", f"detection not caught up in {SETTLE_S} s"
 
-        incidents = rows("SELECT * FROM incidents WHERE run_id = ? ORDER BY id")
-        actions = rows("SELECT * FROM actions WHERE run_id = ? ORDER BY id")
-        ends = dict(con.execute("SELECT step, max(ts) FROM steps WHERE run_id = ? GROUP BY step", [run_id]).fetchall())
-        n_steps = con.execute("SELECT count(*) FROM steps WHERE run_id = ?", [run_id]).fetchone()[0]
-        n_coll = con.execute("SELECT count(*) FROM collectives WHERE run_id = ?", [run_id]).fetchone()[0]
-        config = con.execute("SELECT config::VARCHAR FROM runs WHERE run_id = ?", [run_id]).fetchone()
-    finally:
-        con.close()
+
+def _read(col: CollectorProcess, loop: str, run_id: str, returncode: int | None, output: str) -> ForeignRun:
+    def rows(sql: str) -> list[dict]:
+        with col.client() as c:
+            r = c.post("/v1/sql", json={"sql": sql.replace("?", f"'{run_id}'"), "max_rows": 1_000_000})
+            r.raise_for_status()
+            got = r.json()
+        return [dict(zip(got["columns"], row)) for row in got["rows"]]
+
+    incidents = rows("SELECT * FROM incidents WHERE run_id = ? ORDER BY id")
+    actions = rows("SELECT * FROM actions WHERE run_id = ? ORDER BY id")
+    ends = {r["step"]: r["ts"] for r in rows("SELECT step, max(ts) AS ts FROM steps WHERE run_id = ? GROUP BY step")}
+    (n_steps,) = rows("SELECT count(*) AS n FROM steps WHERE run_id = ?")
+    (n_coll,) = rows("SELECT count(*) AS n FROM collectives WHERE run_id = ?")
+    config = rows("SELECT config::VARCHAR AS config FROM runs WHERE run_id = ?")
     for r in incidents + actions:
         for key in ("evidence", "detail"):
             if isinstance(r.get(key), str):
                 r[key] = json.loads(r[key])
     return ForeignRun(loop=loop, run_id=run_id, returncode=returncode, output=output, incidents=incidents,
-                      actions=actions, steps=ends, num_steps_rows=n_steps, num_collectives=n_coll,
-                      config=json.loads(config[0]) if config and config[0] else {})
+                      actions=actions, steps=ends, num_steps_rows=n_steps["n"], num_collectives=n_coll["n"],
+                      config=json.loads(config[0]["config"]) if config and config[0]["config"] else {})

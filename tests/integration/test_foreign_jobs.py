@@ -10,14 +10,15 @@ faults injected by the harness (loops/faults.py), detection by the collector alo
 - a noisy batch on one replica is a loss spike at its step naming that rank, and a NaN in
   one rank's loss names that rank as the origin.
 
-One run per (loop, scenario), shared by the assertions that read it.
+One run per (loop, scenario), shared by the assertions that read it; the runs share a
+collector per policy (each its own run id).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.integration.foreign_run import ForeignRun, hang_seen, run_loop
+from tests.integration.foreign_run import Collectors, ForeignRun, hang_seen, run_loop
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -41,12 +42,20 @@ def scenario(loop: str, name: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def collectors(tmp_path_factory):
+    started = Collectors(tmp_path_factory.mktemp("collectors"))
+    yield started
+    started.close()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, collectors):
     done: dict[tuple[str, str], ForeignRun] = {}
 
     def get(loop: str, name: str) -> ForeignRun:
         if (loop, name) not in done:
-            done[loop, name] = run_loop(tmp_path_factory.mktemp(f"{loop}-{name}"), loop, **scenario(loop, name))
+            done[loop, name] = run_loop(tmp_path_factory.mktemp(f"{loop}-{name}"), loop, collectors=collectors,
+                                        **scenario(loop, name))
         return done[loop, name]
 
     return get
@@ -114,8 +123,9 @@ def test_zero_code_runs_ask_for_shadow_and_every_decision_is_still_recorded(runs
     assert {a["status"] for a in run.actions} == {"shadow"}, run.actions
 
 
-def test_one_watch_call_in_the_loop_gets_the_same_diagnosis(tmp_path):
-    run = run_loop(tmp_path, "ddp_watch", steps=55, faults=f"noise:rank=0,step={NOISE_AT};nan:rank=1,step={NAN_AT}")
+def test_one_watch_call_in_the_loop_gets_the_same_diagnosis(tmp_path, collectors):
+    run = run_loop(tmp_path, "ddp_watch", steps=55, faults=f"noise:rank=0,step={NOISE_AT};nan:rank=1,step={NAN_AT}",
+                   collectors=collectors)
     _finished(run, 55)
     assert run.config.get("source") == "watch", run.config
     assert sorted((i["kind"], i["rank"], i["step_from"]) for i in run.incidents) == [
