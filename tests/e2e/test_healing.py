@@ -34,6 +34,10 @@ DP = ("--dp", "2", "--nodes", "2", "--micro-batches", "2")  # node0: rank 0; nod
 GLOBAL_SAMPLES = 2 * 2 * 2  # dp x micro-batches x micro-batch size
 BIGGER = ("--d-model", "128", "--seq-len", "64")  # the straggler's steps: long enough to measure (test_detection)
 QUIET = "[grad_spike]\nalone_z_threshold = 1000.0\n"
+# two actions of one kind in a run: the second well past the cooldown without hundreds of steps between
+SHORT_COOLDOWN = "[policy]\ncooldown_s = 2.0\n"
+# a straggler's node isolated after 2 s of its cost, not the default 4 s (the same decision, sooner)
+SHORT_PERSIST = "[policy]\nstraggler_persist_s = 2.0\n"
 
 
 def ckpt(run_dir: Path, every: int = 5, keep: int = 20) -> tuple[str, ...]:
@@ -128,11 +132,11 @@ def data_nan_resumed(data_nan):
 
 @pytest.fixture(scope="module")
 def transients(tmp_path_factory):
-    # the second one well over cooldown_s (5 s, ~150 tiny steps here) after the first rollback
+    # the second one well over cooldown_s (SHORT_COOLDOWN, ~50 tiny steps here) after the first rollback
     d = tmp_path_factory.mktemp("transient") / "run"
-    return run_healing(d, *DP, *rules(d.parent / "rules.toml"), "--steps", "450", *ckpt(d),
+    return run_healing(d, *DP, *rules(d.parent / "rules.toml", SHORT_COOLDOWN), "--steps", "250", *ckpt(d),
                        "--inject", "nan@step=30,rank=1,mode=transient",
-                       "--inject", "nan@step=300,rank=1,mode=transient")
+                       "--inject", "nan@step=150,rank=1,mode=transient")
 
 
 @pytest.fixture(scope="module")
@@ -155,9 +159,10 @@ def spike(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def straggler(tmp_path_factory):
-    # detected ~1 s after its onset, isolated 4 s of cost later (around step 140-190 here): 300 steps
+    # detected ~1 s after its onset, isolated SHORT_PERSIST of cost later (around step 90-130 here): 220 steps
     d = tmp_path_factory.mktemp("straggler") / "run"
-    return run_healing(d, *DP, *BIGGER, *rules(d.parent / "rules.toml"), "--steps", "300", *ckpt(d, every=10),
+    return run_healing(d, *DP, *BIGGER, *rules(d.parent / "rules.toml", SHORT_PERSIST), "--steps", "220",
+                       *ckpt(d, every=10),
                        "--inject", "straggler@rank=1,from=52,factor=1.5")
 
 
@@ -186,9 +191,9 @@ def shadow(tmp_path_factory):
 def rollback_cap(tmp_path_factory):
     d = tmp_path_factory.mktemp("cap") / "run"
     # the second NaN well past the first rollback's cooldown_s: a new incident, not the rerun's echo
-    cap = rules(d.parent / "rules.toml", "[policy]\nmax_rollbacks = 1\n")
-    return run_healing(d, *DP, *cap, "--steps", "500", *ckpt(d),
-                       "--inject", "nan@step=30,rank=1,mode=data", "--inject", "nan@step=250,rank=0,mode=data")
+    cap = rules(d.parent / "rules.toml", SHORT_COOLDOWN + "max_rollbacks = 1\n")
+    return run_healing(d, *DP, *cap, "--steps", "300", *ckpt(d),
+                       "--inject", "nan@step=30,rank=1,mode=data", "--inject", "nan@step=150,rank=0,mode=data")
 
 
 @pytest.fixture(scope="module")
@@ -263,7 +268,7 @@ def test_a_resume_from_before_the_bad_window_never_serves_it_again(data_nan, dat
 def test_two_transient_nans_on_one_node_isolate_it(transients):
     o = transients
     nans = o.of("nan")
-    assert [(i["step_from"], i["node"]) for i in nans] == [(30, "node1"), (300, "node1")], o.report()
+    assert [(i["step_from"], i["node"]) for i in nans] == [(30, "node1"), (150, "node1")], o.report()
     assert all(i["root_cause"].startswith("transient: ") for i in nans), o.report()
     verdicts = [e["data"] for e in o.events("rerun_verdict")]
     assert [(v["verdict"], v["incident_id"]) for v in verdicts] == [("transient", i["id"]) for i in nans], verdicts
@@ -274,7 +279,7 @@ def test_two_transient_nans_on_one_node_isolate_it(transients):
     iso = assert_isolated(o, "node1", nans[1], "transient")
     assert iso["requested_ts"] > rollbacks[1]["requested_ts"], o.report()
     assert round_config(o, 1)["parallel"]["dp"] == 1
-    assert_finished_without(o, "node1", 450)
+    assert_finished_without(o, "node1", 250)
 
 
 # -- 3. a broken device (and --on-isolate, 10.) ----------------------------------------------------------------
@@ -350,7 +355,7 @@ def test_a_straggling_node_is_isolated_and_the_job_keeps_its_global_batch(stragg
     (s,) = o.of("straggler")
     assert (s["rank"], s["node"]) == (1, "node1"), o.report()
     assert_isolated(o, "node1", s, "straggler")
-    assert_finished_without(o, "node1", 300)
+    assert_finished_without(o, "node1", 220)
     new = round_config(o, 1)["parallel"]
     assert (new["dp"], new["micro_batches"]) == (1, 4), new
 
@@ -420,7 +425,7 @@ def test_shadow_mode_records_what_it_would_do_and_does_nothing(shadow):
 def test_past_max_rollbacks_the_next_incident_stops_the_run(rollback_cap):
     o = rollback_cap
     nans = o.of("nan")
-    assert [(i["step_from"], i["rank"]) for i in nans] == [(30, 1), (250, 0)], o.report()
+    assert [(i["step_from"], i["rank"]) for i in nans] == [(30, 1), (150, 0)], o.report()
     kinds = [(a["kind"], a["status"], a["incident_id"]) for a in o.actions]
     assert kinds[0] == ("rollback", "done", nans[0]["id"]), o.report()
     assert kinds[1:] == [("rollback", "refused", nans[1]["id"]), ("stop", "done", nans[1]["id"])], o.report()
@@ -428,8 +433,8 @@ def test_past_max_rollbacks_the_next_incident_stops_the_run(rollback_cap):
     (run,) = o.query("SELECT status FROM runs")
     assert run["status"] == "stopped", o.report()
     (finished,) = o.events("run_finished")
-    assert finished["data"]["status"] == "stopped" and 250 <= finished["step"] < 500, finished
-    assert o.run.metrics()[-1]["step"] < 500
+    assert finished["data"]["status"] == "stopped" and 150 <= finished["step"] < 300, finished
+    assert o.run.metrics()[-1]["step"] < 300
     assert [b["incident_id"] for b in o.bad_batches] == [nans[0]["id"]], o.report()  # the refused one: no skip
 
 
