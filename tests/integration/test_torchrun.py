@@ -86,12 +86,17 @@ def test_torchrun_keeps_a_given_run_id(tmp_path):
     assert sorted(starts) == [(0, "mine", "runs/mine"), (1, "mine", "runs/mine")]
 
 
+STEPS = 150  # the isolation lands around step 70-100
+
+
 def test_an_isolated_node_leaves_and_the_job_finishes_on_the_other_two(tmp_path):
     """Three torchrun agents on loopback, one per simulated node, and a collector: node2's
     rank straggles; the policy isolates node2, whose agent leaves (it is told to stop and
     does not rejoin), and the other two re-rendezvous (--nnodes 2:3), reshard the
     checkpoint to dp 2 with the same global batch, and finish."""
-    col = CollectorProcess(tmp_path / "tel.duckdb").start()
+    rules = tmp_path / "rules.toml"
+    rules.write_text("[policy]\nstraggler_persist_s = 2.0\n")  # isolated after 2 s of its cost, not 4 s: sooner
+    col = CollectorProcess(tmp_path / "tel.duckdb", args=("--rules", str(rules))).start()
     run_dir = tmp_path / "run"
     port = free_port()
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2:3", "--nproc-per-node", "1",
@@ -101,7 +106,7 @@ def test_an_isolated_node_leaves_and_the_job_finishes_on_the_other_two(tmp_path)
                 # closes 1 s after the minimum joined
                 "--rdzv-conf", "last_call_timeout=1,join_timeout=120,keep_alive_interval=1,keep_alive_max_attempt=2"]
     trainer_args = ["-m", "trainer", "--run-id", "elastic", "--run-dir", str(run_dir), "--dp", "3",
-                    "--micro-batches", "2", *TINY, "--d-model", "128", "--seq-len", "64", "--steps", "200",
+                    "--micro-batches", "2", *TINY, "--d-model", "128", "--seq-len", "64", "--steps", str(STEPS),
                     "--ckpt-dir", str(run_dir / "ckpt"), "--ckpt-every", "10", "--telemetry", "--collector", col.url,
                     "--metrics-jsonl", str(run_dir / "metrics.jsonl"),
                     "--inject", "straggler@rank=2,from=30,factor=2"]  # rank 2 of the first layout: node2's
@@ -147,7 +152,7 @@ def test_an_isolated_node_leaves_and_the_job_finishes_on_the_other_two(tmp_path)
     assert ("isolate", "done", "node2") in [a[:3] for a in actions], actions
     assert world == 2 and json.loads(mesh)["dp"] == 2, (world, mesh)
     assert tail == [(0, "node0"), (1, "node1")] or sorted(n for _, n in tail) == ["node0", "node1"], tail
-    assert final_step == 200
+    assert final_step == STEPS
     assert last >= 1 and samples[last] == samples[0] == [12], samples  # the same global batch on two replicas
     recovery = next(a[3] for a in actions if a[0] == "isolate")
     print(f"isolation to the first new step on two nodes: {recovery:.1f} s")
