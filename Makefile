@@ -43,14 +43,18 @@ system-deps:
 # time on a loaded host) run on $(JOBS) workers at once; the slow ones (real multi-rank runs,
 # whose detection reads step times) one at a time, as a shared CI machine allows.
 # --durations: the slowest tests, in every CI log (the suite's time is a budget: README)
+# PYTEST: pytest with bytecode writes on, whatever the shell says (PYTHONDONTWRITEBYTECODE=1 in some
+# sandboxes): it caches its assertion-rewritten test modules as .pyc, or every pytest process
+# (each worker, each pass) rewrites and compiles them all again (~5 s of collection's 14 s)
 JOBS ?= 2
+PYTEST := env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest
 
 test: venv system-deps
-	$(PY) -m pytest -q -m "not slow" -n $(JOBS) --dist loadfile --durations=10
-	$(PY) -m pytest -q -m slow --durations=25
+	$(PYTEST) -q -m "not slow" -n $(JOBS) --dist loadfile --durations=10
+	$(PYTEST) -q -m slow --durations=25
 
 test-quick: venv
-	$(PY) -m pytest -q -m "not slow" -n $(JOBS) --dist loadfile
+	$(PYTEST) -q -m "not slow" -n $(JOBS) --dist loadfile
 
 # The gates alone (make test runs them too, in tests/unit/test_gates.py): ruff, and DESIGN.md's import direction
 lint: venv
@@ -60,7 +64,7 @@ lint: venv
 # The dashboard in headless Chromium (Debian's chromium and chromium-driver: .ci/run installs
 # them; without them these tests skip, or fail in CI). Also part of `make test`.
 test-browser: venv system-deps
-	$(PY) -m pytest -q -m browser tests/browser
+	$(PYTEST) -q -m browser tests/browser
 
 # docs/screenshots/<page>.png of the demo run (after `make demo`, once its collector stopped)
 screenshots: venv
