@@ -43,7 +43,7 @@ def the_incident(o: Healed, cause: str) -> dict:
 
 
 def test_ecc_errors_isolate_the_node_and_the_job_finishes_on_the_other(tmp_path):
-    o = run(tmp_path, "ecc", steps=220)  # isolated around step 110-135 here
+    o = run(tmp_path, "ecc", steps=300)
     assert o.run.returncode == 0, o.report()
     (truth,) = o.run.injections()
     assert (truth["kind"], truth["rank"], truth["node"], truth["step"], truth["what"]) == (
@@ -62,11 +62,11 @@ def test_ecc_errors_isolate_the_node_and_the_job_finishes_on_the_other(tmp_path)
     assert (run_row["status"], run_row["world_size"]) == ("completed", 1), o.report()
     last = o.query("SELECT max(step) AS step, list(DISTINCT node) AS nodes FROM steps "
                    "WHERE attempt = (SELECT max(attempt) FROM steps)")
-    assert last == [{"step": 220, "nodes": ["node0"]}], o.report()
+    assert last == [{"step": 300, "nodes": ["node0"]}], o.report()
 
 
 def test_memory_pressure_checkpoints_at_once(tmp_path):
-    o = run(tmp_path, "memory", steps=260)  # the checkpoint asked around step 145, taken around 170 here
+    o = run(tmp_path, "memory", steps=400)
     assert o.run.returncode == 0, o.report()
     (truth,) = o.run.injections()
     assert (truth["kind"], truth["rank"], truth["step"], truth["what"]) == ("devhealth", 1, ONSET, "memory")
