@@ -14,16 +14,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.e2e]
 
 FLIP = {"rank": 2, "step": 22, "node": "node2"}
 EVERY = 10
-# the repair lands around step 66 and the dp2 rollback around step 105 here (a 0.25 s flush; on a
-# loaded host at fewer steps, not more): a run of STEPS ends well after either
-STEPS = 180
 
 
 def test_bitflip_is_detected_named_and_repaired_in_place(tmp_path):
     run_dir = tmp_path / "bitflip"
-    # STEPS with a 0.25 s flush: the repair lands long before the run ends
+    # 300 steps (~10 s here) with a 0.25 s flush: the repair lands long before the run ends
     # (60 steps finished in 2 s, before the detector had seen step 30's checksums)
-    r = run_trainer(run_dir, "--telemetry", "--no-dashboard", "--dp", "3", "--nodes", "3", "--steps", str(STEPS),
+    r = run_trainer(run_dir, "--telemetry", "--no-dashboard", "--dp", "3", "--nodes", "3", "--steps", "300",
                     "--telemetry-flush-s", "0.25", "--checksum-every", str(EVERY), "--inject", f"bitflip@rank={FLIP['rank']},step={FLIP['step']}",
                     "--ckpt-dir", str(run_dir / "ckpt"), "--ckpt-every", "50", timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -68,7 +65,7 @@ def test_dp2_names_both_replicas_and_rolls_back_to_before_the_last_agreeing_step
     # the same run length and flush as above: the rollback lands long before the run ends;
     # every checkpoint kept (--ckpt-keep 0): the default 3 would have pruned the one before
     # the last agreeing step by the time the divergence is seen
-    r = run_trainer(run_dir, "--telemetry", "--no-dashboard", "--dp", "2", "--nodes", "2", "--steps", str(STEPS),
+    r = run_trainer(run_dir, "--telemetry", "--no-dashboard", "--dp", "2", "--nodes", "2", "--steps", "300",
                     "--telemetry-flush-s", "0.25", "--checksum-every", str(EVERY),
                     "--inject", f"bitflip@rank={DP2_FLIP['rank']},step={DP2_FLIP['step']}",
                     "--ckpt-dir", str(run_dir / "ckpt"), "--ckpt-every", str(DP2_CKPT_EVERY), "--ckpt-keep", "0",
@@ -106,12 +103,12 @@ def test_dp2_names_both_replicas_and_rolls_back_to_before_the_last_agreeing_step
     assert rb["to_step"] == last_agree - DP2_CKPT_EVERY and rb["attempt"] == 1 and rb["diagnose"] is False
     lineage = dict(con.execute("SELECT attempt, min(step) FROM steps GROUP BY attempt").fetchall())
     assert lineage == {0: 1, 1: rb["to_step"] + 1}
-    assert con.execute("SELECT max(step) FROM steps WHERE attempt = 1").fetchone() == (STEPS,)
+    assert con.execute("SELECT max(step) FROM steps WHERE attempt = 1").fetchone() == (300,)
 
     rows = con.execute("SELECT attempt, step, count(DISTINCT value), count(*) FROM scalars "
                        "WHERE name LIKE 'checksum/%' GROUP BY attempt, step ORDER BY attempt, step").fetchall()
     by = {(a, s): (distinct, n) for a, s, distinct, n in rows}
     assert by[(0, last_agree)] == (1, 2) and by[(0, first_bad)] == (2, 2)
     after = sorted(s for a, s in by if a == 1)
-    assert after[0] == last_agree and after[-1] == STEPS  # the replay checks from the first due step on
+    assert after[0] == last_agree and after[-1] == 300  # the replay checks from the first due step on
     assert all(by[(1, s)] == (1, 2) for s in after), by
