@@ -148,11 +148,7 @@ def _settle(col: CollectorProcess, run_id: str) -> None:
 
 def _read(col: CollectorProcess, loop: str, run_id: str, returncode: int | None, output: str) -> ForeignRun:
     def rows(sql: str) -> list[dict]:
-        with col.client() as c:
-            r = c.post("/v1/sql", json={"sql": sql.replace("?", f"'{run_id}'"), "max_rows": 1_000_000})
-            r.raise_for_status()
-            got = r.json()
-        return [dict(zip(got["columns"], row)) for row in got["rows"]]
+        return col.records(sql.replace("?", f"'{run_id}'"))  # run ids: letters, digits and '-'
 
     incidents = rows("SELECT * FROM incidents WHERE run_id = ? ORDER BY id")
     actions = rows("SELECT * FROM actions WHERE run_id = ? ORDER BY id")

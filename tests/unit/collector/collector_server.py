@@ -76,8 +76,16 @@ class CollectorProcess:
         token = self.token if token is None else token
         return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=30.0)
 
-    def sql(self, query: str) -> list[list]:
+    def _select(self, query: str) -> dict:
         with self.client() as c:
             r = c.post("/v1/sql", json={"sql": query, "max_rows": 1_000_000})
             r.raise_for_status()
-            return r.json()["rows"]
+            return r.json()
+
+    def sql(self, query: str) -> list[list]:
+        return self._select(query)["rows"]
+
+    def records(self, query: str) -> list[dict]:
+        """The rows of `query` as {column: value}."""
+        got = self._select(query)
+        return [dict(zip(got["columns"], row)) for row in got["rows"]]
