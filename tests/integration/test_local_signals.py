@@ -27,7 +27,9 @@ def _open(run):
 
 @pytest.fixture(scope="module")
 def nan_run(tmp_path_factory):
-    r = run_trainer(tmp_path_factory.mktemp("sig") / "nan", *LAYOUT, "--steps", "12",
+    # 150 steps, >= 3 s on a fast host: heartbeats (every 1 s) land while the ranks are in their
+    # collectives (12 steps ran in 0.28 s, before any heartbeat after the first: the test failed)
+    r = run_trainer(tmp_path_factory.mktemp("sig") / "nan", *LAYOUT, "--steps", "150",
                     "--inject", f"nan@step={NAN_STEP},rank={NAN_RANK},mode=transient", timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     con = _open(r)
