@@ -228,6 +228,9 @@ def median(xs):
     return statistics.median(xs) if xs else None
 
 
+HOG = "import os, sys\nparent = int(sys.argv[1])\nwhile os.getppid() == parent:\n    pass\n"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description="detection precision/recall/latency on real runs")
     p.add_argument("--seed", type=int, default=0)
@@ -240,7 +243,8 @@ def main() -> int:
     p.add_argument("--hog", action="store_true",
                    help="a process spinning on one core beside every run, for the whole bench (a loaded host)")
     args = p.parse_args()
-    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.hog else None
+    # the hog spins until its parent is gone: a bench killed by a signal (no finally) leaves no hog behind
+    hog = subprocess.Popen([sys.executable, "-c", HOG, str(os.getpid())]) if args.hog else None
     try:
         return _bench(args)
     finally:
