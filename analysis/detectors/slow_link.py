@@ -30,8 +30,13 @@ of each axis:
   member's own transfers were the slow ones that step (its link ratio, below, at
   least `min_ratio`: host noise slows every member alike);
 - each member's *link ratio* is the median over its ops of its transfer time
-  over the others' median: the rank whose own ops are slow has a ratio of about
-  the injected factor, its partners the inverse.
+  over the others' median, against its usual one (the median over its group's
+  last `baseline_steps` steps that were not low, once `min_history_steps` of
+  them are seen): the rank whose own ops are slow has a ratio of about the
+  injected factor, its partners the inverse. Not every member of a healthy
+  group is as fast as its partners (the pp stages' tied-embedding all-reduce
+  had the first stage's member at 1.2-1.9x on every step), and host noise on top
+  of that is not a degraded link.
 
 A group opens an incident when `min_slow_steps` of its last `window_steps` judged
 steps were low and its member with the highest link ratio (smoothed, at least
@@ -40,8 +45,12 @@ bwd_s + opt_s`, net of communication) over the other ranks' median is smaller
 than the excess of its transfers over its partners' (both smoothed, s/step). A
 straggler's transfers are not slow at all (they are timed from the last entry);
 on an oversubscribed host a slow link's rank computes a little slower too (its
-partner spins while it computes), but by far less than its link costs. That
-member is the culprit, with its node. The cost is the
+partner spins while it computes), but by far less than its link costs; and its
+link costs `min_share` of the step or more on a typical step of the window (the
+median of its per-step excess transfer time over the median step time: on an
+oversubscribed host a rank descheduled as its op ends has a transfer 10-1000x
+its partner's now and then, and a few of those raise a smoothed cost while most
+steps cost nothing). That member is the culprit, with its node. The cost is the
 seconds per step the job loses: the culprit's transfer time in excess of its
 partners' in the group's ops of a step, summed (the others wait that long),
 smoothed; and its share of the step time. The incident's range starts at the
@@ -143,13 +152,21 @@ class _Group:
 
 
 class _State:
-    __slots__ = ("rows", "groups", "link", "cost", "compute_ratio", "compute_excess", "step_s", "last_final")
+    __slots__ = ("rows", "groups", "link", "cost", "compute_ratio", "compute_excess", "step_s", "last_final",
+                 "step_cost", "recent_step_s", "link_base", "step_lr", "baseline_steps")
 
-    def __init__(self) -> None:
+    def __init__(self, window_steps: int, baseline_steps: int) -> None:
         self.rows: list[pl.DataFrame] = []  # collective rows of steps not final yet
         self.groups: dict[tuple[str, int], _Group] = {}
         self.link: dict[tuple[str, int], float] = {}  # (axis, rank) -> EWMA of log link ratio
         self.cost: dict[tuple[str, int], float] = {}  # (axis, rank) -> EWMA of excess transfer s/step
+        # (axis, rank) -> its excess transfer s at each of its latest judged steps (window_steps of them)
+        self.step_cost: dict[tuple[str, int], deque[float]] = {}
+        self.recent_step_s: deque[float] = deque(maxlen=window_steps)  # the latest steps' median step_s
+        # (axis, rank) -> its log link ratio at its group's latest steps that were not low (its usual)
+        self.link_base: dict[tuple[str, int], deque[float]] = {}
+        self.step_lr: dict[tuple[str, int], float] = {}  # (axis, rank) -> its log link ratio this step
+        self.baseline_steps = baseline_steps
         self.compute_ratio = np.ones(0)  # EWMA of compute / the others' median, per rank
         self.compute_excess = np.zeros(0)  # EWMA of compute - the others' median, s, per rank
         self.step_s = 0.0
@@ -170,7 +187,18 @@ class SlowLinkDetector:
         self.log_min = math.log(self.cfg.min_ratio)
 
     def new_state(self) -> _State:
-        return _State()
+        return _State(self.cfg.window_steps, self.cfg.baseline_steps)
+
+    def usual_link(self, st: _State, k: tuple[str, int]) -> float:
+        """The member's usual log link ratio: the median over its group's latest steps that were
+        not low, 0 before `min_history_steps` of them. Not every member of a healthy group moves
+        its bytes as fast: the pp stages' tied-embedding all-reduce had the first stage's member
+        at 1.2-1.9x its partner's on every step (two shared cores), so host noise on top of that
+        crossed `min_ratio`; a degraded link is slow against its own usual."""
+        got = st.link_base.get(k)
+        if got is None or len(got) < self.cfg.min_history_steps:
+            return 0.0
+        return float(np.median(np.fromiter(got, float, len(got))))
 
     def run(self, p, st: _State) -> None:
         coll = p.frames.collectives
@@ -216,6 +244,7 @@ class SlowLinkDetector:
         step_s = step_s[np.isfinite(step_s)]
         if len(step_s):
             st.step_s = float(np.median(step_s))
+            st.recent_step_s.append(st.step_s)
         if ok.sum() < 2:
             return
         r, c = r[ok], c[ok]
@@ -243,12 +272,17 @@ class SlowLinkDetector:
         ops = ops.with_columns((pl.col("transfer_s") / pl.col("_others")).log().alias("_lr"),
                                (pl.col("transfer_s") - pl.col("_others")).clip(lower_bound=0.0).alias("_excess"))
         per_rank = ops.group_by("axis", "group_id", "rank").agg(pl.col("_lr").median(), pl.col("_excess").sum())
+        link_of: dict[tuple[str, int], float] = {}
+        st.step_lr = {}
         for axis, gid, rank, lr, excess in per_rank.iter_rows():
             k = (axis, int(rank))
-            st.link[k] = a * float(lr) + (1 - a) * st.link.get(k, 0.0)
+            st.step_lr[k] = float(lr)
+            rel = float(lr) - self.usual_link(st, k)  # its own transfers' usual share taken out
+            st.link[k] = a * rel + (1 - a) * st.link.get(k, 0.0)
             st.cost[k] = a * float(excess) + (1 - a) * st.cost.get(k, 0.0)
-        link_of = {(axis, int(gid)): float(lr) for axis, gid, lr in
-                   per_rank.group_by("axis", "group_id").agg(pl.col("_lr").max()).iter_rows()}
+            st.step_cost.setdefault(k, deque(maxlen=cfg.window_steps)).append(float(excess))
+            g = (axis, int(gid))
+            link_of[g] = max(link_of.get(g, -math.inf), rel)
         groups = (ops.unique(subset=key).group_by("axis", "group_id")
                   .agg((pl.col("_bus_bytes").sum() / pl.col("_op_s").sum()).log().alias("lbw"))
                   .sort("axis", "group_id"))
@@ -280,6 +314,10 @@ class SlowLinkDetector:
         g.calm = 0 if low else g.calm + 1
         if not low:
             g.history.append(lbw)
+            for r in members:
+                k = (g.axis, r)
+                if k in st.step_lr:
+                    st.link_base.setdefault(k, deque(maxlen=st.baseline_steps)).append(st.step_lr[k])
         g.last = {"busbw": math.exp(lbw), "baseline": math.exp(base) if base is not None else None,
                   "peers": math.exp(peers) if peers is not None else None, "members": members}
         if g.key is not None:
@@ -311,11 +349,26 @@ class SlowLinkDetector:
         cost = st.cost.get((g.axis, r), 0.0)
         if r < len(st.compute_excess) and st.compute_excess[r] >= cost:
             return None  # its compute costs more than its link: a straggler, the straggler detector's
-        if st.step_s > 0 and cost < self.cfg.min_share * st.step_s:
+        if self.typical_cost(st, g.axis, r) < self.cfg.min_share * self.typical_step_s(st):
             # a sliver of the step: a compute straggler's pp peers' small collectives looked slow
-            # at ~1.4x (costing 1% of the step); a degraded link costs far more
+            # at ~1.4x (costing 1% of the step); a degraded link costs far more. And on a typical
+            # step, not on average: on an oversubscribed host a rank descheduled as its op ends
+            # has a transfer 10-1000x its partner's now and then, and a few of those in a window
+            # raise the smoothed cost past the share while most steps cost nothing
             return None
         return r
+
+    @staticmethod
+    def typical_cost(st: _State, axis: str, rank: int) -> float:
+        """The rank's excess transfer s on a typical step of the window: the median of its latest."""
+        got = st.step_cost.get((axis, rank))
+        return float(np.median(np.fromiter(got, float, len(got)))) if got else 0.0
+
+    @staticmethod
+    def typical_step_s(st: _State) -> float:
+        """The median step_s over the window (0.0 before any step_s)."""
+        got = st.recent_step_s
+        return float(np.median(np.fromiter(got, float, len(got)))) if got else 0.0
 
     def _report(self, p, st: _State, g: _Group, step: int) -> None:
         culprit = g.culprit

@@ -79,11 +79,12 @@ DP_GROUPS = {0: (0, 2), 1: (1, 3)}
 
 
 def synthetic_run(steps: int = 60, *, seed: int = 0, slow_link: tuple[int, str, int, float] | None = None,
-                  straggler: tuple[int, int, float] | None = None):
+                  straggler: tuple[int, int, float] | None = None, link_factor=None):
     """Commits of a dp2 x tp2 run, one per step: per rank 0.1 s of compute, 8 TP all-reduces of
     1 MiB (~1 ms each) and one DP all-reduce of 4 MiB a step. `slow_link` = (rank, axis, from,
     factor): that rank's transfers on the axis take factor x as long (its partners wait at its
-    next entry); `straggler` = (rank, from, factor): its compute does."""
+    next entry); `straggler` = (rank, from, factor): its compute does; `link_factor(step, rank,
+    axis)`: a further factor on that rank's transfers."""
     rng = np.random.default_rng(seed)
     t = 1000.0
     commits = []
@@ -106,6 +107,8 @@ def synthetic_run(steps: int = 60, *, seed: int = 0, slow_link: tuple[int, str, 
             for r in members:
                 f = slow_link[3] if slow_link and slow_link[0] == r and slow_link[1] == axis \
                     and step >= slow_link[2] else 1.0
+                if link_factor is not None:
+                    f *= link_factor(step, r, axis)
                 end = last_in + base * f * rng.uniform(0.97, 1.03)
                 coll.append({"run_id": "run-1", "attempt": 0, "step": step, "rank": r, "seq": gseq,
                              "group_seq": gseq, "op": "all_reduce", "axis": axis, "group_id": gid, "peer": -1,
@@ -213,6 +216,34 @@ def test_a_cheap_slow_link_is_left_alone():
     assert p.on_incident(st, _incident(0.01), now=100.0) == []
     assert p.on_incident(st, _incident(0.05, share=0.01), now=200.0) == []  # a small share of its step
     assert p.on_incident(st, _incident(0.05, share=0.01), now=300.0) == []
+
+
+def test_a_member_slow_against_its_partner_as_usual_is_not_a_slow_link():
+    """Rank 0's dp transfers take 1.6x its partner's on every step (the pp stages' tied-embedding
+    all-reduce is like that on shared cores), and for 12 steps its group's transfers all take 4x
+    (its group's host busy: both members alike). Its group's bandwidth is low, and against its
+    partner rank 0 is over min_ratio all along; against its own usual it is not: nothing opens.
+    A real 3x on it, later, still does."""
+    def noisy(step, rank, axis):
+        busy = axis == "dp" and rank in DP_GROUPS[0] and 30 <= step < 42
+        return (1.6 if (rank, axis) == (0, "dp") else 1.0) * (4.0 if busy else 1.0)
+
+    assert [f.summary() for f in run_all(synthetic_run(steps=70, seed=4, link_factor=noisy))] == []
+    findings = run_all(synthetic_run(steps=80, seed=4, link_factor=noisy, slow_link=(0, "dp", 50, 3.0)))
+    first = opened(findings)
+    assert [(f.kind, f.rank) for f in first.values()] == [("slow_link", 0)], [f.summary() for f in first.values()]
+    assert next(iter(first.values())).evidence["fired_at_step"] < 50 + 8
+
+
+def test_a_cheap_slow_link_with_one_huge_step_is_left_alone():
+    """Rank 3's dp transfers take 1.6x (low bandwidth, persistently: a cost of ~2% of the step,
+    under min_share), and at one step 60x (a rank descheduled as its op ended, on a loaded
+    host): the smoothed cost passes min_share for a few steps, the typical step's does not."""
+    def spiky(step, rank, axis):
+        return 60.0 if (step, rank, axis) == (34, 3, "dp") else 1.0
+
+    findings = run_all(synthetic_run(steps=70, seed=6, slow_link=(3, "dp", 30, 1.6), link_factor=spiky))
+    assert [f.summary() for f in findings] == []
 
 
 def test_latency_bound_ops_are_not_judged():
