@@ -79,7 +79,7 @@ KIND_LAYOUTS = {"slowlink": ("dp2xtp2", "dp2xpp2"), "slowio_ckpt": ("dp2xtp2", "
 # memory windows from 30 s and 10 s (what is measured is the path, sample to incident, not the window)
 DEVHEALTH_STEPS = 400
 DEVHEALTH_RULES = "[device_health]\nthrottle_window_s = 3.0\nmemory_window_s = 2.0\n"
-FACTORS = {"straggler": (1.5, 1.75, 2.0), "slowlink": (3.0, 4.0), "slowio_data": (3.0, 4.0, 5.0),
+FACTORS = {"straggler": (1.3, 1.5, 1.75, 2.0), "slowlink": (3.0, 4.0), "slowio_data": (3.0, 4.0, 5.0),
            "slowio_ckpt": (20.0, 30.0)}
 CKPT_EVERY = 5  # slowio_ckpt runs checkpoint this often
 MODEL_WRITERS = {"dp2xtp2": (0, 1), "dp2xpp2": (0, 2)}  # dp rank 0 of each (pp, tp): model and optimizer shards
