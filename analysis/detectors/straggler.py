@@ -38,7 +38,7 @@ in a job without measured waits), `level_z` sigmas up; the sum climbs on a burst
 slow steps, the median only when most are slow), that level is above every healthy
 swing of the run that lasted as long (`above_swings`: the latest `swing_memory` climbs
 that ended with no incident, their length and peak level: host noise measured on the
-run itself), its group waits for it
+run itself), by `swing_margin_z` sigmas of the level, its group waits for it
 (`_witnessed`: the waits it caused are `witness_share` of its excess or more),
 its smoothed ratio is at least `min_ratio`, its smoothed excess compute is at
 least `min_share` of the step time (on an oversubscribed host a slow link's rank
@@ -291,20 +291,27 @@ class StragglerDetector:
                 out[got] = np.where(scale > 0, level[got] / scale, np.where(level[got] > 0, np.inf, 0.0))
         return level, out
 
-    def above_swings(self, st: _State, ranks: np.ndarray, level: np.ndarray, step: int) -> np.ndarray:
+    def above_swings(self, st: _State, ranks: np.ndarray, level: np.ndarray, sigmas: np.ndarray,
+                     step: int) -> np.ndarray:
         """Per rank of `ranks`: its level stands above every healthy swing of this run that
         lasted as long as its climb so far and still ended (`swings`: climbs that ended with
-        no incident, the latest `swing_memory`). Host noise is the run's own: on two shared
-        cores a clean rank climbed to 1.3x for 17 steps after another had swung to 1.35x for
-        21 steps and come back; a straggler stays, and once it outlasts every swing seen
-        only the priors above (the level's sigmas) judge it. No swing seen yet: true."""
+        no incident, the latest `swing_memory`), by `swing_margin_z` sigmas of the level (a
+        swing's peak was a median of noisy steps too). Host noise is the run's own: on two
+        shared cores a clean rank climbed to 1.3x for 17 steps after another had swung to
+        1.35x for 21 steps and come back; a clean Lightning rank 0 on a loaded host swung to
+        1.49x for 20 steps, then to 1.6x for 13 (0.07 above the first's peak, under one
+        sigma of its level); a straggler stays, and once it outlasts every swing seen only
+        the priors above (the level's sigmas) judge it. No swing seen yet: true."""
         if not st.swings or not len(ranks) or self.cfg.swing_memory <= 0:
             return np.ones(len(ranks), bool)
         d = np.fromiter((x[0] for x in st.swings), np.int64, len(st.swings))
         peak = np.fromiter((x[1] for x in st.swings), float, len(st.swings))
         lasted = step - st.onset[ranks] + 1
         bar = np.where(d[None, :] >= lasted[:, None], peak[None, :], -np.inf).max(axis=1)
-        return level[ranks] > bar
+        lv, z = level[ranks], sigmas[ranks]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            scale = np.where((z > 0) & np.isfinite(z), lv / z, 0.0)  # the level's sigma (levels())
+        return lv > bar + self.cfg.swing_margin_z * scale
 
     def _swings(self, st: _State, ended: np.ndarray, last: np.ndarray) -> None:
         """Remember the climbs of `ended` (their last climbing step `last`) that opened no
@@ -517,7 +524,7 @@ class StragglerDetector:
                                 & (st.ratio >= cfg.min_ratio) & costly & self._slowed(st)
                                 & (sigmas >= cfg.level_z) & self._witnessed(st)) \
             if known else np.zeros(0, np.int64)
-        firing = firing[self.above_swings(st, firing, level, step)]
+        firing = firing[self.above_swings(st, firing, level, sigmas, step)]
         # culprits: the firing ranks and the open incidents' members; a culprit that waits for
         # another culprit is held back by it (the rank everyone waits for is the culprit)
         culprits = set(firing.tolist()) | {r for ep in st.episodes.values() for r in ep.members}
