@@ -189,8 +189,9 @@ class _State:
         self.held: deque[tuple[int, int, pl.DataFrame]] = deque()  # released steps waiting for their waits
         self.num_unjudged_steps = 0  # held steps dropped past _MAX_HELD_STEPS
         self.climb_peak = np.zeros(0)  # the highest level (log) of the rank's current climb
-        # the run's healthy swings: (judged steps, peak level) of the latest climbs that ended with no incident
-        self.swings: deque[tuple[int, float]] = deque(maxlen=max(1, swing_memory))
+        # the run's healthy swings: (judged steps, peak level, rank, last climbing step) of the latest
+        # climbs that ended with no incident
+        self.swings: deque[tuple[int, float, int, int]] = deque(maxlen=max(1, swing_memory))
 
     def ensure(self, n: int) -> None:
         self.cusum = _grow(self.cusum, n, 0.0)
@@ -301,13 +302,21 @@ class StragglerDetector:
         1.35x for 21 steps and come back; a clean Lightning rank 0 on a loaded host swung to
         1.49x for 20 steps, then to 1.6x for 13 (0.07 above the first's peak, under one
         sigma of its level); a straggler stays, and once it outlasts every swing seen only
-        the priors above (the level's sigmas) judge it. No swing seen yet: true."""
+        the priors above (the level's sigmas) judge it. A climb of the rank's own that ended
+        within `window_steps` before this one began is not a bar to it. No swing seen yet: true."""
         if not st.swings or not len(ranks) or self.cfg.swing_memory <= 0:
             return np.ones(len(ranks), bool)
-        d = np.fromiter((x[0] for x in st.swings), np.int64, len(st.swings))
-        peak = np.fromiter((x[1] for x in st.swings), float, len(st.swings))
-        lasted = step - st.onset[ranks] + 1
-        bar = np.where(d[None, :] >= lasted[:, None], peak[None, :], -np.inf).max(axis=1)
+        n = len(st.swings)
+        d = np.fromiter((x[0] for x in st.swings), np.int64, n)
+        peak = np.fromiter((x[1] for x in st.swings), float, n)
+        whose = np.fromiter((x[2] for x in st.swings), np.int64, n)
+        ended = np.fromiter((x[3] for x in st.swings), np.int64, n)
+        onset = st.onset[ranks]
+        lasted = step - onset + 1
+        # not the rank's own climb that touched zero within window_steps before this one began: a
+        # straggler's sum dips on a noisy host, and that is one slowness, not a swing to beat
+        dip = (whose[None, :] == ranks[:, None]) & (onset[:, None] - ended[None, :] <= self.cfg.window_steps)
+        bar = np.where((d[None, :] >= lasted[:, None]) & ~dip, peak[None, :], -np.inf).max(axis=1)
         lv, z = level[ranks], sigmas[ranks]
         with np.errstate(divide="ignore", invalid="ignore"):
             scale = np.where((z > 0) & np.isfinite(z), lv / z, 0.0)  # the level's sigma (levels())
@@ -321,7 +330,7 @@ class StragglerDetector:
         blamed = {r for ep in st.episodes.values() for r in ep.ever}
         for rank, at in zip(ended.tolist(), last.tolist()):
             if rank not in blamed and st.onset[rank] >= 0:
-                st.swings.append((int(at - st.onset[rank] + 1), float(st.climb_peak[rank])))
+                st.swings.append((int(at - st.onset[rank] + 1), float(st.climb_peak[rank]), rank, int(at)))
 
     def run(self, p, st: _State) -> None:
         st.waits.add(p.frames.collectives)

@@ -249,3 +249,27 @@ def test_of_two_ranks_the_one_whose_peer_sped_up_is_not_a_straggler(seed):
     first = opened(feed(Analyzer(), slower))
     assert [(f.kind, f.rank) for f in first.values()] == [("straggler", 1)], [f.summary() for f in first.values()]
     assert onset <= next(iter(first.values())).evidence["fired_at_step"] < onset + 8
+
+
+def test_a_level_must_clear_the_runs_swings_by_its_own_sigmas_but_not_its_own_dip():
+    """The bar of the run's healthy swings (above_swings): a level over a swing's peak by less
+    than swing_margin_z sigmas of itself is no clearer than that swing (a clean Lightning rank 0
+    on a loaded host swung to 1.49x for 20 steps, then to 1.6x for 13, and was named); and a
+    rank's own climb that touched zero just before this one began is the same slowness, not a
+    swing to beat."""
+    from analysis.detectors.straggler import StragglerDetector
+
+    det = StragglerDetector(load_rules())
+    st = det.new_state()
+    st.ensure(2)
+    st.swings.append((20, 0.40, 0, 100))  # rank 0: a 20-step swing peaking at log 0.40, its last climbing step 100
+    st.onset[:] = 127  # both climbing since step 127: 13 steps at step 139
+    ranks, sigma = np.array([0, 1]), 0.09  # the sigma of their level (levels(): level / sigmas)
+    close = np.full(2, 0.47)
+    assert det.above_swings(st, ranks, close, close / sigma, step=139).tolist() == [False, False]
+    clear = np.full(2, 0.40 + det.cfg.swing_margin_z * sigma + 0.02)
+    assert det.above_swings(st, ranks, clear, clear / sigma, step=139).tolist() == [True, True]
+    st.swings.append((30, 0.90, 1, 122))  # rank 1's own climb ended 5 steps before this one began
+    assert det.above_swings(st, ranks, clear, clear / sigma, step=139).tolist() == [False, True]
+    st.swings.append((30, 0.90, 1, 110))  # one of its own long before is a swing like any other
+    assert det.above_swings(st, ranks, clear, clear / sigma, step=139).tolist() == [False, False]
