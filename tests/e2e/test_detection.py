@@ -90,7 +90,9 @@ def test_a_straggler_in_a_tensor_parallel_group_is_named_not_its_partner(spike_t
     assert s["evidence"]["ranks"] == [2]
     # 1.5x: within 10 steps of the onset (the goal on a loaded host; ~5 on a quiet one)
     assert 52 <= s["evidence"]["fired_at_step"] <= 52 + 10
-    assert s["step_from"] >= 51
+    # the onset is the change point of noisy ratios: on a loaded host a slow step or two before
+    # the fault can fall on its side (CI once put it at 50)
+    assert 52 - 3 <= s["step_from"] <= 52 + 2
     assert s["opened_ts"] < o.last_ts
     assert {i["kind"] for i in o.incidents} == {"loss_spike", "straggler"}, o.summary()
 
