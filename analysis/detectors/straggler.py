@@ -59,7 +59,9 @@ parallel partner computes in lockstep with it and shares its contention).
 The incident's range starts at the onset: the change point of the rank's log
 ratios over its last judged steps (the split that best separates a lower level
 before from a higher one after, by least squares), no earlier than where the sum
-last left zero. Counting slow steps instead puts it early: on a loaded host a
+last left zero (and there, when that lies before the steps looked over: a verdict
+that waited for the drift of a job without measured waits must not date the
+slowness from itself). Counting slow steps instead puts it early: on a loaded host a
 few noisy steps before the fault already cross `min_ratio`, but they do not
 shift the level.
 
@@ -580,9 +582,15 @@ class StragglerDetector:
         """Where the rank's slowness began: the change point of its log ratios (clipped at
         `clip`, as the sum takes them) over the last
         `_ONSET_STEPS` judged steps (the split maximising t(n-t)/n (mean after - mean before)^2
-        with the later level higher), no earlier than the climb's start (where the sum left zero)."""
+        with the later level higher), no earlier than the climb's start (where the sum left zero);
+        the climb's start when it lies before those steps."""
         climb = int(st.onset[rank]) if st.onset[rank] >= 0 else step
         steps = np.fromiter(st.hist_steps, np.int64, len(st.hist_steps))[::-1]  # oldest first
+        if len(steps) == _ONSET_STEPS and climb < steps[0]:
+            # the climb began before the steps looked back over: they are all slow, and a change
+            # point among them is noise (a straggler from step 25 of a job whose verdict waited for
+            # the drift, to step 61, was dated 61); it began where the sum left zero
+            return climb
         x = np.clip(st.lr_hist[rank, :len(steps)][::-1], -clip, clip)
         keep = np.isfinite(x)
         steps, x = steps[keep], x[keep]

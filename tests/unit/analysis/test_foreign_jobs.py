@@ -98,6 +98,22 @@ def _kinds(findings) -> list[tuple]:
     return [(f.kind, f.rank) for f in opened(findings).values()]
 
 
+@pytest.mark.parametrize("world, waited", [(2, 20), (4, 5)])
+def test_a_straggler_from_before_the_first_verdict_is_dated_from_its_onset(world, waited):
+    """A rank slow from step 25, before any verdict can come (on inferred waits, not before the
+    drift is measured: ~64 steps on two ranks). Its sum has climbed since step 25; the change point
+    over the latest judged steps, all of them slow, found none and put the onset at the verdict
+    (step 61 for a 2x Hugging Face straggler from step 25, on two shared cores)."""
+    onset = 25
+    sim = DdpRun(layout=Layout(dp=world, nodes=2), steps=140, seed=11 + world,
+                 faults=(Delay(rank=1, start=onset, extra_s=0.040),))
+    first = opened(feed(Analyzer(), sim.build()))
+    assert [(f.kind, f.rank) for f in first.values()] == [("straggler", 1)], [f.summary() for f in first.values()]
+    f = next(iter(first.values()))
+    assert f.evidence["fired_at_step"] > onset + waited  # the verdict waited for the drift (dp2: longest)
+    assert onset - 3 <= f.step_from <= onset + 1, f.summary()
+
+
 @pytest.mark.parametrize("world, rank, broadcast, timings", [
     (2, 1, False, True), (4, 2, False, True), (4, 3, True, True), (4, 0, False, False)],
     ids=["dp2", "dp4", "dp4-broadcast-buffers", "dp4-step-time-only"])
