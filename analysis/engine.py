@@ -38,7 +38,7 @@ def run_pass(state: RunState, frames: Frames, *, now: float, rules: Rules, detec
     beat = state.live.update_heartbeats(frames.heartbeats, now)
     state.marks.note_phases(state.live, beat)
     state.live.update_collectives(frames.collectives)
-    state.live.update_steps(frames.steps)
+    state.live.update_steps(frames.steps, now)
     if frames.steps is not None and frames.steps.height:
         if not state.scaler_seen and (frames.steps["loss_scale"] > 1.0).any():
             state.scaler_seen = True

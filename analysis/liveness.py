@@ -12,7 +12,7 @@ passes the commits' `received_ts` as `now`, so it sees the same.
 - `done_seq[r]`: the highest `seq` among its collectives rows (completed ops):
   `seq - done_seq` is how many ops it entered that have not completed;
 - `last_step[r]`: the newest step it reported a steps row for (the step a rank
-  died or hung in is the one after).
+  died or hung in is the one after), and `last_step_s[r]` when that row arrived.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ _NAN = float("nan")
 
 class Liveness:
     __slots__ = ("arrival_s", "hb_ts", "seq", "seq_since_s", "hb_step", "phase", "pid", "done_seq", "last_step",
-                 "phase_names", "_phase_index", "num_heartbeats")
+                 "phase_names", "_phase_index", "num_heartbeats", "last_step_s")
 
     def __init__(self) -> None:
         self.arrival_s = np.full(0, _NAN)
@@ -40,6 +40,7 @@ class Liveness:
         self.pid = np.full(0, -1, np.int64)
         self.done_seq = np.full(0, -1, np.int64)
         self.last_step = np.full(0, -1, np.int64)  # newest step row the rank sent
+        self.last_step_s = np.full(0, _NAN)  # when that row arrived
         self.phase_names: list[str] = []
         self._phase_index: dict[str, int] = {}
         self.num_heartbeats = 0
@@ -56,6 +57,7 @@ class Liveness:
         self.pid = _grow(self.pid, n, -1)
         self.done_seq = _grow(self.done_seq, n, -1)
         self.last_step = _grow(self.last_step, n, -1)
+        self.last_step_s = _grow(self.last_step_s, n, _NAN)
 
     @property
     def known(self) -> np.ndarray:
@@ -110,8 +112,34 @@ class Liveness:
         self.phase[r] = phases.replace_strict(self._phase_index, default=-1, return_dtype=pl.Int16).to_numpy()
         return r
 
-    def update_steps(self, steps: pl.DataFrame | None) -> None:
+    def update_steps(self, steps: pl.DataFrame | None, now: float) -> None:
+        before = self.last_step.copy()
         self._raise_per_rank(steps, "step", "last_step")
+        n = len(before)
+        self.last_step_s[:n][self.last_step[:n] > before] = now
+        self.last_step_s[n:][self.last_step[n:] >= 0] = now
+
+    def vouched_for(self, silent: np.ndarray, alive: np.ndarray, now: float, within_s: float) -> np.ndarray:
+        """Per rank of `silent` (a mask): another rank still beating reported, within the last
+        `within_s` and after the silent rank's last heartbeat arrived, a step two or more past
+        the silent rank's newest known one. In a synchronous job nobody completes step s + 2
+        without every rank through step s + 1: the silent rank was alive then, and what went
+        quiet is its telemetry's path (an agent whose posts time out on an overloaded host
+        spools them), not the rank."""
+        n = len(self.arrival_s)
+        out = np.zeros(n, bool)
+        idx = np.flatnonzero(silent[:n])
+        if not len(idx) or not alive[:n].any():
+            return out
+        fresh = alive[:n] & (now - self.last_step_s < within_s)
+        if not fresh.any():
+            return out
+        ahead_step = self.last_step[fresh]
+        ahead_s = self.last_step_s[fresh]
+        known = np.maximum(self.last_step[idx], self.hb_step[idx])
+        since = self.arrival_s[idx]
+        out[idx] = ((ahead_step[None, :] >= known[:, None] + 2) & (ahead_s[None, :] > since[:, None])).any(axis=1)
+        return out
 
     def died_in_step(self, rank: int) -> int | None:
         """The step a silent or stuck rank did not finish: its last step row + 1 (else

@@ -6,7 +6,16 @@ Three sources, most certain first:
   (`cause` "stopped" marks the ranks it stopped itself afterwards): the rank is
   named at once;
 - silence: no heartbeat for `silence_s` while another rank of the run still
-  beats: the rank that went silent first is named. A rank that has not begun
+  beats: the rank that went silent first is named. Not while another rank
+  that still beats reports steps two or more past the silent one's newest (the
+  newest of them within `silence_s`, and after the silent rank was last
+  heard): in a synchronous job nobody completes step s + 2 without every rank
+  through step s + 1, so the silent rank is alive and what went quiet is its
+  telemetry (an overloaded collector made two ranks' agents time out and
+  spool, one after the other, and each was named a crash for a moment); once
+  its peers stop going on, or another rank is silent too without that excuse
+  (then the first to go silent is named, as ever: peers that fail right after
+  a dead rank), the silence counts. A rank that has not begun
   its first step yet gets `startup_silence_s`: imports, the rendezvous and a
   compile hold its interpreter for seconds at a time, so its agent's heartbeat
   thread can miss a few beats there without anything being wrong (a rank that
@@ -84,6 +93,8 @@ class CrashDetector:
             return
         if not silent.any():
             return
+        if not (silent & ~live.vouched_for(silent, alive, p.now, self.cfg.silence_s)).any():
+            return  # the silent ranks' peers went on two steps past them since: alive, their telemetry late
         order = np.flatnonzero(silent)
         order = order[np.argsort(live.arrival_s[order], kind="stable")]
         candidates = [int(r) for r in order if int(r) not in st.stopped] or [int(r) for r in order]

@@ -91,3 +91,31 @@ def test_a_rank_not_yet_at_its_first_step_gets_the_startup_slack_then_is_a_crash
             assert out == []  # rank 2 was silent from 0 s to 6 s: past silence_s, within the start-up slack
     assert [(f.kind, f.rank) for f in opened(out).values()] == [("crash", 2)]
     assert next(f for f in out if f.kind == "crash").ts >= 7.0 + 15.0
+
+
+def test_a_silent_rank_whose_peers_go_on_past_it_is_late_telemetry_not_a_crash():
+    """Rank 1's agent goes quiet for 6 s (its posts time out on an overloaded host and spool)
+    while rank 0 keeps reporting steps: rank 0 could not finish step s + 2 without rank 1 through
+    step s + 1, so rank 1 is alive. Once rank 0 stops going on (waiting on rank 1 in a collective,
+    as it would if rank 1 had died), the silence counts: rank 1 is a crash."""
+    from analysis.frames import steps_frame
+
+    def step_row(rank, step, ts):
+        return {"run_id": "r", "attempt": 0, "step": step, "rank": rank, "ts": ts, "loss": 2.0, "grad_norm": 1.0,
+                "loss_scale": 1.0, "step_s": 0.1, "fwd_s": 0.03, "bwd_s": 0.05, "opt_s": 0.01, "node": f"n{rank}"}
+
+    a = Analyzer()
+    out, step = [], 1
+    for t in range(3):  # both beat and step
+        out += a.feed(Frames(heartbeats=heartbeats_frame([beats(r, float(t), step=step, seq=t) for r in range(2)]),
+                             steps=steps_frame([step_row(r, step, float(t)) for r in range(2)])), now=float(t))
+        step += 1
+    for t in range(3, 9):  # rank 1 silent, rank 0 goes on
+        out += a.feed(Frames(heartbeats=heartbeats_frame([beats(0, float(t), step=step, seq=t)]),
+                             steps=steps_frame([step_row(0, step, float(t))])), now=float(t))
+        step += 1
+    assert out == []
+    for t in range(9, 16):  # rank 0 stops going on: it waits for rank 1, still beating
+        out += a.feed(Frames(heartbeats=heartbeats_frame([beats(0, float(t), step=step, seq=9)])), now=float(t))
+    assert [(f.kind, f.rank) for f in opened(out).values()] == [("crash", 1)]
+    assert next(f for f in out if f.kind == "crash").ts >= 8.0 + 3.0  # silence_s after rank 0's last step
