@@ -583,14 +583,12 @@ class StragglerDetector:
         `clip`, as the sum takes them) over the last
         `_ONSET_STEPS` judged steps (the split maximising t(n-t)/n (mean after - mean before)^2
         with the later level higher), no earlier than the climb's start (where the sum left zero);
-        the climb's start when it lies before those steps."""
+        and the climb's start when the steps before the split were slow too (their mean at least
+        the CUSUM's reference): the slowness began before the split, which is noise among slow
+        steps (a straggler from step 25 of a job whose verdict waited for the drift, to step 61,
+        was dated from such a split, 61)."""
         climb = int(st.onset[rank]) if st.onset[rank] >= 0 else step
         steps = np.fromiter(st.hist_steps, np.int64, len(st.hist_steps))[::-1]  # oldest first
-        if len(steps) == _ONSET_STEPS and climb < steps[0]:
-            # the climb began before the steps looked back over: they are all slow, and a change
-            # point among them is noise (a straggler from step 25 of a job whose verdict waited for
-            # the drift, to step 61, was dated 61); it began where the sum left zero
-            return climb
         x = np.clip(st.lr_hist[rank, :len(steps)][::-1], -clip, clip)
         keep = np.isfinite(x)
         steps, x = steps[keep], x[keep]
@@ -603,8 +601,8 @@ class StragglerDetector:
         after = (x.sum() - head) / (n - t)
         score = np.where(after > before, t * (n - t) / n * (after - before) ** 2, -1.0)
         best = int(np.argmax(score))
-        if score[best] <= 0:
-            return climb
+        if score[best] <= 0 or before[best] >= st.kh[0]:
+            return climb  # no rise among these steps, or they were slow before it too: the climb's start
         return max(climb, int(steps[best + 1]))
 
     @staticmethod
