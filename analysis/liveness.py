@@ -113,11 +113,11 @@ class Liveness:
         return r
 
     def update_steps(self, steps: pl.DataFrame | None, now: float) -> None:
-        before = self.last_step.copy()
+        old = self.last_step.copy()
         self._raise_per_rank(steps, "step", "last_step")
-        n = len(before)
-        self.last_step_s[:n][self.last_step[:n] > before] = now
-        self.last_step_s[n:][self.last_step[n:] >= 0] = now
+        prev = np.full(len(self.last_step), -1, np.int64)  # the ranks may have grown: new ones had none
+        prev[:len(old)] = old
+        self.last_step_s[self.last_step > prev] = now
 
     def vouched_for(self, silent: np.ndarray, alive: np.ndarray, now: float, within_s: float) -> np.ndarray:
         """Per rank of `silent` (a mask): another rank still beating reported, within the last

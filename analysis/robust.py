@@ -9,6 +9,7 @@ baseline enough to hide the next.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 
 import numpy as np
 
@@ -100,6 +101,12 @@ class RollingBaselines:
         med = np.nanmedian(rows, axis=1) if rows.size else np.zeros(0)
         mad = np.nanmedian(np.abs(rows - med[:, None]), axis=1) if rows.size else np.zeros(0)
         return med, MAD_TO_SIGMA * mad
+
+
+def median_of(values: Collection[float], least: int = 1) -> float | None:
+    """The median of a window of values (a deque), None with fewer than `least` of them."""
+    n = len(values)
+    return float(np.median(np.fromiter(values, float, n))) if n and n >= least else None
 
 
 def loo_median(values: np.ndarray, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

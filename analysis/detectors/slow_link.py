@@ -74,7 +74,7 @@ import polars as pl
 from analysis.findings import Finding, json_number
 from analysis.frames import has, iter_steps, split_key, step_keys
 from analysis.registry import register
-from analysis.robust import loo_median
+from analysis.robust import loo_median, median_of
 from analysis.topology import _grow
 
 _P2P = ("send", "recv")
@@ -153,9 +153,9 @@ class _Group:
 
 class _State:
     __slots__ = ("rows", "groups", "link", "cost", "compute_ratio", "compute_excess", "step_s", "last_final",
-                 "step_cost", "recent_step_s", "link_base", "step_lr", "baseline_steps")
+                 "step_cost", "recent_step_s", "link_base")
 
-    def __init__(self, window_steps: int, baseline_steps: int) -> None:
+    def __init__(self, window_steps: int) -> None:
         self.rows: list[pl.DataFrame] = []  # collective rows of steps not final yet
         self.groups: dict[tuple[str, int], _Group] = {}
         self.link: dict[tuple[str, int], float] = {}  # (axis, rank) -> EWMA of log link ratio
@@ -165,8 +165,6 @@ class _State:
         self.recent_step_s: deque[float] = deque(maxlen=window_steps)  # the latest steps' median step_s
         # (axis, rank) -> its log link ratio at its group's latest steps that were not low (its usual)
         self.link_base: dict[tuple[str, int], deque[float]] = {}
-        self.step_lr: dict[tuple[str, int], float] = {}  # (axis, rank) -> its log link ratio this step
-        self.baseline_steps = baseline_steps
         self.compute_ratio = np.ones(0)  # EWMA of compute / the others' median, per rank
         self.compute_excess = np.zeros(0)  # EWMA of compute - the others' median, s, per rank
         self.step_s = 0.0
@@ -187,7 +185,7 @@ class SlowLinkDetector:
         self.log_min = math.log(self.cfg.min_ratio)
 
     def new_state(self) -> _State:
-        return _State(self.cfg.window_steps, self.cfg.baseline_steps)
+        return _State(self.cfg.window_steps)
 
     def usual_link(self, st: _State, k: tuple[str, int]) -> float:
         """The member's usual log link ratio: the median over its group's latest steps that were
@@ -195,10 +193,7 @@ class SlowLinkDetector:
         its bytes as fast: the pp stages' tied-embedding all-reduce had the first stage's member
         at 1.2-1.9x its partner's on every step (two shared cores), so host noise on top of that
         crossed `min_ratio`; a degraded link is slow against its own usual."""
-        got = st.link_base.get(k)
-        if got is None or len(got) < self.cfg.min_history_steps:
-            return 0.0
-        return float(np.median(np.fromiter(got, float, len(got))))
+        return median_of(st.link_base.get(k, ()), self.cfg.min_history_steps) or 0.0
 
     def run(self, p, st: _State) -> None:
         coll = p.frames.collectives
@@ -273,10 +268,10 @@ class SlowLinkDetector:
                                (pl.col("transfer_s") - pl.col("_others")).clip(lower_bound=0.0).alias("_excess"))
         per_rank = ops.group_by("axis", "group_id", "rank").agg(pl.col("_lr").median(), pl.col("_excess").sum())
         link_of: dict[tuple[str, int], float] = {}
-        st.step_lr = {}
+        step_lr: dict[tuple[str, int], float] = {}  # (axis, rank) -> its log link ratio this step
         for axis, gid, rank, lr, excess in per_rank.iter_rows():
             k = (axis, int(rank))
-            st.step_lr[k] = float(lr)
+            step_lr[k] = float(lr)
             rel = float(lr) - self.usual_link(st, k)  # its own transfers' usual share taken out
             st.link[k] = a * rel + (1 - a) * st.link.get(k, 0.0)
             st.cost[k] = a * float(excess) + (1 - a) * st.cost.get(k, 0.0)
@@ -299,14 +294,15 @@ class SlowLinkDetector:
                     g = st.groups[(name, gid)] = _Group(name, gid, cfg.baseline_steps, cfg.window_steps)
                 members = ops.filter((pl.col("axis") == name) & (pl.col("group_id") == gid))["rank"].unique()
                 self._group_step(p, st, g, step, x, ref if n >= 1 else None, sorted(members.to_list()),
-                                 link_of.get((name, gid), 0.0))
+                                 link_of.get((name, gid), 0.0), step_lr)
 
     def _group_step(self, p, st: _State, g: _Group, step: int, lbw: float, peers: float | None,
-                    members: list[int], link: float) -> None:
+                    members: list[int], link: float, step_lr: dict[tuple[str, int], float]) -> None:
         """`lbw`: the group's log bus bandwidth this step, `peers`: the other groups' median,
-        `link`: the highest log link ratio of a member this step."""
+        `link`: the highest log link ratio of a member this step (against its usual), `step_lr`:
+        (axis, rank) -> its log link ratio this step (not against its usual)."""
         cfg = self.cfg
-        base = float(np.median(np.fromiter(g.history, float))) if len(g.history) >= cfg.min_history_steps else None
+        base = median_of(g.history, cfg.min_history_steps)
         low = (base is not None and peers is not None and lbw <= min(base, peers) - self.log_min
                and link >= self.log_min)  # and one member's own transfers were the slow ones
         g.judged += 1
@@ -316,8 +312,8 @@ class SlowLinkDetector:
             g.history.append(lbw)
             for r in members:
                 k = (g.axis, r)
-                if k in st.step_lr:
-                    st.link_base.setdefault(k, deque(maxlen=st.baseline_steps)).append(st.step_lr[k])
+                if k in step_lr:
+                    st.link_base.setdefault(k, deque(maxlen=cfg.baseline_steps)).append(step_lr[k])
         g.last = {"busbw": math.exp(lbw), "baseline": math.exp(base) if base is not None else None,
                   "peers": math.exp(peers) if peers is not None else None, "members": members}
         if g.key is not None:
@@ -361,14 +357,12 @@ class SlowLinkDetector:
     @staticmethod
     def typical_cost(st: _State, axis: str, rank: int) -> float:
         """The rank's excess transfer s on a typical step of the window: the median of its latest."""
-        got = st.step_cost.get((axis, rank))
-        return float(np.median(np.fromiter(got, float, len(got)))) if got else 0.0
+        return median_of(st.step_cost.get((axis, rank), ())) or 0.0
 
     @staticmethod
     def typical_step_s(st: _State) -> float:
         """The median step_s over the window (0.0 before any step_s)."""
-        got = st.recent_step_s
-        return float(np.median(np.fromiter(got, float, len(got)))) if got else 0.0
+        return median_of(st.recent_step_s) or 0.0
 
     def _report(self, p, st: _State, g: _Group, step: int) -> None:
         culprit = g.culprit

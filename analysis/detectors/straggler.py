@@ -110,7 +110,7 @@ from analysis.attribution import WaitBook
 from analysis.findings import Finding, json_number
 from analysis.frames import iter_steps, split_key, step_keys
 from analysis.registry import register
-from analysis.robust import MAD_TO_SIGMA, loo_median, popcount
+from analysis.robust import MAD_TO_SIGMA, loo_median, median_of, popcount
 from analysis.topology import _grow
 
 _STAGE_LEVEL_STEPS = 32  # judged steps a stage's level (median of its per-step medians of log compute) is taken over
@@ -126,9 +126,8 @@ _MAX_HELD_STEPS = 64  # released steps held for their collectives to be final (a
 def _change_sigma(changes: deque, min_samples: int) -> float | None:
     """The sigma of a level from |changes| between its consecutive values (a robust MAD: the
     difference of two has sqrt(2) times its sigma), None with fewer than `min_samples`."""
-    if len(changes) < min_samples:
-        return None
-    return MAD_TO_SIGMA * float(np.median(np.fromiter(changes, float))) / math.sqrt(2.0)
+    med = median_of(changes, min_samples)
+    return None if med is None else MAD_TO_SIGMA * med / math.sqrt(2.0)
 
 
 def _grow_rows(a: np.ndarray, n: int) -> np.ndarray:
@@ -257,8 +256,8 @@ class StragglerDetector:
         return (max(self.k0, self.cfg.noise_k * sigma, self.cfg.drift_k * drift),
                 max(self.cfg.cusum_threshold, self.cfg.noise_h * sigma))
 
-    def levels(self, st: _State) -> tuple[np.ndarray, np.ndarray]:
-        """Per rank: (its level, how many sigmas that lies above its peers'): the median of its log
+    def levels(self, st: _State) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per rank: (its level, how many sigmas that lies above its peers', that sigma): the median of its log
         ratios (not clipped) over the steps since its climb began, at least `level_steps` of
         its latest judged steps and at most `_ONSET_STEPS`. The sigma of that median of m
         steps is the larger of 1.25 x the step-to-step noise over sqrt(m) and the drift (ranks
@@ -271,7 +270,7 @@ class StragglerDetector:
         n = len(st.cusum)
         have = len(st.hist_steps)
         if not n or not have:
-            return np.zeros(n), np.zeros(n)
+            return np.zeros(n), np.zeros(n), np.zeros(n)
         sigma = self.noise_s(st) or 0.0
         drift = self.drift_s(st)
         least = self.cfg.inferred_level_steps if st.waits.inferring else self.cfg.level_steps
@@ -283,23 +282,23 @@ class StragglerDetector:
         m = np.clip(since, min(least, have), have)
         hist = np.where(np.arange(have)[None, :] < m[:, None], st.lr_hist[:n, :have], np.nan)
         cnt = np.isfinite(hist).sum(axis=1)
-        level, out = np.zeros(n), np.zeros(n)
+        level, out, scale = np.zeros(n), np.zeros(n), np.zeros(n)
         got = cnt > 0
         if got.any():
             level[got] = np.nanmedian(hist[got], axis=1)
             c = cnt[got]
             settled = 2 * self.cfg.window_steps  # swings of a shared host last up to a few blocks
-            scale = np.maximum(drift * np.sqrt(settled / np.maximum(c, settled)), 1.25 * sigma / np.sqrt(c))
+            scale[got] = np.maximum(drift * np.sqrt(settled / np.maximum(c, settled)), 1.25 * sigma / np.sqrt(c))
             with np.errstate(divide="ignore", invalid="ignore"):
-                out[got] = np.where(scale > 0, level[got] / scale, np.where(level[got] > 0, np.inf, 0.0))
-        return level, out
+                out[got] = np.where(scale[got] > 0, level[got] / scale[got], np.where(level[got] > 0, np.inf, 0.0))
+        return level, out, scale
 
-    def above_swings(self, st: _State, ranks: np.ndarray, level: np.ndarray, sigmas: np.ndarray,
+    def above_swings(self, st: _State, ranks: np.ndarray, level: np.ndarray, scale: np.ndarray,
                      step: int) -> np.ndarray:
         """Per rank of `ranks`: its level stands above every healthy swing of this run that
         lasted as long as its climb so far and still ended (`swings`: climbs that ended with
-        no incident, the latest `swing_memory`), by `swing_margin_z` sigmas of the level (a
-        swing's peak was a median of noisy steps too). Host noise is the run's own: on two
+        no incident, the latest `swing_memory`), by `swing_margin_z` sigmas of the level
+        (`scale`, per rank, from levels(): a swing's peak was a median of noisy steps too). Host noise is the run's own: on two
         shared cores a clean rank climbed to 1.3x for 17 steps after another had swung to
         1.35x for 21 steps and come back; a clean Lightning rank 0 on a loaded host swung to
         1.49x for 20 steps, then to 1.6x for 13 (0.07 above the first's peak, under one
@@ -319,10 +318,7 @@ class StragglerDetector:
         # straggler's sum dips on a noisy host, and that is one slowness, not a swing to beat
         dip = (whose[None, :] == ranks[:, None]) & (onset[:, None] - ended[None, :] <= self.cfg.window_steps)
         bar = np.where((d[None, :] >= lasted[:, None]) & ~dip, peak[None, :], -np.inf).max(axis=1)
-        lv, z = level[ranks], sigmas[ranks]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            scale = np.where((z > 0) & np.isfinite(z), lv / z, 0.0)  # the level's sigma (levels())
-        return lv > bar + self.cfg.swing_margin_z * scale
+        return level[ranks] > bar + self.cfg.swing_margin_z * scale[ranks]
 
     def _swings(self, st: _State, ended: np.ndarray, last: np.ndarray) -> None:
         """Remember the climbs of `ended` (their last climbing step `last`) that opened no
@@ -416,7 +412,7 @@ class StragglerDetector:
             for i, g in enumerate(stages.tolist()):
                 hist = st.stage_levels.setdefault(g, deque(maxlen=_STAGE_LEVEL_STEPS))
                 hist.append(float(np.median(lc[at == i])))
-                level[i] = float(np.median(np.fromiter(hist, float, len(hist))))
+                level[i] = median_of(hist)
             x = lc - level[at]
             x_ref, _ = loo_median(x, np.zeros(len(x), np.int64))
             ratio = np.exp(x - x_ref)
@@ -528,14 +524,14 @@ class StragglerDetector:
             # stragglers at steps 8-39, one through a hiccup that took a rank's smoothed ratio past
             # max_step_ratio for a step): no verdict before the drift is measured
             known = False
-        level, sigmas = self.levels(st)
+        level, sigmas, scale = self.levels(st)
         up = st.onset[:len(level)] >= 0
         st.climb_peak[up] = np.maximum(st.climb_peak[up], level[up])
         firing = np.flatnonzero((st.cusum >= h) & (popcount(st.mask & self.full) >= cfg.min_slow_steps)
                                 & (st.ratio >= cfg.min_ratio) & costly & self._slowed(st)
                                 & (sigmas >= cfg.level_z) & self._witnessed(st)) \
             if known else np.zeros(0, np.int64)
-        firing = firing[self.above_swings(st, firing, level, sigmas, step)]
+        firing = firing[self.above_swings(st, firing, level, scale, step)]
         # culprits: the firing ranks and the open incidents' members; a culprit that waits for
         # another culprit is held back by it (the rank everyone waits for is the culprit)
         culprits = set(firing.tolist()) | {r for ep in st.episodes.values() for r in ep.members}

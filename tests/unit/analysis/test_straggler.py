@@ -264,12 +264,12 @@ def test_a_level_must_clear_the_runs_swings_by_its_own_sigmas_but_not_its_own_di
     st.ensure(2)
     st.swings.append((20, 0.40, 0, 100))  # rank 0: a 20-step swing peaking at log 0.40, its last climbing step 100
     st.onset[:] = 127  # both climbing since step 127: 13 steps at step 139
-    ranks, sigma = np.array([0, 1]), 0.09  # the sigma of their level (levels(): level / sigmas)
+    ranks, sigma = np.array([0, 1]), np.full(2, 0.09)  # the sigma of their level (levels()' third)
     close = np.full(2, 0.47)
-    assert det.above_swings(st, ranks, close, close / sigma, step=139).tolist() == [False, False]
-    clear = np.full(2, 0.40 + det.cfg.swing_margin_z * sigma + 0.02)
-    assert det.above_swings(st, ranks, clear, clear / sigma, step=139).tolist() == [True, True]
+    assert det.above_swings(st, ranks, close, sigma, step=139).tolist() == [False, False]
+    clear = 0.40 + det.cfg.swing_margin_z * sigma + 0.02
+    assert det.above_swings(st, ranks, clear, sigma, step=139).tolist() == [True, True]
     st.swings.append((30, 0.90, 1, 122))  # rank 1's own climb ended 5 steps before this one began
-    assert det.above_swings(st, ranks, clear, clear / sigma, step=139).tolist() == [False, True]
+    assert det.above_swings(st, ranks, clear, sigma, step=139).tolist() == [False, True]
     st.swings.append((30, 0.90, 1, 110))  # one of its own long before is a swing like any other
-    assert det.above_swings(st, ranks, clear, clear / sigma, step=139).tolist() == [False, False]
+    assert det.above_swings(st, ranks, clear, sigma, step=139).tolist() == [False, False]
