@@ -353,6 +353,9 @@ class CommandChannel:
         self.handlers = handlers
         self._in_flight: tuple[Any, torch.Tensor] | None = None
         self._waiting: deque[AgreedCommand] = deque()  # rank 0: received, not yet broadcast
+        # ids this rank ran a handler for: its agent can hear of a command after the
+        # broadcast carried it (rank 0's agent got it first); it is not refused then
+        self._carried: set[str] = set()
 
     def take(self) -> AgreedCommand | None:
         """The command agreed at the previous step boundary (waits for its broadcast)."""
@@ -372,12 +375,14 @@ class CommandChannel:
 
     def finish(self) -> None:
         """Complete the last broadcast (every rank posted it); the command in it, and any
-        received since, are refused: the collector must not wait for them."""
+        received since, are refused: the collector must not wait for them. One this rank
+        already carried out (its agent heard of it after the broadcast) is left as acked."""
         cmd = self.take()
         if cmd is not None:
             self.agent.ack(cmd.id, "rejected", "the run ended before it could act")
         for late in [*self._waiting, *self.agent.commands()]:
-            self.agent.ack(late.id, "rejected", "the run ended before it could act")
+            if str(late.id) not in self._carried:
+                self.agent.ack(late.id, "rejected", "the run ended before it could act")
         self._waiting.clear()
 
     def _choose(self, received: Iterable[Any]) -> AgreedCommand | None:
@@ -403,7 +408,10 @@ class CommandChannel:
         """The loop's one call per step boundary: take the agreed command, run its
         handler, post the next (unless the run ends here). None: no command."""
         cmd = self.take()
-        outcome = self.handlers[cmd.kind].run(ctx, cmd, step) if cmd is not None else None
+        outcome = None
+        if cmd is not None:
+            self._carried.add(cmd.id)
+            outcome = self.handlers[cmd.kind].run(ctx, cmd, step)
         if outcome is None or not (outcome.stop or outcome.exit_code):
             self.post()
         return outcome

@@ -185,8 +185,8 @@ class CommandBook:
                 out.append(cur.message())
         for run_id, rank, ts, ack in acks:
             cmd = self.get(run_id, ack.command_id)
-            if cmd is None:
-                continue
+            if cmd is None or rank in changed.get(cmd.id, cmd).acks:
+                continue  # unknown, or this rank answered already: every ack is final, the first stands
             cur = edit(cmd)
             cur.acks[rank] = {"status": ack.status, "detail": ack.detail, "ts": ts}
             cur.updated_ts = now

@@ -55,6 +55,21 @@ def test_acks_settle_the_status():
     assert book.plan([], [("r", 0, 2.0, CommandAck(command_id=99, status="ok"))], now=2.0).changed == {}
 
 
+def test_a_ranks_first_ack_stands():
+    """A rank that carried a command out and then refused it again (its agent heard of it
+    only after the agreement, as the run ended) did it: the second answer changes nothing."""
+    book = book_with(Command(id=1, run_id="r", kind="stop", args={}, ranks=[0, 1], issued_ts=0.0))
+    book.apply(book.plan([("r", 0), ("r", 1)], [], now=1.0), 1.0)
+    done = [("r", r, 2.0, CommandAck(command_id=1, status="done", detail="at step 9")) for r in (0, 1)]
+    book.apply(book.plan([], done, now=2.0), 2.0)
+    late = CommandAck(command_id=1, status="rejected", detail="the run ended before it could act")
+    plan = book.plan([], [("r", 1, 3.0, late)], now=3.0)
+    assert plan.changed == {}
+    assert book.get("r", 1).status == "acked"
+    plan = book.plan([], [*done, ("r", 1, 2.5, late)], now=2.0)  # in one group too
+    assert plan.changed == {}
+
+
 def test_a_restart_round_gets_again_what_the_old_round_left_undone():
     """Seen on the demo: a rollback delivered to the old round as an isolation restarted it;
     its ranks left without acting, and the new round (ranks 0 and 1 again) never got it."""

@@ -202,6 +202,21 @@ def test_finish_rejects_a_command_the_run_could_not_act_on():
     assert all(len(a.acks) == 1 for a in agents)
 
 
+def test_finish_leaves_a_command_carried_out_before_the_agent_heard_of_it():
+    """Rank 0's agent got the stop first; rank 1 stopped with the broadcast, and its agent
+    received the stop after: the end of the run must not refuse what rank 1 just did."""
+    wire, agents, chans = two_ranks()
+    hs = [make_ctx(None, rank=r, agent=agents[r], ckpt=False) for r in (0, 1)]
+    deliver(agents[:1], Command("s", "stop"))
+    post_both(chans)
+    assert all(ch.step_boundary(h.ctx, 9).stop for ch, h in zip(chans, hs))
+    deliver(agents[1:], Command("s", "stop"), Command("late", "checkpoint"))
+    for ch in chans:
+        ch.finish()
+    assert [(c, s) for c, s, _ in agents[0].acks] == [("s", "done")]
+    assert [(c, s) for c, s, _ in agents[1].acks] == [("s", "done"), ("late", "rejected")]
+
+
 # -- the step boundary -----------------------------------------------------------
 
 @dataclass
