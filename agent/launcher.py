@@ -70,7 +70,8 @@ class LauncherReporter:
 
     def rank_exited(self, rank: int, returncode: int, *, cause: str) -> None:
         """A rank's process ended with `returncode` (negative: killed by that signal).
-        `cause`: "exited" (on its own) or "stopped" (the launcher stopped it)."""
+        `cause`: "exited" (on its own) or "stopped" (it went down with the job after
+        another rank failed: the launcher stopped it, or its collectives failed first)."""
         code, sig = (returncode, None) if returncode >= 0 else (None, signal_name(-returncode))
         self.event("rank_exited", rank=int(rank), exit_code=code, signal=sig, cause=cause)
 

@@ -34,8 +34,9 @@ column of nulls counts as absent) and fall back to what exists today:
 - events `agent_closed` (sent by `Agent.close()`; data `{}`): the rank finished
   cleanly, its silence is not a crash. `rank_exited` (sent by the launcher;
   `rank` -1, data `{"rank", "exit_code", "signal", "cause": "exited" |
-  "stopped"}`, `cause` "stopped" for the ranks the launcher stopped itself after
-  another failed): names a crashed rank at once, with its exit code or signal.
+  "stopped"}`, `cause` "stopped" for the ranks that went down with
+  the job after another failed: stopped by the launcher, or their collectives
+  failed first): names a crashed rank at once, with its exit code or signal.
 
 Builders (`steps_frame`, ...) make frames from rows for tests and benchmarks;
 they fill columns left out with nulls.

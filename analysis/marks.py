@@ -45,7 +45,7 @@ class RankExit:
     rank: int
     exit_code: int | None
     signal: str | None
-    cause: str  # "exited" (on its own) | "stopped" (by the launcher, after another failed)
+    cause: str  # "exited" (on its own) | "stopped" (went down with the job after another failed)
 
     @property
     def failed(self) -> bool:

@@ -11,7 +11,7 @@ the ranks in their environment only (`trainer.private`).
 
 With telemetry, the launcher reports every rank's exit to the collector as soon
 as it sees it (a `rank_exited` event, `agent.launcher`: exit code or signal, and
-"stopped" for the ranks it stopped itself), so a crash is named at once; with
+"stopped" for the ranks that went down with the job after another failed), so a crash is named at once; with
 the embedded collector it also prints each incident as it opens, and the run's
 list at the end (`trainer.incident_feed`).
 

@@ -57,6 +57,9 @@ CRASH_DECISION_S = 5.0
 # the trainer imports nothing of analysis)
 RESTART_ACTIONS = frozenset({"restart", "isolate"})
 NODE_POLL_S = 0.5
+# how often a round's processes are polled: fine enough to order a crashed rank before the
+# peers its death brings down a few tens of ms later (a collective fails on a closed socket)
+EXIT_POLL_S = 0.02
 GRACE_S = 5.0
 
 ExitHook = Callable[..., None]  # (rank, returncode, *, cause)
@@ -320,7 +323,7 @@ class Supervisor:
                                  f"{self.cfg.healing.isolate_grace_s:g} s to leave")
                     if grace_until is not None and time.monotonic() >= grace_until:
                         break
-                time.sleep(0.1)
+                time.sleep(EXIT_POLL_S)
         except KeyboardInterrupt:
             interrupted = True
         if failed or interrupted or grace_until is not None:
@@ -329,8 +332,11 @@ class Supervisor:
                 self.log(f"trainer: {desc}; stopping the other ranks")
             stopped = stop_all(procs)
             for rank, p in enumerate(procs):
+                # after a failure, a rank still running when it was seen went down with the job:
+                # stopped by the launcher, or brought down first by its failed collectives
                 if p.returncode is not None:
-                    self._report(reported, rank, p.returncode, "stopped" if rank in stopped else "exited")
+                    self._report(reported, rank, p.returncode,
+                                 "stopped" if rank in stopped or failed else "exited")
         return Ended(codes=[p.returncode for p in procs], failed=failed, interrupted=interrupted,
                      isolated=isolated_seen or None, failed_ts=failed_ts)
 

@@ -3,7 +3,7 @@
 Three sources, most certain first:
 
 - the launcher's `rank_exited` event with a non-zero exit code or a signal
-  (`cause` "stopped" marks the ranks it stopped itself afterwards): the rank is
+  (`cause` "stopped" marks the ranks that went down with the job afterwards): the rank is
   named at once;
 - silence: no heartbeat for `silence_s` while another rank of the run still
   beats: the rank that went silent first is named. Not while another rank

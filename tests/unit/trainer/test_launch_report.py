@@ -52,6 +52,17 @@ def test_a_failed_rank_is_reported_before_the_ranks_the_launcher_stops(monkeypat
     assert seen[1][3] == [[], [], [], []]
 
 
+def test_a_peer_that_fails_after_the_crash_went_down_with_the_job(monkeypatch, tmp_path):
+    """Rank 1 crashed; rank 0's collective failed on the closed socket and it exited on its
+    own before the launcher signalled it: it is not a second culprit."""
+    seen = []
+    procs = [FakeProc(1, polls=3), FakeProc(17, polls=2), FakeProc(None)]
+    assert supervise(procs, on_exit=lambda r, c, cause: seen.append((r, c, cause)), policy="off",
+                     monkeypatch=monkeypatch, tmp_path=tmp_path) == 1
+    assert seen == [(1, 17, "exited"), (0, 1, "stopped"), (2, 143, "stopped")]
+    assert procs[0].signals == []
+
+
 def test_a_report_that_raises_does_not_stop_the_supervision(monkeypatch, tmp_path):
     def on_exit(rank, code, *, cause):
         raise RuntimeError("collector client bug")
