@@ -115,7 +115,10 @@ from analysis.topology import _grow
 
 _STAGE_LEVEL_STEPS = 32  # judged steps a stage's level (median of its per-step medians of log compute) is taken over
 _MIN_NOISE_SAMPLES = 48  # step-to-step changes measured before any verdict (the noise must be known)
-_ONSET_STEPS = 32  # judged steps looked back over for the onset of a climb
+_LEVEL_MAX_STEPS = 32  # judged steps a level is taken over at most (and a rank's own past compute)
+# judged steps looked back over for the onset of a climb: a verdict that waited for the drift to be
+# measured (~64 steps into a two-rank job) must still see the steps before a straggler's onset
+_ONSET_STEPS = 64
 _MIN_JUDGED_STEPS = 16  # and judged steps: a run's first steps after its warm-up are noisier than the rest
 _MIN_DRIFT_SAMPLES = 12  # changes of block means measured before the drift counts
 _DRIFT_PRIOR = 0.5  # the drift assumed, in sigmas of the step-to-step noise, until it is measured
@@ -185,7 +188,7 @@ class _State:
         # column i: log ratio (not clipped) at the i-th latest judged step
         self.lr_hist = np.full((0, _ONSET_STEPS), np.nan)
         self.hist_steps: deque[int] = deque(maxlen=_ONSET_STEPS)  # the judged steps those columns are for
-        self.own_hist = np.full((0, _ONSET_STEPS), np.nan)  # column i: log compute at the i-th latest judged step
+        self.own_hist = np.full((0, _LEVEL_MAX_STEPS), np.nan)  # column i: log compute at the i-th latest judged step
         self.paired = np.zeros(0, bool)  # judged against a single peer at its last step
         self.held: deque[tuple[int, int, pl.DataFrame]] = deque()  # released steps waiting for their waits
         self.num_unjudged_steps = 0  # held steps dropped past _MAX_HELD_STEPS
@@ -259,7 +262,7 @@ class StragglerDetector:
     def levels(self, st: _State) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per rank: (its level, how many sigmas that lies above its peers', that sigma): the median of its log
         ratios (not clipped) over the steps since its climb began, at least `level_steps` of
-        its latest judged steps and at most `_ONSET_STEPS`. The sigma of that median of m
+        its latest judged steps and at most `_LEVEL_MAX_STEPS`. The sigma of that median of m
         steps is the larger of 1.25 x the step-to-step noise over sqrt(m) and the drift (ranks
         that drift apart on shared cores: a median over a block does not average that out),
         the drift shrinking as sqrt(2 window_steps / m) once m passes two blocks: a swing of a
@@ -268,7 +271,7 @@ class StragglerDetector:
         straggler moves and a burst of two or three slow steps does not (a clean Lightning rank on shared cores ran 1.5x its peer for three
         steps in a row)."""
         n = len(st.cusum)
-        have = len(st.hist_steps)
+        have = min(len(st.hist_steps), _LEVEL_MAX_STEPS)
         if not n or not have:
             return np.zeros(n), np.zeros(n), np.zeros(n)
         sigma = self.noise_s(st) or 0.0
@@ -277,7 +280,7 @@ class StragglerDetector:
         if drift is None:  # not measured yet (~56 steps on two ranks): the prior, and the median over twice
             drift = _DRIFT_PRIOR * sigma  # the steps (a clean rank on two loaded cores was 1.14x for 7 steps
             least *= 2  # at step 48, 5 sigmas of that prior; a 1.5x straggler is named ~8 steps in)
-        steps = np.fromiter(st.hist_steps, np.int64, have)  # newest first
+        steps = np.fromiter(st.hist_steps, np.int64, len(st.hist_steps))[:have]  # newest first
         since = np.where(st.onset[:n] >= 0, (steps[None, :] >= st.onset[:n, None]).sum(axis=1), 0)
         m = np.clip(since, min(least, have), have)
         hist = np.where(np.arange(have)[None, :] < m[:, None], st.lr_hist[:n, :have], np.nan)
@@ -553,7 +556,7 @@ class StragglerDetector:
             if rank not in ep.members:
                 ep.members.add(rank)
                 ep.ever.add(rank)
-                ep.onset = min(ep.onset, self._onset(st, rank, step, self.clip))
+                ep.onset = min(ep.onset, self._onset(st, rank, step, self.clip, cfg.window_steps))
         for node, ep in list(st.episodes.items()):
             for rank in list(ep.members):
                 if rank in held:
@@ -574,15 +577,17 @@ class StragglerDetector:
             self._report(p, st, ep, step, waiters)
 
     @staticmethod
-    def _onset(st: _State, rank: int, step: int, clip: float) -> int:
+    def _onset(st: _State, rank: int, step: int, clip: float, near: int) -> int:
         """Where the rank's slowness began: the change point of its log ratios (clipped at
         `clip`, as the sum takes them) over the last
         `_ONSET_STEPS` judged steps (the split maximising t(n-t)/n (mean after - mean before)^2
         with the later level higher), no earlier than the climb's start (where the sum left zero);
-        and the climb's start when the steps before the split were slow too (their mean at least
-        the CUSUM's reference): the slowness began before the split, which is noise among slow
-        steps (a straggler from step 25 of a job whose verdict waited for the drift, to step 61,
-        was dated from such a split, 61)."""
+        and the climb's start when the `near` steps just before the split were slow too (their
+        median at least the CUSUM's reference): the slowness began before the split, which is
+        noise among slow steps (a straggler from step 25 of a job whose verdict waited for the
+        drift, to step 61, was dated from such a split, 61). Only the steps next to the split
+        count: a burst of slow steps well before it (whose sum never came back to zero) is
+        not the straggler's onset (a DDP straggler from step 40 was dated 23)."""
         climb = int(st.onset[rank]) if st.onset[rank] >= 0 else step
         steps = np.fromiter(st.hist_steps, np.int64, len(st.hist_steps))[::-1]  # oldest first
         x = np.clip(st.lr_hist[rank, :len(steps)][::-1], -clip, clip)
@@ -597,7 +602,7 @@ class StragglerDetector:
         after = (x.sum() - head) / (n - t)
         score = np.where(after > before, t * (n - t) / n * (after - before) ** 2, -1.0)
         best = int(np.argmax(score))
-        if score[best] <= 0 or before[best] >= st.kh[0]:
+        if score[best] <= 0 or float(np.median(x[max(0, best + 1 - near):best + 1])) >= st.kh[0]:
             return climb  # no rise among these steps, or they were slow before it too: the climb's start
         return max(climb, int(steps[best + 1]))
 

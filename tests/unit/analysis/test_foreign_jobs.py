@@ -114,6 +114,23 @@ def test_a_straggler_from_before_the_first_verdict_is_dated_from_its_onset(world
     assert onset - 3 <= f.step_from <= onset + 1, f.summary()
 
 
+@pytest.mark.parametrize("burst_ms", [10, 14])
+def test_a_straggler_whose_sum_a_burst_had_lifted_is_dated_from_its_own_onset(burst_ms):
+    """Rank 1 runs 1.3-1.4x slow over steps 10-17, then 2x from step 25: its sum left zero at
+    10 and never came back before the straggler began (a CI run of a real DDP job: a climb from
+    step 23, a straggler from 40, named from 23). The verdict waited for the drift, past the 32
+    steps the change point looked over, all of them slow: the onset was put at the climb's start."""
+    onset = 25
+    sim = DdpRun(layout=Layout(dp=2, nodes=2), steps=160, seed=5,
+                 faults=(Delay(rank=1, start=10, end=18, extra_s=burst_ms / 1e3),
+                         Delay(rank=1, start=onset, extra_s=0.040)))
+    first = opened(feed(Analyzer(), sim.build()))
+    assert [(f.kind, f.rank) for f in first.values()] == [("straggler", 1)], [f.summary() for f in first.values()]
+    f = next(iter(first.values()))
+    assert f.evidence["fired_at_step"] > onset + 32  # past what the old look-back held
+    assert onset - 3 <= f.step_from <= onset + 1, f.summary()
+
+
 @pytest.mark.parametrize("world, rank, broadcast, timings", [
     (2, 1, False, True), (4, 2, False, True), (4, 3, True, True), (4, 0, False, False)],
     ids=["dp2", "dp4", "dp4-broadcast-buffers", "dp4-step-time-only"])
