@@ -90,10 +90,14 @@ class Analyzer:
         return out
 
     def _enter(self, run_id: str, frames: Frames, now: float, out: list[Finding]) -> None:
-        """The run's state, a new round's when these rows start one."""
-        if run_id in self.runs and is_new_round(frames):
+        """The run's state, a new round's when these rows start one (the first of its ranks
+        to say so: rank 0's start can come in a later commit than another rank's first steps,
+        which must be judged in the new round's state, not the old one's)."""
+        started = restart_round(frames)
+        if run_id in self.runs and started > self.runs[run_id].round:
             out.extend(self.new_round(run_id, now=now))
-        self.run_state(run_id)
+        st = self.run_state(run_id)
+        st.round = max(st.round, started)
 
     def new_round(self, run_id: str, *, now: float) -> list[Finding]:
         """A restart round of `run_id`, maybe on fewer nodes: its rank numbers now name
@@ -126,19 +130,24 @@ class Analyzer:
         self.runs.pop(run_id, None)
 
 
-def is_new_round(frames: Frames) -> bool:
-    """Rows holding rank 0's `run_started` event of a restart round."""
+def restart_round(frames: Frames) -> int:
+    """The highest restart round whose start these rows hold (any rank's `run_started`
+    event with `restart` > 0); 0 when none."""
     ev = frames.events
     if ev is None or not ev.height:
-        return False
-    for data in ev.filter((ev["kind"] == "run_started") & (ev["rank"] == 0))["data"].to_list():
+        return 0
+    out = 0
+    for data in ev.filter((ev["kind"] == "run_started") & (ev["rank"] >= 0))["data"].to_list():
         try:
-            restart = (json.loads(data) if isinstance(data, str) else data or {}).get("restart")
-        except (ValueError, AttributeError):
+            out = max(out, int((json.loads(data) if isinstance(data, str) else data or {}).get("restart") or 0))
+        except (ValueError, AttributeError, TypeError):
             continue
-        if int(restart or 0) > 0:
-            return True
-    return False
+    return out
+
+
+def is_new_round(frames: Frames) -> bool:
+    """Rows holding the start of a restart round (any of its ranks')."""
+    return restart_round(frames) > 0
 
 
 _EMPTY = Frames()

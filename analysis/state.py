@@ -77,6 +77,7 @@ class RunState:
         self.newest_step: int | None = None
         self.num_passes = 0
         self.last_now: float | None = None
+        self.round = 0  # the job's restart round these rows are from (trainer/supervisor.py)
 
     def footprint(self) -> dict[str, int]:
         """Sizes of what the state holds (rows, entries), for the boundedness test."""

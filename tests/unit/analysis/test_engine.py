@@ -3,7 +3,7 @@
 import polars as pl
 
 from analysis import Analyzer, Frames
-from tests.unit.analysis.sim import Crash, Layout, Sim, Straggler
+from tests.unit.analysis.sim import Crash, Layout, Sim, Spike, Straggler, feed, opened
 
 
 def merged(*sims):
@@ -73,3 +73,39 @@ def test_a_restart_round_closes_the_runs_incidents_and_starts_its_state_over():
                            "data": '{"restart": 0}', "attempt": 0}])
     analyzer.feed_run(sim.run_id, Frames(events=first), now=now + 1)
     assert analyzer.runs[sim.run_id] is new
+
+
+def test_a_restart_round_starts_with_its_first_rank_not_again_with_rank_0():
+    """Seen on the demo (node1 isolated at step 68, a loss spike at 70 on the one node left):
+    rank 1's start and first steps came in a commit before rank 0's. Judged in the old round's
+    state, the spike opened; rank 0's start then began the round, closed that incident ("the job
+    restarted") and the spike was judged again: two incidents, two rollbacks, two verdicts."""
+    from dataclasses import replace
+
+    from analysis.frames import events_frame
+
+    sim = Sim(layout=Layout(dp=2, tp=2, nodes=2), steps=200, seed=9, faults=(Spike(step=125, factor=3.0),))
+    commits = sim.build()
+    cut = sim.step_end_ts(120)
+    before, after = [c for c in commits if c[0] <= cut], [c for c in commits if c[0] > cut]
+
+    def started(rank: int, ts: float) -> Frames:
+        return Frames(events=events_frame([{"run_id": sim.run_id, "rank": rank, "ts": ts, "kind": "run_started",
+                                            "data": '{"restart": 1, "attempt_floor": 1}', "attempt": 1}]))
+
+    a = Analyzer()
+    findings = feed(a, before)
+    t0 = after[0][0]
+    old = a.runs[sim.run_id]
+    findings += a.feed(started(1, t0), now=t0)
+    new = a.runs[sim.run_id]
+    assert new is not old and new.round == 1
+    spike_at = next(i for i, (now, _) in enumerate(after) if now >= sim.step_end_ts(126))
+    findings += feed(a, after[:spike_at])
+    findings += a.feed(replace(after[spike_at][1], events=started(0, after[spike_at][0]).events), now=after[spike_at][0])
+    assert a.runs[sim.run_id] is new  # the same round: nothing starts over
+    findings += feed(a, after[spike_at + 1:])
+    spikes = opened(findings, "loss_spike")
+    assert [f.step_from for f in spikes.values()] == [125]
+    assert not any((f.evidence or {}).get("resolved_because") == "the job restarted (a new round)" for f in findings
+                   if f.kind == "loss_spike")
