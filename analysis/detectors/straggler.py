@@ -419,7 +419,8 @@ class StragglerDetector:
             x = lc - level[at]
             x_ref, _ = loo_median(x, np.zeros(len(x), np.int64))
             ratio = np.exp(x - x_ref)
-        lr = np.clip(np.log(ratio), -self.clip, self.clip)
+        raw = np.log(ratio)
+        lr = np.clip(raw, -self.clip, self.clip)
         k, h = st.kh = self.reference(st)  # from the noise before this step
         prev = st.last_lr[r]
         seen = np.isfinite(prev) & (st.judged[r] >= 0)
@@ -427,7 +428,11 @@ class StragglerDetector:
         st.last_lr[r] = lr
         self._blocks(st, r, lr)
         before = st.cusum[r]
-        after = np.clip(before + lr - k, 0.0, 2.0 * h)  # capped: a long straggle recovers fast
+        # a step adds at most log(max_step_ratio / min_ratio) above the reference, wherever the noise
+        # put the reference: clipped at log max_step_ratio alone, a reference raised to ~log 1.5 by a
+        # noisy host let a 2x straggler add 0.04 a step, and the demo named it 54 steps late
+        step_in = np.clip(raw, -self.clip, k + self.clip - self.k0)
+        after = np.clip(before + step_in - k, 0.0, 2.0 * h)  # capped: a long straggle recovers fast
         st.cusum[r] = after
         climbing = (before <= 0) & (after > 0)
         ended = (before > 0) & (after <= 0)

@@ -273,3 +273,21 @@ def test_a_level_must_clear_the_runs_swings_by_its_own_sigmas_but_not_its_own_di
     assert det.above_swings(st, ranks, clear, sigma, step=139).tolist() == [False, True]
     st.swings.append((30, 0.90, 1, 110))  # one of its own long before is a swing like any other
     assert det.above_swings(st, ranks, clear, sigma, step=139).tolist() == [False, False]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_reference_raised_by_noise_still_lets_a_2x_straggler_climb(seed):
+    """On a noisy host the CUSUM's reference rises toward log 1.5 (here through noise_k on
+    jittery steps; in the demo the drift did it). A step's log ratio was clipped at log
+    max_step_ratio (1.6) alone, so a 2x straggler added ~0.04 a step over such a reference and
+    was named 16-18 steps in here (54 in the demo). A step now adds up to log(max_step_ratio /
+    min_ratio) above the reference, wherever it is: named within 8 steps, nobody else."""
+    rules = rules_from_dict({"straggler": {"noise_k": 2.0}})
+    onset = 120
+    sim = Sim(layout=Layout(dp=2, tp=2, nodes=2), steps=200, seed=seed, jitter=0.25,
+              faults=(Straggler(rank=3, start=onset, factor=2.0),))
+    first = opened(feed(Analyzer(rules), sim.build()))
+    assert [(f.kind, f.rank) for f in first.values()] == [("straggler", 3)], [f.summary() for f in first.values()]
+    f = next(iter(first.values()))
+    assert f.evidence["cusum_reference"] > math.log(1.3)  # the noise did raise it
+    assert onset <= f.evidence["fired_at_step"] < onset + 8
