@@ -240,8 +240,9 @@ class RollbackHandler(Handler):
                         incident_id=args.get("incident_id"), from_step=past, to_step=loaded.step,
                         suspect_step=suspect, attempt=ctx.state.attempt, checkpoint=str(loaded.path),
                         diagnose=ctx.probe is not None, swap_shift=shift)
-        ctx.log(f"rollback: step {past} -> checkpoint of step {loaded.step}, attempt {ctx.state.attempt}"
-                f"{f'; rerun of step {suspect} with the replicas swapped' if ctx.probe is not None else ''}")
+        rerun = "" if ctx.probe is None else f"; rerun of step {suspect}" + (
+            " with the replicas swapped" if shift else " (one replica: its samples cannot move)")
+        ctx.log(f"rollback: step {past} -> checkpoint of step {loaded.step}, attempt {ctx.state.attempt}{rerun}")
         return Outcome(f"restored step {loaded.step} as attempt {ctx.state.attempt}")
 
 

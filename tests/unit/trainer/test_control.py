@@ -439,6 +439,7 @@ def test_one_replica_reruns_without_a_swap():
     assert not any(c[0] == "swap_at" for c in h.calls)
     assert h.ctx.probe.shift == 0 and h.ctx.probe.kind == "nan"  # the default kind
     assert dict(h.ctx.agent.events)["rollback_started"]["swap_shift"] == 0
+    assert "rerun of step 7 (one replica: its samples cannot move)" in h.logs[-1]
 
 
 def test_a_rollback_without_diagnosis_plans_no_probe_and_no_swap():
