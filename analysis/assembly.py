@@ -64,6 +64,10 @@ class StepAssembler:
     def num_open_steps(self) -> int:
         return len(self._count)
 
+    def open_keys(self) -> list[tuple[int, int]]:
+        """The (attempt, step) of the steps not released yet."""
+        return list(self._count)
+
     @property
     def num_pending_rows(self) -> int:
         return sum(c.height for c in self._chunks)

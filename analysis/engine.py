@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 
+from analysis import watermark
 from analysis.findings import Finding
 from analysis.frames import Frames
 from analysis.registry import build_detectors
@@ -121,6 +122,11 @@ class Analyzer:
             if carry is not None and d.name in prev.detectors:
                 st.detectors[d.name] = carry(prev.detectors[d.name])
         return out
+
+    def clean_through(self, run_id: str) -> tuple[int, int] | None:
+        """(attempt, step) of the run's clean-through watermark (analysis/watermark.py), or None."""
+        state = self.runs.get(run_id)
+        return None if state is None else watermark.clean_through(state)
 
     def tick(self, *, now: float) -> list[Finding]:
         """A pass without new rows: timers only (silence, stagnation, step timeouts)."""

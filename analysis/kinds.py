@@ -12,7 +12,10 @@ ones it emits). Their traits:
   crash): the policy acts on it even when its incident closed in the pass that
   opened it; any other kind only while its incident is open;
 - `rule`: the policy's rule for it (analysis/policy.py `Policy.RULES` maps each rule
-  to its method; `alert` does nothing but the alert every incident is).
+  to its method; `alert` does nothing but the alert every incident is);
+- `taints_weights`: the model's parameters after its first step may be bad (a NaN, a
+  spike's update, a corrupted replica): a checkpoint from then on is not known-good
+  while the incident is open (analysis/watermark.py).
 
 Action kinds are the `kind` of an `actions` row and of the command it sends. Their
 lifecycle says who ends one, and when:
@@ -48,6 +51,7 @@ class IncidentKind:
     rule: str = "alert"
     costed: bool = False
     acted_when_closed: bool = False
+    taints_weights: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,9 +68,11 @@ def _index(items) -> MappingProxyType:
 
 INCIDENTS = _index([
     IncidentKind("nan", "a non-finite loss or gradient, with the rank it started on", "rollback",
-                 acted_when_closed=True),
-    IncidentKind("loss_spike", "the loss far above its recent level", "rollback", acted_when_closed=True),
-    IncidentKind("grad_spike", "the gradient norm far above its recent level", "rollback", acted_when_closed=True),
+                 acted_when_closed=True, taints_weights=True),
+    IncidentKind("loss_spike", "the loss far above its recent level", "rollback", acted_when_closed=True,
+                 taints_weights=True),
+    IncidentKind("grad_spike", "the gradient norm far above its recent level", "rollback", acted_when_closed=True,
+                 taints_weights=True),
     IncidentKind("loss_scale_collapse", "fp16's loss scale backing off again and again (overflows)"),
     IncidentKind("straggler", "a rank whose compute is slower than its peers'", "persist", costed=True),
     IncidentKind("slow_link", "a rank whose communication on one axis is slow", "persist", costed=True),
@@ -76,7 +82,8 @@ INCIDENTS = _index([
                  "device_health"),
     IncidentKind("data_stall", "a rank waiting for its data loader", "persist", costed=True),
     IncidentKind("checkpoint_slow", "a rank whose checkpoint writes are slow"),
-    IncidentKind("replica_divergence", "replicas whose parameters differ (silent data corruption)", "divergence"),
+    IncidentKind("replica_divergence", "replicas whose parameters differ (silent data corruption)", "divergence",
+                 taints_weights=True),
 ])
 
 ACTIONS = _index([
@@ -94,6 +101,7 @@ INCIDENT_KINDS = tuple(INCIDENTS)
 ACTION_KINDS = tuple(ACTIONS)
 COSTED = tuple(k for k, v in INCIDENTS.items() if v.costed)
 ACTED_WHEN_CLOSED = frozenset(k for k, v in INCIDENTS.items() if v.acted_when_closed)
+TAINTS_WEIGHTS = frozenset(k for k, v in INCIDENTS.items() if v.taints_weights)
 DONE_IN_PLACE = frozenset(k for k, v in ACTIONS.items() if v.lifecycle == IN_PLACE)
 ENDED_BY_RESTART = frozenset(k for k, v in ACTIONS.items() if v.lifecycle == BY_RESTART)
 
