@@ -211,6 +211,7 @@ class Agent(Recorder):
         self.num_urgent_flushes = 0
         self._mailbox: deque[Command] = deque()
         self._seen_commands: set[str] = set()
+        self._clean_through: tuple[int, int] | None = None  # (attempt, step): the collector's watermark
         self._recorded = {k: 0 for k in STATS_KINDS}
         self._buffer_dropped = {k: 0 for k in STATS_KINDS}
         self._drops_reported = {k: 0 for k in STATS_KINDS}
@@ -359,6 +360,14 @@ class Agent(Recorder):
 
     def set_attempt(self, n: int) -> None:
         self.attempt = int(n)
+
+    def clean_through(self) -> int | None:
+        """The newest step of this rank's attempt the collector vouches for (every detector
+        judged it, nothing that spoils the weights at or before it; collector/live/watermark.py):
+        a checkpoint at or below it is known-good. None: not known (no collector, no detection,
+        or its latest answer was about another attempt: a rollback's lineage starts over)."""
+        mark = self._clean_through
+        return mark[1] if mark is not None and mark[0] == self.attempt else None
 
     def commands(self) -> list[Command]:
         """Drain the mailbox: commands received since the last call, oldest first."""
@@ -685,6 +694,12 @@ class Agent(Recorder):
                                type(bridge).__name__, e)
 
     def _on_response(self, body: dict) -> None:
+        mark = body.get("clean_through")
+        if isinstance(mark, dict):
+            try:
+                self._clean_through = (int(mark["attempt"]), int(mark["step"]))
+            except (KeyError, TypeError, ValueError):
+                pass
         for c in body.get("commands") or ():
             if not isinstance(c, dict) or c.get("id") is None:
                 continue

@@ -61,6 +61,9 @@ class NoopAgent:
     def commands(self) -> list[Command]:
         return []
 
+    def clean_through(self) -> int | None:
+        return None
+
     def ack(self, command_id: str, status: str, detail: str = "") -> None:
         return None
 

@@ -322,6 +322,9 @@ class Watch:
     def commands(self):
         return self.agent.commands()
 
+    def clean_through(self) -> int | None:
+        return self.agent.clean_through()
+
     def ack(self, command_id: str, status: str, detail: str = "") -> None:
         self.agent.ack(command_id, status, detail)
 

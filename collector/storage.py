@@ -45,6 +45,7 @@ from collector.alerts.receivers import build_receivers
 from collector.ingest.decode import DecodedBatch
 from collector.live.detection import DetectionRunner
 from collector.live.policy import IncidentWatch, PolicyRunner
+from collector.live.watermark import Watermarks
 from collector.metrics import CollectorMetrics
 from collector.offline.retention import RollupJob, check_age
 from collector.read import queries
@@ -146,11 +147,13 @@ class Storage:
             self._outbox.pending_at_start = []
             self.sender.start()
         self.detection: DetectionRunner | None = None
+        # what the ingest answers tell the ranks is known-good (None without detection)
+        self.watermarks = Watermarks(hold_for_policy=policy is not None) if analyzer is not None else None
         if analyzer is not None:
             self.detection = DetectionRunner(
                 self.subscribe("detection", max_commits=detection_queue_commits), analyzer,
                 submit=self.record_findings, meta=lambda run_id: self.read(queries.run_meta_tables, run_id),
-                clock=clock, tick_s=detection_tick_s, registry=self.metrics.registry)
+                clock=clock, tick_s=detection_tick_s, registry=self.metrics.registry, watermarks=self.watermarks)
             self.detection.start()
         self.policy: PolicyRunner | None = None
         if policy is not None:

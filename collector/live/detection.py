@@ -21,6 +21,10 @@ tables runs every `tick_s` while no commit comes, so the analysis notices what
 stopped (heartbeats of a crashed rank). Findings go back through the writer as
 one `RecordFindings` intent per run and pass: submitted, never waited for.
 
+After each run's pass its clean-through watermark (analysis/watermark.py) goes to
+`watermarks` (collector/live/watermark.py), with a hold on each incident that
+taints the weights until the policy settles it; the ingest answers carry it.
+
 `wait_caught_up(seq)` is the one wait on it, for a reader that wants the verdict
 on everything stored so far (the launcher's list at the end of a run): it returns
 once commit `seq` was analyzed and every finding submitted by then is stored.
@@ -45,6 +49,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from analysis import Analyzer, Frames
 from analysis.engine import is_new_round
+from analysis.kinds import TAINTS_WEIGHTS
+from collector.live.watermark import Watermarks
 from collector.store.feed import Commit, Subscription
 
 log = logging.getLogger("collector.live.detection")
@@ -78,11 +84,14 @@ class DetectionRunner:
 
     def __init__(self, subscription: Subscription, analyzer: Analyzer, *, submit: Submit, meta: Meta | None = None,
                  clock: Callable[[], float] = time.time, tick_s: float = 1.0, idle_run_s: float = 600.0,
-                 on_gap: Callable[[int], None] | None = None, registry: CollectorRegistry | None = None) -> None:
+                 on_gap: Callable[[int], None] | None = None, registry: CollectorRegistry | None = None,
+                 watermarks: Watermarks | None = None) -> None:
         """`meta(run_id)`: the run's runs, ranks and nodes rows (None: the commits carry
         what the analysis needs). `tick_s`: a run without a pass this long gets one with
-        empty tables. `idle_run_s`: a run without rows this long is forgotten."""
+        empty tables. `idle_run_s`: a run without rows this long is forgotten. `watermarks`:
+        where each pass leaves the run's clean-through watermark (collector/live/watermark.py)."""
         self.analyzer = analyzer
+        self.watermarks = watermarks
         self._sub = subscription
         self._submit = submit
         self._meta = meta
@@ -118,6 +127,8 @@ class DetectionRunner:
         for r in list(self.analyzer.runs) if run_id is None else [run_id]:
             self.analyzer.drop_run(r)
             self._complete.discard(r)
+            if self.watermarks is not None:
+                self.watermarks.forget(r)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -167,6 +178,11 @@ class DetectionRunner:
                 self._metrics.errors.inc()
                 log.exception("detection failed on run %s", run_id)
                 continue
+            if self.watermarks is not None:
+                for f in findings:  # held before the watermark moves: a closed spike waits for the policy
+                    if f.kind in TAINTS_WEIGHTS and not f.resolved:
+                        self.watermarks.hold(run_id, f.key, f.step_from)
+                self.watermarks.set(run_id, self.analyzer.clean_through(run_id))
             if findings:
                 self._metrics.findings.inc(len(findings))
                 with self._progress:

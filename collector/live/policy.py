@@ -33,6 +33,11 @@ Every recorded action is also an alert (the outbox's action hook).
 
 A rerun verdict is also written to its incident's `root_cause`, with the
 evidence the trainer gathered, before the policy decides on it.
+
+An incident that taints the weights holds the run's known-good watermark below
+its first step (collector/live/watermark.py) until the runner settles it: at once
+when it decides to do nothing (shadow, refused, an alert), else when the action
+ends (done, failed, or the run finished first).
 """
 
 from __future__ import annotations
@@ -130,6 +135,7 @@ class Pending:
     # `run_started` count (the old round may run a few more steps of a later attempt)
     needs_restart: bool = False
     recovered_ts: float | None = None  # done: training went on; pending until it caught up
+    incident_id: int | None = None
 
 
 class PolicyRunner:
@@ -150,6 +156,8 @@ class PolicyRunner:
         self._world: dict[str, int] = {}
         self._node_map: dict[str, dict[int, str]] = {}
         self._deferred: dict[int, dict[str, Any]] = {}  # incidents the policy will decide on later (waiting)
+        # incidents with an action under way: (run_id, cause_key), whose watermark hold the action's end releases
+        self._acting_on: dict[int, tuple[str, str | None]] = {}
         self._thread = threading.Thread(target=self._run, name="llmwatch-policy", daemon=True)
         watch.on_change = self._offer
 
@@ -232,12 +240,29 @@ class PolicyRunner:
         st = self._state(row["run_id"])
         now = self.clock()
         decisions = self.policy.on_incident(st, row, now)
-        if self.policy.waiting(st, row, now) and now - (row.get("opened_ts") or now) < _DEFER_MAX_S:
+        waiting = self.policy.waiting(st, row, now) and now - (row.get("opened_ts") or now) < _DEFER_MAX_S
+        if waiting:
             self._deferred[row["id"]] = row  # the newest row: an update may have named the culprit
         else:
             self._deferred.pop(row["id"], None)
         for d in decisions:
             self._carry_out(d, row)
+        with self._lock:
+            acting = row["id"] in self._acting_on
+        if not waiting and not acting:
+            self._release(row["run_id"], row.get("cause_key"))  # decided, and nothing under way
+
+    def _release(self, run_id: str, key: str | None) -> None:
+        marks = self.storage.watermarks
+        if marks is not None:
+            marks.release(run_id, key)
+
+    def _action_ended(self, incident_id: int | None) -> None:
+        """An action's end (done, failed, or the run's): its incident no longer holds the watermark."""
+        with self._lock:
+            got = self._acting_on.pop(incident_id, None) if incident_id is not None else None
+        if got is not None:
+            self._release(*got)
 
     def _commit(self, tables: Mapping[str, pa.Table]) -> None:
         """Events first (a restart's run_started before the new round's steps), then the
@@ -296,6 +321,7 @@ class PolicyRunner:
                 self._pending.pop(p.action_id, None)
             self.storage.update_action(p.action_id, status="failed",
                                        detail={"failed_rank": rank, "ack": status, "failure": data.get("detail")})
+            self._action_ended(p.incident_id)
             return
         if status != "done" or p.acked:
             return
@@ -309,6 +335,7 @@ class PolicyRunner:
                        else f"every rank carried out the {p.kind}")
             self.storage.update_action(p.action_id, status="done", started_ts=ts, finished_ts=ts,
                                        detail={"outcome": outcome})
+            self._action_ended(p.incident_id)
             return
         if world and len(p.acks) >= world:
             p.acked = True
@@ -323,6 +350,10 @@ class PolicyRunner:
             ending = [p for p in self._pending.values() if p.run_id == run_id]
             for p in ending:
                 self._pending.pop(p.action_id, None)
+            for iid in [i for i, (r, _) in self._acting_on.items() if r == run_id]:
+                del self._acting_on[iid]
+        if self.storage.watermarks is not None:
+            self.storage.watermarks.release_run(run_id)  # nothing more will be done about them
         for p in ending:
             if p.recovered_ts is not None:
                 continue  # done; the run ended before it caught up
@@ -377,6 +408,7 @@ class PolicyRunner:
     def _done(self, p: Pending, first: dict[str, Any], past: int) -> None:
         at = first["ts"] if first["ts"] is not None else self.clock()
         p.recovered_ts = at
+        self._action_ended(p.incident_id)  # a new attempt goes on: its own watermark
         recovery = at - p.incident_opened_ts if p.incident_opened_ts is not None else None
         self.storage.update_action(p.action_id, status="done", attempt=first["attempt"], finished_ts=at,
                                    recovery_s=round(recovery, 3) if recovery is not None else None,
@@ -405,6 +437,9 @@ class PolicyRunner:
             return
         attempt = max(self._reached.get(d.run_id, {}), default=0)
         opened = incident.get("opened_ts")
+        if d.incident_id is not None:
+            with self._lock:
+                self._acting_on[d.incident_id] = (d.run_id, incident.get("cause_key"))
         if d.kind == ISOLATE:
             self.storage.set_node_status(d.run_id, d.node, "isolated", d.reason, incident_id=d.incident_id)
         # The supervisor restarts a crashed job by itself, and leaves a crashed node out when
@@ -418,6 +453,7 @@ class PolicyRunner:
             if error is not None:
                 self.storage.record_action(d.run_id, d.kind, "failed",
                                            **{**common, "detail": {**d.detail(), "error": str(error)}})
+                self._action_ended(d.incident_id)
                 return
             self.storage.record_action(d.run_id, d.kind, "issued", command_id=row["id"], **common,
                                        done=self._follow(d, row["id"], opened, attempt))
@@ -434,7 +470,7 @@ class PolicyRunner:
             with self._lock:
                 self._pending[int(action_id)] = Pending(action_id=int(action_id), run_id=d.run_id, kind=d.kind,
                                                         incident_opened_ts=opened, attempt=attempt,
-                                                        command_id=command_id,
+                                                        command_id=command_id, incident_id=d.incident_id,
                                                         needs_restart=d.kind in ENDED_BY_RESTART)
         return recorded
 

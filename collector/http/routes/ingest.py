@@ -95,9 +95,12 @@ class IngestEndpoint:
             return e.status, dumps({"error": str(e)}), []
         except QueueFull as e:
             return 503, dumps({"error": f"busy, retry later: {e}"}), [(b"retry-after", b"1")]
-        # server_ts: this collector's clock, for the agents' offset estimates (agent/clock.py)
+        # server_ts: this collector's clock, for the agents' offset estimates (agent/clock.py);
+        # clean_through: the run's known-good watermark (collector/live/watermark.py), for the trainer
+        marks = self.storage.watermarks
         return 200, dumps({"accepted": outcome.accepted, "duplicate": outcome.duplicate,
-                           "commands": outcome.commands, "server_ts": time.time()}), []
+                           "commands": outcome.commands, "server_ts": time.time(),
+                           "clean_through": marks.get(batch.run_id) if marks is not None else None}), []
 
     @staticmethod
     async def _read(receive: Receive, limit: int) -> bytes:

@@ -165,3 +165,23 @@ def test_while_spooling_rows_wait_for_a_larger_batch_but_never_overflow_the_buff
     stats = agent.stats()
     agent.close(timeout_s=0.5)
     assert stats["batches"]["spooled"] == 3 and sum(stats["dropped"].values()) == 0
+
+
+def test_the_collectors_watermark_counts_for_the_attempt_it_was_about():
+    """An ingest answer's `clean_through` (collector/live/watermark.py) is the trainer's
+    known-good step, only while the rank is in that attempt: after a rollback the new
+    lineage's steps are not judged yet, whatever the old lineage reached."""
+    agent = Agent(AgentConfig(url=None, device_health=False), run_id="r", rank=0)
+    try:
+        assert agent.clean_through() is None
+        agent._on_response({"accepted": 1, "clean_through": {"attempt": 0, "step": 28}})
+        assert agent.clean_through() == 28
+        agent._on_response({"accepted": 1, "clean_through": None})  # no news: the last one stands
+        agent._on_response({"accepted": 1, "clean_through": {"attempt": "x"}})  # malformed: ignored
+        assert agent.clean_through() == 28
+        agent.set_attempt(1)
+        assert agent.clean_through() is None
+        agent._on_response({"accepted": 1, "clean_through": {"attempt": 1, "step": 24}})
+        assert agent.clean_through() == 24
+    finally:
+        agent.close()

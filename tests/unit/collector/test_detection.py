@@ -24,8 +24,9 @@ from tests.unit.collector.collector_batches import make_batch, steps_section
 
 
 class StandIn:
-    """The Analyzer's face to the runner: one state per run in `runs`, `drop_run`, and
-    `feed_run(run_id, frames, now)` calling `judge(state, frames, now)` for findings."""
+    """The Analyzer's face to the runner: one state per run in `runs`, `drop_run`,
+    `feed_run(run_id, frames, now)` calling `judge(state, frames, now)` for findings, and
+    `clean_through(run_id)`: the state's "clean_through" (a judge may set it)."""
 
     def __init__(self, judge=None) -> None:
         self.runs: dict[str, dict] = {}
@@ -37,6 +38,9 @@ class StandIn:
     def feed_run(self, run_id, frames, *, now):
         state = self.runs.setdefault(run_id, {"run_id": run_id})
         return self.judge(state, frames, now)
+
+    def clean_through(self, run_id):
+        return self.runs.get(run_id, {}).get("clean_through")
 
 
 def slow_rank(state, frames, now) -> list[Finding]:

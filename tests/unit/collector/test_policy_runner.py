@@ -13,6 +13,7 @@ import pyarrow as pa
 from analysis.policy import Decision, Policy
 from analysis.rules import load_rules
 from collector.live.policy import PolicyRunner
+from collector.live.watermark import Watermarks
 
 RUN = "r1"
 
@@ -31,6 +32,7 @@ class FakeStorage:
         self.issued: list[tuple[str, dict]] = []
         self.updates: list[tuple[int, dict[str, Any]]] = []
         self.next_id = 10
+        self.watermarks = Watermarks(hold_for_policy=True)
 
     def read(self, fn, run_id):
         if fn.__name__ == "_run_layout":
@@ -152,3 +154,39 @@ def test_a_deferred_divergence_that_closed_is_dropped():
     now[0] = 200.0
     runner._tick()
     assert [k for k, _ in storage.issued] == ["rollback"]
+
+
+def test_a_taint_holds_the_watermark_until_its_rollback_is_done_and_a_shadow_one_not_at_all():
+    """A spike closes in the analysis once the loss is back, maybe before the policy acted:
+    its hold (placed by the detection runner) keeps the known-good watermark below it
+    until the rollback's new attempt runs; a decision to do nothing releases it at once."""
+    storage = ActingStorage()
+    marks = storage.watermarks
+    runner = PolicyRunner(storage, Policy(load_rules()), subscription=None, watch=FakeWatch())
+    runner._refresh_run(RUN)
+    marks.set(RUN, (0, 80))
+    marks.hold(RUN, "loss_spike#1", 70)
+    spike = {"id": 3, "run_id": RUN, "kind": "loss_spike", "status": "closed", "rank": None, "node": None,
+             "step_from": 70, "step_to": 70, "opened_ts": 100.0, "cause_key": "loss_spike#1",
+             "evidence": {"peak": {"step": 70, "value": 11.0, "baseline": 2.8}}}
+    runner._incident(spike)
+    assert [k for k, _ in storage.issued] == ["rollback"]
+    assert marks.get(RUN) == {"attempt": 0, "step": 69}  # held while the rollback is under way
+    runner._incident(spike)  # an update of the same row: still under way
+    assert marks.get(RUN) == {"attempt": 0, "step": 69}
+    command_id = storage.next_id
+    runner._commit({"events": events(*({"rank": r, "kind": "command_ack",
+                                        "data": f'{{"command_id": {command_id}, "status": "done"}}'} for r in (0, 1))),
+                    "steps": steps(1, 61)})
+    assert marks.held(RUN) == {}  # the rollback's attempt runs: its own watermark from here
+    marks.set(RUN, (1, 60))
+    assert marks.get(RUN) == {"attempt": 1, "step": 60}
+
+    shadow = ActingStorage()
+    runner = PolicyRunner(shadow, Policy(load_rules(), mode="shadow"), subscription=None, watch=FakeWatch())
+    runner._refresh_run(RUN)
+    shadow.watermarks.set(RUN, (0, 80))
+    shadow.watermarks.hold(RUN, "loss_spike#1", 70)
+    runner._incident(spike)
+    assert [(k, st) for k, st, _ in shadow.actions] == [("rollback", "shadow")]
+    assert shadow.watermarks.get(RUN) == {"attempt": 0, "step": 80}
