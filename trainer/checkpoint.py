@@ -76,6 +76,7 @@ from trainer.parallel_dims import Axis, ParallelDims
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 MAX_IN_FLIGHT = 2  # saves per rank: one being written, one queued
+KNOWN_GOOD_SPAN = 4  # x keep: checkpoints kept after the newest known-good one before the span is cut
 _FINAL_RE = re.compile(r"^step-(\d{8,})$")
 _STEP_RE = re.compile(r"^step-(\d{8,})\.\w+$")  # not finalized: .tmp, .replaced
 _POLL_S = 0.05
@@ -233,12 +234,17 @@ class Checkpointer:
     agreed, and a divergence caught at the next checksum rolls back to before the last
     agreeing one: with checkpoints more frequent than checksums the newest `keep` can
     all be too recent (the trainer passes 2 x checksum_every).
+    `known_good()` (rank 0's; None: not known): the collector's clean-through watermark
+    (collector/live/watermark.py, through the agent). Pruning never removes the newest
+    checkpoint at or below it, nor any after it, so a rollback decided late still finds
+    one before its incident; should the watermark lag by more than `KNOWN_GOOD_SPAN` x
+    `keep` checkpoints (a collector away), the known-good one and the newest that many stay.
     """
 
     def __init__(self, cfg: CheckpointConfig, *, dims: ParallelDims, comm: Comm, log: Callable[[str], None] = print,
                  clock: Callable[[], float] = time.time, serialize: Callable[[Any, BinaryIO], None] = torch.save,
                  finalize_timeout_s: float = 600.0, slow_write: Callable[[int], float] | None = None,
-                 keep_older_than: int = 0) -> None:
+                 keep_older_than: int = 0, known_good: Callable[[], int | None] | None = None) -> None:
         if not cfg.dir:
             raise ValueError("CheckpointConfig.dir is required")
         self.cfg = cfg
@@ -251,6 +257,8 @@ class Checkpointer:
         self._serialize = serialize
         self._slow_write = slow_write
         self._keep_older_than = keep_older_than
+        self._known_good = known_good
+        self._lag_logged = False
         self._finalize_timeout_s = finalize_timeout_s
         self.dir.mkdir(parents=True, exist_ok=True)
         token = torch.tensor([secrets.randbits(62)], dtype=torch.int64, device=comm.device)
@@ -521,6 +529,7 @@ class Checkpointer:
                     pinned.update(s for s, _ in finals if s > edge)
                     if old_enough:
                         pinned.add(old_enough[-1])
+                pinned.update(self._known_good_span(finals, root))
                 for step, path in finals[:-self.cfg.keep]:
                     if step not in pinned:
                         _remove_checkpoint(path)
@@ -528,6 +537,31 @@ class Checkpointer:
                 m = _STEP_RE.match(entry.name)
                 if m and int(m.group(1)) < newest_step and entry.is_dir():
                     shutil.rmtree(entry.path, ignore_errors=True)
+
+    def _known_good_span(self, finals: list[tuple[int, Path]], root: Path) -> set[int]:
+        """The steps pruning must keep for the watermark: the newest known-good checkpoint and
+        every one after it (the newest KNOWN_GOOD_SPAN x keep of those: disk is bounded)."""
+        try:
+            mark = self._known_good() if self._known_good is not None and root == self.dir else None
+        except Exception:  # noqa: BLE001 - a watermark read must never fail a save
+            mark = None
+        if mark is None:
+            return set()
+        good = [s for s, _ in finals if s <= mark]
+        if not good:
+            return set()
+        after = [s for s, _ in finals if s > good[-1]]
+        span = KNOWN_GOOD_SPAN * self.cfg.keep
+        if len(after) > span:
+            self._log_lag(good[-1], len(after))
+            after = after[-span:]
+        return {good[-1], *after}
+
+    def _log_lag(self, step: int, n: int) -> None:
+        if not self._lag_logged:
+            self._lag_logged = True
+            self.log(f"checkpoints: the collector's known-good watermark is {n} checkpoints behind (step {step}); "
+                     f"keeping that one and the newest {KNOWN_GOOD_SPAN * self.cfg.keep}")
 
     # -- loading -------------------------------------------------------------
     def load_latest(self, before_step: int | None = None) -> LoadedCheckpoint | None:

@@ -192,7 +192,9 @@ class RollbackHandler(Handler):
     (nan, loss_spike, grad_spike), `rank` (the rank the incident named),
     `loss_above` / `grad_norm_above` (what counts as a reproduced spike),
     `skip_batches` (global batches to skip after the suspect one on a data verdict;
-    default 0), `diagnose` (default true)."""
+    default 0), `diagnose` (default true), `known_good_step` (the collector's
+    clean-through watermark when it decided: the checkpoint restored is the newest
+    at or below it, else, when none is left, the newest before the suspect step)."""
 
     kind = "rollback"
 
@@ -204,7 +206,7 @@ class RollbackHandler(Handler):
             raise Refused("rollback needs the suspect 'step'")
         if step > ctx.state.step:
             raise Refused(f"step {step} has not run yet (the run is at step {ctx.state.step})")
-        for key in ("incident_id", "rank"):
+        for key in ("incident_id", "rank", "known_good_step"):
             _int_arg(cmd.args, key, minimum=0)
         _int_arg(cmd.args, "skip_batches", default=0, minimum=0)
         _float_arg(cmd.args, "loss_above")
@@ -215,7 +217,13 @@ class RollbackHandler(Handler):
     def act(self, ctx: RunContext, cmd: AgreedCommand, step: int) -> Outcome:
         args = cmd.args
         suspect = int(args["step"])
-        loaded = ctx.ckpt.load_latest(before_step=suspect)  # collective: every rank, same answer
+        known_good = args.get("known_good_step")
+        before = suspect if known_good is None else min(suspect, int(known_good) + 1)
+        loaded = ctx.ckpt.load_latest(before_step=before)  # collective: every rank, same answer
+        if loaded is None and before < suspect:
+            ctx.log(f"rollback: no verified checkpoint at or below the known-good step {known_good}; "
+                    f"taking the newest before step {suspect}")
+            loaded = ctx.ckpt.load_latest(before_step=suspect)
         if loaded is None:
             raise Failed(f"no verified checkpoint before step {suspect}")
         past = ctx.state.step

@@ -217,7 +217,9 @@ def run_worker(cfg: JobConfig, *, token: str | None = None) -> int:
                                         slow_write=lambda step: injector.slowio_factor("ckpt", step),
                                         # a divergence rolls back before the last agreeing checksum
                                         keep_older_than=2 * cfg.telemetry.checksum_every
-                                        if cfg.telemetry.enabled and dims.dp > 1 else 0)
+                                        if cfg.telemetry.enabled and dims.dp > 1 else 0,
+                                        # rank 0 prunes: never the newest known-good checkpoint or after it
+                                        known_good=agent.clean_through)
         # Injections name ranks of the job's first layout: after an elastic restart with fewer
         # nodes a fault stays with its hardware (the launcher's LLMWATCH_HW_RANK), not its number.
         hw_rank = hardware_rank(os.environ, rank, dims.ranks_per_node)

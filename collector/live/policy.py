@@ -459,7 +459,16 @@ class PolicyRunner:
                                        done=self._follow(d, row["id"], opened, attempt))
 
         log.info("policy: %s for run %s (%s)", d.kind, d.run_id, d.reason)
-        self.storage.issue_command(d.run_id, d.kind, d.args, None, done=issued)
+        self.storage.issue_command(d.run_id, d.kind, self._args(d), None, done=issued)
+
+    def _args(self, d: Decision) -> dict[str, Any]:
+        """The command's arguments: a rollback also carries the known-good watermark (the
+        checkpoint it restores is the newest at or below it: collector/live/watermark.py)."""
+        marks = self.storage.watermarks
+        mark = marks.get(d.run_id) if marks is not None and d.kind == "rollback" else None
+        if mark is None or not isinstance(d.args.get("step"), int) or mark["step"] >= d.args["step"]:
+            return d.args
+        return {**d.args, "known_good_step": mark["step"]}
 
     def _follow(self, d: Decision, command_id: int | None, opened: float | None,
                 attempt: int) -> Callable[[Any, BaseException | None], None]:

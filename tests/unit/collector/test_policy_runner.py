@@ -171,6 +171,7 @@ def test_a_taint_holds_the_watermark_until_its_rollback_is_done_and_a_shadow_one
              "evidence": {"peak": {"step": 70, "value": 11.0, "baseline": 2.8}}}
     runner._incident(spike)
     assert [k for k, _ in storage.issued] == ["rollback"]
+    assert storage.issued[0][1]["known_good_step"] == 69  # the checkpoint it restores: at or below it
     assert marks.get(RUN) == {"attempt": 0, "step": 69}  # held while the rollback is under way
     runner._incident(spike)  # an update of the same row: still under way
     assert marks.get(RUN) == {"attempt": 0, "step": 69}

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.checkpoint import MANIFEST, Checkpointer, model_filename, rank_filename, step_dirname
+from trainer.checkpoint import KNOWN_GOOD_SPAN, MANIFEST, Checkpointer, model_filename, rank_filename, step_dirname
 from trainer.comm import Comm
 from trainer.config import CheckpointConfig
 from trainer.parallel_dims import ParallelDims
@@ -288,6 +288,36 @@ def test_keep_older_than_holds_the_newest_checkpoint_a_later_checksum_vouches_fo
     root = tmp_path / "ckpt"
     assert sorted(p.name for p in root.iterdir()) == [step_dirname(s) for s in (40, 45, 50, 55, 60)]
     assert ck.load_latest(before_step=50).step == 45
+    ck.close()
+
+
+def test_the_newest_known_good_checkpoint_and_all_after_it_survive_pruning(tmp_path, logs):
+    """Seen on a tiny model (40 ms a step, checkpoints every 8, keep 3): a spike at step 29,
+    its rollback reaching the ranks at step 61, and checkpoints 8-24 already pruned: "no
+    verified checkpoint before step 29". The collector's watermark stays at 28 while the
+    spike's incident is unsettled: checkpoint 24 is the newest known-good, and it stays."""
+    mark = [None]
+    ck = make(tmp_path, logs, keep=3, known_good=lambda: mark[0])
+    root = tmp_path / "ckpt"
+    for step in (8, 16, 24):
+        save(ck, step)
+    mark[0] = 28
+    for step in (32, 40, 48, 56):
+        save(ck, step)
+        assert ck.wait(10)
+    assert sorted(p.name for p in root.iterdir()) == [step_dirname(s) for s in (24, 32, 40, 48, 56)]
+    assert ck.load_latest(before_step=29).step == 24
+    mark[0] = 50  # settled: the watermark moves on, and keep 3 applies again past the known-good one
+    save(ck, 64)
+    assert ck.wait(10)
+    assert sorted(p.name for p in root.iterdir()) == [step_dirname(s) for s in (48, 56, 64)]
+    mark[0] = 48  # a watermark that lags by more than KNOWN_GOOD_SPAN x keep checkpoints cuts the span
+    for step in range(72, 72 + 8 * 14, 8):
+        save(ck, step)
+        assert ck.wait(10)
+    kept = sorted(int(p.name.split("-")[1]) for p in root.iterdir())
+    assert kept[0] == 48 and len(kept) == 1 + KNOWN_GOOD_SPAN * 3
+    assert any("known-good watermark is" in m for m in logs)
     ck.close()
 
 

@@ -459,6 +459,23 @@ def test_explicit_nulls_mean_the_defaults():
     assert h.ctx.probe == ProbePlan(incident_id=None, kind="nan", step=7, rank=None, shift=1)
 
 
+def test_the_rollback_restores_the_newest_known_good_checkpoint_else_the_newest_before_the_incident():
+    h = make_ctx(None)
+    run(RollbackHandler(), h, "rollback", {"step": 7, "known_good_step": 4})
+    assert [c for c in h.calls if c[0] == "load_latest"] == [("load_latest", 5)]
+    assert h.ctx.agent.acks[-1][1] == "done"
+    h = make_ctx(None)
+    h.ctx.ckpt.load_latest = lambda before_step=None: (h.calls.append(("load_latest", before_step)),
+                                                       None if before_step < 7 else h.ctx.ckpt.loaded)[1]
+    run(RollbackHandler(), h, "rollback", {"step": 7, "known_good_step": 2})
+    assert [c for c in h.calls if c[0] == "load_latest"] == [("load_latest", 3), ("load_latest", 7)]
+    assert any("no verified checkpoint at or below the known-good step 2" in m for m in h.logs)
+    assert h.ctx.agent.acks[-1][1] == "done"
+    h = make_ctx(None)
+    run(RollbackHandler(), h, "rollback", {"step": 7, "known_good_step": -1})
+    assert h.ctx.agent.acks[-1][1] == "rejected"
+
+
 def test_no_checkpoint_before_the_suspect_step_fails_the_rollback():
     h = make_ctx(None, loaded=False)
     out = run(RollbackHandler(), h, "rollback", {"step": 7})
