@@ -76,7 +76,8 @@ from trainer.parallel_dims import Axis, ParallelDims
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 MAX_IN_FLIGHT = 2  # saves per rank: one being written, one queued
-KNOWN_GOOD_SPAN = 4  # x keep: checkpoints kept after the newest known-good one before the span is cut
+KNOWN_GOOD_SPAN = 4  # x keep: checkpoints kept after the newest known-good one once the watermark is stale
+KNOWN_GOOD_STALE_S = 120.0  # a watermark that has not moved this long: the collector is away or stuck
 _FINAL_RE = re.compile(r"^step-(\d{8,})$")
 _STEP_RE = re.compile(r"^step-(\d{8,})\.\w+$")  # not finalized: .tmp, .replaced
 _POLL_S = 0.05
@@ -237,8 +238,9 @@ class Checkpointer:
     `known_good()` (rank 0's; None: not known): the collector's clean-through watermark
     (collector/live/watermark.py, through the agent). Pruning never removes the newest
     checkpoint at or below it, nor any after it, so a rollback decided late still finds
-    one before its incident; should the watermark lag by more than `KNOWN_GOOD_SPAN` x
-    `keep` checkpoints (a collector away), the known-good one and the newest that many stay.
+    one before its incident. Should the watermark not move for `KNOWN_GOOD_STALE_S` (a
+    collector away or stuck), disk stays bounded: the known-good one and the newest
+    `KNOWN_GOOD_SPAN` x `keep` after it stay.
     """
 
     def __init__(self, cfg: CheckpointConfig, *, dims: ParallelDims, comm: Comm, log: Callable[[str], None] = print,
@@ -258,6 +260,7 @@ class Checkpointer:
         self._slow_write = slow_write
         self._keep_older_than = keep_older_than
         self._known_good = known_good
+        self._mark_moved: tuple[int | None, float] = (None, time.monotonic())  # the watermark, when it last moved
         self._lag_logged = False
         self._finalize_timeout_s = finalize_timeout_s
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -540,28 +543,33 @@ class Checkpointer:
 
     def _known_good_span(self, finals: list[tuple[int, Path]], root: Path) -> set[int]:
         """The steps pruning must keep for the watermark: the newest known-good checkpoint and
-        every one after it (the newest KNOWN_GOOD_SPAN x keep of those: disk is bounded)."""
+        every one after it. The watermark trails the ranks by the collector's latency (a
+        second: dozens of tiny steps): while no checkpoint is at or below it yet, every one
+        is kept, for it may become that one. A watermark stale for KNOWN_GOOD_STALE_S keeps
+        only the newest KNOWN_GOOD_SPAN x keep after it: disk stays bounded."""
         try:
             mark = self._known_good() if self._known_good is not None and root == self.dir else None
         except Exception:  # noqa: BLE001 - a watermark read must never fail a save
             mark = None
         if mark is None:
             return set()
-        good = [s for s, _ in finals if s <= mark]
-        if not good:
-            return set()
-        after = [s for s, _ in finals if s > good[-1]]
+        now = time.monotonic()
+        if mark != self._mark_moved[0]:
+            self._mark_moved = (mark, now)
+        good = [s for s, _ in finals if s <= mark][-1:]  # none yet: every one may become it
+        after = [s for s, _ in finals if s > mark]
         span = KNOWN_GOOD_SPAN * self.cfg.keep
-        if len(after) > span:
-            self._log_lag(good[-1], len(after))
+        if len(after) > span and now - self._mark_moved[1] >= KNOWN_GOOD_STALE_S:
+            self._log_lag(mark, len(after))
             after = after[-span:]
-        return {good[-1], *after}
+        return {*good, *after}
 
-    def _log_lag(self, step: int, n: int) -> None:
+    def _log_lag(self, mark: int, n: int) -> None:
         if not self._lag_logged:
             self._lag_logged = True
-            self.log(f"checkpoints: the collector's known-good watermark is {n} checkpoints behind (step {step}); "
-                     f"keeping that one and the newest {KNOWN_GOOD_SPAN * self.cfg.keep}")
+            self.log(f"checkpoints: the collector's known-good watermark (step {mark}) has not moved for "
+                     f"{KNOWN_GOOD_STALE_S:g} s and is {n} checkpoints behind; keeping the newest at or below it "
+                     f"and the newest {KNOWN_GOOD_SPAN * self.cfg.keep}")
 
     # -- loading -------------------------------------------------------------
     def load_latest(self, before_step: int | None = None) -> LoadedCheckpoint | None:

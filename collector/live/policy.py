@@ -48,7 +48,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import duckdb
@@ -429,6 +429,7 @@ class PolicyRunner:
 
     # -- carrying out ------------------------------------------------------------
     def _carry_out(self, d: Decision, incident: dict[str, Any]) -> None:
+        d = replace(d, args=self._args(d))
         common = dict(mode=d.mode, incident_id=d.incident_id, node=d.node, rank=d.rank, detail=d.detail())
         if d.refused is not None or d.mode == "shadow":
             status = "refused" if d.refused is not None else "shadow"
@@ -459,7 +460,7 @@ class PolicyRunner:
                                        done=self._follow(d, row["id"], opened, attempt))
 
         log.info("policy: %s for run %s (%s)", d.kind, d.run_id, d.reason)
-        self.storage.issue_command(d.run_id, d.kind, self._args(d), None, done=issued)
+        self.storage.issue_command(d.run_id, d.kind, d.args, None, done=issued)
 
     def _args(self, d: Decision) -> dict[str, Any]:
         """The command's arguments: a rollback also carries the known-good watermark (the

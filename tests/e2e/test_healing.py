@@ -157,9 +157,11 @@ def device(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def spike(tmp_path_factory):
+    # checkpoints every 4 steps and the default keep of 3: 12 steps of history, while the rollback lands a
+    # second or more (dozens of steps) after the spike; the known-good watermark keeps the one it needs
     d = tmp_path_factory.mktemp("spike") / "run"
-    return run_healing(d, *DP, *rules(d.parent / "rules.toml"), "--steps", "150", *ckpt(d),
-                       "--inject", "spike@step=40")
+    return run_healing(d, *DP, *rules(d.parent / "rules.toml"), "--steps", "150", "--ckpt-dir", str(d / "ckpt"),
+                       "--ckpt-every", "4", "--inject", "spike@step=40")
 
 
 @pytest.fixture(scope="module")
@@ -329,6 +331,10 @@ def test_a_loss_spike_is_rolled_back_and_its_global_batch_skipped(spike):
     (started,) = [e["data"] for e in o.events("rollback_started") if e["rank"] == 0]
     to_step, from_step = started["to_step"], started["from_step"]
     assert to_step < 40 <= from_step and started["suspect_step"] == 40, started
+    # the newest known-good checkpoint before the spike, kept by pruning though 3 x 4 steps had passed
+    assert to_step == 36 and from_step - to_step > 3 * 4, started
+    # the watermark it was decided at (it trails the ranks by the collector's latency): before the spike
+    assert rb["detail"]["args"]["known_good_step"] < 40, rb["detail"]
 
     # both lineages are stored for the steps in between
     attempts = o.query("SELECT step, list(DISTINCT attempt ORDER BY attempt) AS a FROM steps "

@@ -15,7 +15,16 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.checkpoint import KNOWN_GOOD_SPAN, MANIFEST, Checkpointer, model_filename, rank_filename, step_dirname
+from trainer import checkpoint
+from trainer.checkpoint import (
+    KNOWN_GOOD_SPAN,
+    KNOWN_GOOD_STALE_S,
+    MANIFEST,
+    Checkpointer,
+    model_filename,
+    rank_filename,
+    step_dirname,
+)
 from trainer.comm import Comm
 from trainer.config import CheckpointConfig
 from trainer.parallel_dims import ParallelDims
@@ -291,7 +300,7 @@ def test_keep_older_than_holds_the_newest_checkpoint_a_later_checksum_vouches_fo
     ck.close()
 
 
-def test_the_newest_known_good_checkpoint_and_all_after_it_survive_pruning(tmp_path, logs):
+def test_the_newest_known_good_checkpoint_and_all_after_it_survive_pruning(tmp_path, logs, monkeypatch):
     """Seen on a tiny model (40 ms a step, checkpoints every 8, keep 3): a spike at step 29,
     its rollback reaching the ranks at step 61, and checkpoints 8-24 already pruned: "no
     verified checkpoint before step 29". The collector's watermark stays at 28 while the
@@ -299,10 +308,13 @@ def test_the_newest_known_good_checkpoint_and_all_after_it_survive_pruning(tmp_p
     mark = [None]
     ck = make(tmp_path, logs, keep=3, known_good=lambda: mark[0])
     root = tmp_path / "ckpt"
-    for step in (8, 16, 24):
+    mark[0] = 4  # the watermark trails: none is known-good yet, and every one may become it
+    for step in (8, 16, 24, 32):
         save(ck, step)
+        assert ck.wait(10)
+    assert sorted(p.name for p in root.iterdir()) == [step_dirname(s) for s in (8, 16, 24, 32)]
     mark[0] = 28
-    for step in (32, 40, 48, 56):
+    for step in (40, 48, 56):
         save(ck, step)
         assert ck.wait(10)
     assert sorted(p.name for p in root.iterdir()) == [step_dirname(s) for s in (24, 32, 40, 48, 56)]
@@ -311,13 +323,18 @@ def test_the_newest_known_good_checkpoint_and_all_after_it_survive_pruning(tmp_p
     save(ck, 64)
     assert ck.wait(10)
     assert sorted(p.name for p in root.iterdir()) == [step_dirname(s) for s in (48, 56, 64)]
-    mark[0] = 48  # a watermark that lags by more than KNOWN_GOOD_SPAN x keep checkpoints cuts the span
+    mark[0] = 48  # lagging: every checkpoint after it stays...
     for step in range(72, 72 + 8 * 14, 8):
         save(ck, step)
         assert ck.wait(10)
+    assert len(list(root.iterdir())) == 3 + 14  # 48 itself, 56, 64 and the 14 new ones
+    clock = [time.monotonic() + KNOWN_GOOD_STALE_S]  # ...until it has not moved for KNOWN_GOOD_STALE_S
+    monkeypatch.setattr(checkpoint.time, "monotonic", lambda: clock[0])
+    save(ck, 72 + 8 * 14)
+    assert ck.wait(10)
     kept = sorted(int(p.name.split("-")[1]) for p in root.iterdir())
     assert kept[0] == 48 and len(kept) == 1 + KNOWN_GOOD_SPAN * 3
-    assert any("known-good watermark is" in m for m in logs)
+    assert any("known-good watermark (step 48) has not moved" in m for m in logs)
     ck.close()
 
 
