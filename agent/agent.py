@@ -211,7 +211,8 @@ class Agent(Recorder):
         self.num_urgent_flushes = 0
         self._mailbox: deque[Command] = deque()
         self._seen_commands: set[str] = set()
-        self._clean_through: tuple[int, int] | None = None  # (attempt, step): the collector's watermark
+        self._clean_through: tuple[int, int, int] | None = None  # (attempt, step, judged): the collector's watermark
+        self._end_wait_s: float | None = None  # how long a finished run waits for the last verdicts (the collector's)
         self._recorded = {k: 0 for k in STATS_KINDS}
         self._buffer_dropped = {k: 0 for k in STATS_KINDS}
         self._drops_reported = {k: 0 for k in STATS_KINDS}
@@ -368,6 +369,18 @@ class Agent(Recorder):
         or its latest answer was about another attempt: a rollback's lineage starts over)."""
         mark = self._clean_through
         return mark[1] if mark is not None and mark[0] == self.attempt else None
+
+    def judged_through(self) -> int | None:
+        """The newest step of this rank's attempt every detector has judged, with nothing
+        unsettled at or before it (the watermark without the checksum bound: no checksum
+        comes after a run's last step). None: not known."""
+        mark = self._clean_through
+        return mark[2] if mark is not None and mark[0] == self.attempt else None
+
+    def end_wait_s(self) -> float | None:
+        """How long a finished run may wait for the verdict on its last steps, as the collector
+        said (0: its policy would not act); None: no answer said (no collector, or none yet)."""
+        return self._end_wait_s
 
     def commands(self) -> list[Command]:
         """Drain the mailbox: commands received since the last call, oldest first."""
@@ -697,9 +710,13 @@ class Agent(Recorder):
         mark = body.get("clean_through")
         if isinstance(mark, dict):
             try:
-                self._clean_through = (int(mark["attempt"]), int(mark["step"]))
+                step = int(mark["step"])
+                self._clean_through = (int(mark["attempt"]), step, max(step, int(mark.get("judged", step))))
             except (KeyError, TypeError, ValueError):
                 pass
+        wait = body.get("end_wait_s")
+        if isinstance(wait, (int, float)) and not isinstance(wait, bool) and 0 <= wait < float("inf"):
+            self._end_wait_s = float(wait)
         for c in body.get("commands") or ():
             if not isinstance(c, dict) or c.get("id") is None:
                 continue

@@ -64,6 +64,12 @@ class NoopAgent:
     def clean_through(self) -> int | None:
         return None
 
+    def judged_through(self) -> int | None:
+        return None
+
+    def end_wait_s(self) -> float | None:
+        return None
+
     def ack(self, command_id: str, status: str, detail: str = "") -> None:
         return None
 

@@ -325,6 +325,12 @@ class Watch:
     def clean_through(self) -> int | None:
         return self.agent.clean_through()
 
+    def judged_through(self) -> int | None:
+        return self.agent.judged_through()
+
+    def end_wait_s(self) -> float | None:
+        return self.agent.end_wait_s()
+
     def ack(self, command_id: str, status: str, detail: str = "") -> None:
         self.agent.ack(command_id, status, detail)
 

@@ -123,8 +123,8 @@ class Analyzer:
                 st.detectors[d.name] = carry(prev.detectors[d.name])
         return out
 
-    def clean_through(self, run_id: str) -> tuple[int, int] | None:
-        """(attempt, step) of the run's clean-through watermark (analysis/watermark.py), or None."""
+    def clean_through(self, run_id: str) -> watermark.Watermark | None:
+        """The run's clean-through watermark (analysis/watermark.py), or None."""
         state = self.runs.get(run_id)
         return None if state is None else watermark.clean_through(state)
 

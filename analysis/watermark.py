@@ -4,7 +4,9 @@ A checkpoint of step s holds the parameters after step s's update. It is
 *known-good* once the analysis has judged every step up to s and nothing it found
 there can have spoiled the weights. `clean_through(state)` is the highest such s
 for the run's newest attempt (the lineage a rollback or restart continues), or
-None while nothing of that attempt is judged:
+None while nothing of that attempt is judged (a `Watermark`: its `step`, and
+`judged`, the same without the checksum bound, which the end of a run waits for:
+no checksum comes after the last step to vouch for its update):
 
 - judged: every step of the newest attempt up to s was released whole (every
   rank's row, or its timeout: analysis/assembly.py), so every detector saw it;
@@ -30,11 +32,19 @@ attempt starts its own, from the checkpoint it resumed.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from analysis.kinds import TAINTS_WEIGHTS
 
 
-def clean_through(state) -> tuple[int, int] | None:
-    """(attempt, step) of the run's watermark (analysis/state.py RunState), or None."""
+class Watermark(NamedTuple):
+    attempt: int
+    step: int  # known-good: judged, clean, and checked for silent corruption
+    judged: int  # judged and clean (>= step)
+
+
+def clean_through(state) -> Watermark | None:
+    """The run's watermark (analysis/state.py RunState), or None."""
     asm = state.assembler
     if asm.newest is None:
         return None
@@ -48,10 +58,11 @@ def clean_through(state) -> tuple[int, int] | None:
         f = state.book.get(key)
         if f is not None and f.kind in TAINTS_WEIGHTS and f.step_from is not None:
             step = min(step, int(f.step_from) - 1)
+    judged = step
     agreed = _checksums_agreed(state)
     if agreed is not None:
         step = min(step, agreed - 1)
-    return (int(attempt), int(step)) if step >= 0 else None
+    return Watermark(int(attempt), int(step), int(judged)) if step >= 0 else None
 
 
 def _checksums_agreed(state) -> int | None:

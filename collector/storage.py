@@ -148,7 +148,10 @@ class Storage:
             self.sender.start()
         self.detection: DetectionRunner | None = None
         # what the ingest answers tell the ranks is known-good (None without detection)
-        self.watermarks = Watermarks(hold_for_policy=policy is not None) if analyzer is not None else None
+        self.watermarks = Watermarks(
+            hold_for_policy=policy is not None,
+            end_wait_s=policy.cfg.end_of_run_wait_s if policy is not None and policy.mode_of("rollback") == "auto"
+            else 0.0) if analyzer is not None else None
         if analyzer is not None:
             self.detection = DetectionRunner(
                 self.subscribe("detection", max_commits=detection_queue_commits), analyzer,

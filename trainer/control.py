@@ -12,6 +12,14 @@ broadcast travels while step s+1 computes, so the agreement costs no step time;
 the price is one step of latency. Arguments are bounded (`MAX_COMMAND_BYTES`):
 a command whose arguments do not fit is refused by rank 0, never cut.
 
+The end of a run (`await_end`). A run that finished its steps does not leave at
+once: a spike in its last steps would otherwise end it before the rollback lands,
+and the final weights are the product. The ranks go on agreeing boundaries
+without steps until rank 0's agent says the collector has judged the last step
+(its `judged_through`), a command comes (a rollback: training goes on from the
+checkpoint) or the collector's `end_wait_s` has passed; rank 0 then broadcasts
+the end (`END_KIND`).
+
 Handlers (`Handler`). `run()` is the public entry and owns what every command
 shares: the guards (`check`, which refuses with a reason), the acknowledgement
 (each rank acks for itself, so the collector sees the command settle only when
@@ -50,6 +58,8 @@ from trainer.membership import EXIT_RESTART, record_isolation, under_elastic_age
 from trainer.parallel_dims import Axis
 
 MAX_COMMAND_BYTES = 4096
+END_KIND = "__end__"  # rank 0's word, at the end of a run, that the wait for the last verdicts is over
+END_POLL_S = 0.1  # the end of a run's boundaries without steps: one per this long
 _HEADER = struct.Struct("<I")  # payload length, then the JSON bytes
 
 
@@ -375,9 +385,12 @@ class CommandChannel:
         handle.wait()
         return decode_command(buf.cpu().numpy().tobytes())  # host sync on one small buffer, telemetry on only
 
-    def post(self) -> None:
-        """Pick this boundary's command (rank 0) and start its broadcast (every rank)."""
+    def post(self, *, end: bool = False) -> None:
+        """Pick this boundary's command (rank 0) and start its broadcast (every rank); with
+        none to send and `end` (rank 0, waiting at the end of the run), the end of the wait."""
         chosen = self._choose(self.agent.commands())
+        if chosen is None and end and self.rank == 0:
+            chosen = AgreedCommand(id="", kind=END_KIND, args={})
         payload = encode_command(chosen) if self.rank == 0 else bytes(MAX_COMMAND_BYTES)
         buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
         self._in_flight = (self.comm.broadcast(buf, Axis.WORLD, async_op=True), buf)
@@ -387,7 +400,7 @@ class CommandChannel:
         received since, are refused: the collector must not wait for them. One this rank
         already carried out (its agent heard of it after the broadcast) is left as acked."""
         cmd = self.take()
-        if cmd is not None:
+        if cmd is not None and cmd.kind != END_KIND:
             self.agent.ack(cmd.id, "rejected", "the run ended before it could act")
         for late in [*self._waiting, *self.agent.commands()]:
             if str(late.id) not in self._carried:
@@ -412,6 +425,27 @@ class CommandChannel:
                 continue
             self._waiting.append(candidate)
         return self._waiting.popleft() if self._waiting else None
+
+    def await_end(self, ctx: RunContext, step: int, *, ready: Callable[[], bool], wait_s: float,
+                  clock: Callable[[], float] = time.monotonic,
+                  sleep: Callable[[float], None] = time.sleep) -> Outcome | None:
+        """After the run's last step: boundaries without steps, every `END_POLL_S`, until rank 0
+        finds `ready()` (the collector has judged the last step) or `wait_s` has passed, or a
+        command is agreed (a rollback of the last steps: the run goes on from its checkpoint).
+        Returns that command's outcome, or None when the run may end. Every rank calls it
+        after the same last `step_boundary`; only rank 0's `ready` and clock decide."""
+        until = clock() + wait_s
+        while True:
+            cmd = self.take()
+            if cmd is not None and cmd.kind == END_KIND:
+                return None
+            if cmd is not None:
+                self._carried.add(cmd.id)
+                return self.handlers[cmd.kind].run(ctx, cmd, step)
+            over = self.rank == 0 and (ready() or clock() >= until)
+            self.post(end=over)
+            if not over:
+                sleep(END_POLL_S)
 
     def step_boundary(self, ctx: RunContext, step: int) -> Outcome | None:
         """The loop's one call per step boundary: take the agreed command, run its

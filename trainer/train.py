@@ -48,6 +48,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+# the end of a run waits at most this long for the collector's verdict on its last steps until the
+# collector has said its own bound (rules: policy.end_of_run_wait_s; 0 when its policy would not act)
+END_WAIT_S = 30.0
 
 
 def memory_bytes(device: torch.device) -> int:
@@ -168,49 +171,52 @@ class Trainer:
                                      bad_windows=self.bad_batches.windows)
         self.ctx.loader = loader
         try:
-            while self.state.step < cfg.steps:
-                step = self.state.step + 1
-                self.injector.before_step(step, self.state.attempt)
-                t_start = time.perf_counter()
-                self.agent.set_phase("data", step)
-                batch = loader.next()
-                data_s = loader.wait_s
-                # a rollback's rerun of its suspect step (trainer/diagnosis.py): the probe judges it
-                probe = self.ctx.probe if self.ctx.probe is not None and self.ctx.probe.step == step else None
-                self.injector.probing = probe is not None
-                # the samples of this step's global batch (the loader's step_window): data-tied faults follow them
-                faults = self.injector.step_faults(step, self.state.attempt, batch.meta["window"],
-                                                   replica_window=batch.meta["replica_window"])
-                if faults.spike:
-                    batch = self.poison(batch, cfg.seed)
-                self.agent.set_phase("train", step)
-                verdict: list[Verdict] = []
-                result = self.engine.train_step(step, batch.micro_batches, batch.global_num_tokens, faults,
-                                                probe=self._prober(probe, verdict) if probe is not None else None,
-                                                checksum=self._checksum_due(step))
-                comm_stats = self.comm.end_step()
-                if self.injector:  # a bitflip after this step's update (silent data corruption)
-                    self.injector.after_update(step, self.state.attempt, partial(named_tensors, self.engine))
-                if probe is not None:
-                    self.ctx.probe = None
-                    if not self._diagnosed(step, batch, probe, verdict[0]):
-                        continue  # the batch was bad: the same step number runs again on the next clean one
-                step_s = time.perf_counter() - t_start
-                self.state.step = step
-                self.state.position = batch.next_position
-                self.state.num_skipped += int(result.skipped)
-                if self.ckpt is not None:  # saves written by now are reported before this step's row,
-                    self._checkpoint_events()  # so a save not reported was still being written then
-                self._report(step, batch.global_num_tokens, sum(mb.num_tokens for mb in batch.micro_batches),
-                             result, step_s, data_s, comm_stats.wait_s, batch.meta["replica_window"])
-                self._recovered(step)
-                if cfg.eval_every and step % cfg.eval_every == 0:
-                    self._evaluate(step)
-                if self.ckpt is not None and cfg.ckpt.every and step % cfg.ckpt.every == 0:
-                    self._save(step)
-                if self._control(step):
+            while True:  # the steps, then the wait for the verdict on the last ones (a rollback goes on)
+                while self.state.step < cfg.steps:
+                    step = self.state.step + 1
+                    self.injector.before_step(step, self.state.attempt)
+                    t_start = time.perf_counter()
+                    self.agent.set_phase("data", step)
+                    batch = loader.next()
+                    data_s = loader.wait_s
+                    # a rollback's rerun of its suspect step (trainer/diagnosis.py): the probe judges it
+                    probe = self.ctx.probe if self.ctx.probe is not None and self.ctx.probe.step == step else None
+                    self.injector.probing = probe is not None
+                    # the samples of this step's global batch (the loader's step_window): data-tied faults follow them
+                    faults = self.injector.step_faults(step, self.state.attempt, batch.meta["window"],
+                                                       replica_window=batch.meta["replica_window"])
+                    if faults.spike:
+                        batch = self.poison(batch, cfg.seed)
+                    self.agent.set_phase("train", step)
+                    verdict: list[Verdict] = []
+                    result = self.engine.train_step(step, batch.micro_batches, batch.global_num_tokens, faults,
+                                                    probe=self._prober(probe, verdict) if probe is not None else None,
+                                                    checksum=self._checksum_due(step))
+                    comm_stats = self.comm.end_step()
+                    if self.injector:  # a bitflip after this step's update (silent data corruption)
+                        self.injector.after_update(step, self.state.attempt, partial(named_tensors, self.engine))
+                    if probe is not None:
+                        self.ctx.probe = None
+                        if not self._diagnosed(step, batch, probe, verdict[0]):
+                            continue  # the batch was bad: the same step number runs again on the next clean one
+                    step_s = time.perf_counter() - t_start
+                    self.state.step = step
+                    self.state.position = batch.next_position
+                    self.state.num_skipped += int(result.skipped)
+                    if self.ckpt is not None:  # saves written by now are reported before this step's row,
+                        self._checkpoint_events()  # so a save not reported was still being written then
+                    self._report(step, batch.global_num_tokens, sum(mb.num_tokens for mb in batch.micro_batches),
+                                 result, step_s, data_s, comm_stats.wait_s, batch.meta["replica_window"])
+                    self._recovered(step)
+                    if cfg.eval_every and step % cfg.eval_every == 0:
+                        self._evaluate(step)
+                    if self.ckpt is not None and cfg.ckpt.every and step % cfg.ckpt.every == 0:
+                        self._save(step)
+                    if self._control(step):
+                        break
+                    self.agent.set_phase("idle", step)
+                if not self._judged_end():
                     break
-                self.agent.set_phase("idle", step)
             if self.channel is not None and not self.state.exit_code:
                 self.channel.finish()
         finally:
@@ -308,6 +314,35 @@ class Trainer:
         due = step % every == 0 or self.ctx.checksum_next
         self.ctx.checksum_next = False
         return due
+
+    def _judged_end(self) -> bool:
+        """The steps are done: wait for the collector's verdict on the last ones
+        (trainer/control.py `await_end`), at most its `end_wait_s` (END_WAIT_S until it
+        said). True: a command sent the run on (a rollback of its last steps)."""
+        if self.channel is None or self.state.exit_code or self.state.stopped or self.state.step < self.cfg.steps:
+            return False
+        last = self.state.step
+        said = self.agent.end_wait_s()
+        wait_s = END_WAIT_S if said is None else said
+        t0 = time.monotonic()
+
+        def ready() -> bool:
+            judged = self.agent.judged_through()
+            return judged is not None and judged >= last
+
+        self.agent.set_phase("idle", last)
+        outcome = self.channel.await_end(self.ctx, last, ready=ready, wait_s=wait_s)
+        waited = time.monotonic() - t0
+        if outcome is None:
+            if self.is_logger and wait_s > 0 and not ready():
+                self._log(f"end of run: the collector gave no verdict on step {last} within {wait_s:g} s"
+                          f"{'' if said is not None else ' (it never answered)'}; ending without it")
+            elif self.is_logger and waited >= 1.0:
+                self._log(f"end of run: the collector judged the last step {waited:.1f} s after it")
+            return False
+        if outcome.exit_code:
+            self.state.exit_code = outcome.exit_code
+        return not (outcome.stop or outcome.exit_code)
 
     # -- control channel -----------------------------------------------------
     def _control(self, step: int) -> bool:

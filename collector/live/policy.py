@@ -35,9 +35,9 @@ A rerun verdict is also written to its incident's `root_cause`, with the
 evidence the trainer gathered, before the policy decides on it.
 
 An incident that taints the weights holds the run's known-good watermark below
-its first step (collector/live/watermark.py) until the runner settles it: at once
-when it decides to do nothing (shadow, refused, an alert), else when the action
-ends (done, failed, or the run finished first).
+its first step (collector/live/watermark.py) until the runner settles it: once it
+is closed with nothing decided or only a record (shadow, refused, an alert), else
+when the action ends (done, failed, or the run finished first).
 """
 
 from __future__ import annotations
@@ -249,8 +249,10 @@ class PolicyRunner:
             self._carry_out(d, row)
         with self._lock:
             acting = row["id"] in self._acting_on
-        if not waiting and not acting:
-            self._release(row["run_id"], row.get("cause_key"))  # decided, and nothing under way
+        if not waiting and not acting and row.get("status", "open") != "open":
+            # closed, decided, and nothing under way (while open, a decision may still come: a
+            # spike's rollback waits for the evidence of its complete step)
+            self._release(row["run_id"], row.get("cause_key"))
 
     def _release(self, run_id: str, key: str | None) -> None:
         marks = self.storage.watermarks

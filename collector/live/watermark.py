@@ -14,7 +14,10 @@ policy has settled it, the watermark stays below its first step:
 - without a policy runner nothing is held: the analysis alone decides.
 
 `get(run_id)` is what an ingest answer carries (`clean_through`: the attempt it is
-for and the step), read on the event loop: a dict lookup under a lock, no I/O.
+for, the known-good step, and `judged`, the step every detector has judged with
+nothing unsettled, which a finished run waits for), read on the event loop: a dict
+lookup under a lock, no I/O. `end_wait_s` (the rules' `policy.end_of_run_wait_s`
+when the policy acts, else 0: nothing would come of the wait) goes with it.
 """
 
 from __future__ import annotations
@@ -24,13 +27,14 @@ from typing import Any
 
 
 class Watermarks:
-    def __init__(self, *, hold_for_policy: bool) -> None:
+    def __init__(self, *, hold_for_policy: bool, end_wait_s: float = 0.0) -> None:
         self.hold_for_policy = hold_for_policy
+        self.end_wait_s = end_wait_s
         self._lock = threading.Lock()
-        self._marks: dict[str, tuple[int, int]] = {}  # run -> (attempt, step) from the analysis
+        self._marks: dict[str, tuple[int, int, int]] = {}  # run -> (attempt, step, judged) from the analysis
         self._holds: dict[str, dict[str, int]] = {}  # run -> incident key -> its first step
 
-    def set(self, run_id: str, mark: tuple[int, int] | None) -> None:
+    def set(self, run_id: str, mark: tuple[int, int, int] | None) -> None:
         with self._lock:
             if mark is None:
                 self._marks.pop(run_id, None)
@@ -67,13 +71,15 @@ class Watermarks:
             return dict(self._holds.get(run_id, {}))
 
     def get(self, run_id: str) -> dict[str, Any] | None:
-        """{"attempt", "step"}: every step of that attempt up to `step` is known-good; None: unknown."""
+        """{"attempt", "step", "judged"}: every step of that attempt up to `step` is known-good,
+        and up to `judged` judged with nothing unsettled; None: unknown."""
         with self._lock:
             mark = self._marks.get(run_id)
             if mark is None:
                 return None
-            attempt, step = mark
+            attempt, step, judged = mark
             held = self._holds.get(run_id)
             if held:
-                step = min(step, min(held.values()) - 1)
-        return {"attempt": attempt, "step": step} if step >= 0 else None
+                first = min(held.values()) - 1
+                step, judged = min(step, first), min(judged, first)
+        return {"attempt": attempt, "step": step, "judged": judged} if step >= 0 else None

@@ -165,6 +165,14 @@ def spike(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def late_spike(tmp_path_factory):
+    # a spike 16 steps before the end: the run waits for the verdict on its last steps, then rolls back
+    d = tmp_path_factory.mktemp("late") / "run"
+    return run_healing(d, *DP, *rules(d.parent / "rules.toml"), "--steps", "100", "--ckpt-dir", str(d / "ckpt"),
+                       "--ckpt-every", "5", "--inject", "spike@step=84")
+
+
+@pytest.fixture(scope="module")
 def straggler(tmp_path_factory):
     # detected ~1 s after its onset, isolated SHORT_PERSIST of cost later (around step 90-130 here): 220 steps
     d = tmp_path_factory.mktemp("straggler") / "run"
@@ -356,6 +364,23 @@ def test_a_loss_spike_is_rolled_back_and_its_global_batch_skipped(spike):
     after = statistics.median(loss[s] for s in range(141, 151))
     assert max(loss[s] for s in range(40, 151)) < peak["loss"], (peak, loss)
     assert after < before, (before, after)
+
+
+def test_a_spike_in_the_last_steps_is_rolled_back_before_the_run_ends(late_spike):
+    """The final weights are the product: a finished run waits for the collector's verdict on
+    its last steps (it used to end first: "the run ended before it could act")."""
+    o = late_spike
+    assert o.run.returncode == 0, o.report()
+    (inc,) = o.of("loss_spike")
+    (rb,) = o.actions_of("rollback")
+    assert inc["step_from"] == 84 and (rb["status"], rb["incident_id"]) == ("done", inc["id"]), o.report()
+    (run,) = o.query("SELECT status FROM runs")
+    assert run["status"] == "completed", o.report()
+    rows = last_attempt(o)
+    assert rows[0]["attempt"] >= 1 and max(r["step"] for r in rows) == 100, o.report()  # the rerun finished it
+    loss = {r["step"]: r["loss"] for r in o.query("SELECT step, loss FROM steps_effective WHERE rank = 0")}
+    (peak,) = o.query("SELECT loss FROM steps WHERE attempt = 0 AND step = 84 AND rank = 0")
+    assert max(loss[s] for s in range(84, 101)) < peak["loss"], (peak, loss)
 
 
 # -- 5. a straggler ----------------------------------------------------------------------------------------------

@@ -86,9 +86,10 @@ def test_ingest_query_api_and_duplicates(server):
             answer = r.json()
             assert abs(answer.pop("server_ts") - time.time()) < 60  # the collector's clock (agent/clock.py)
             answer.pop("clean_through")  # the known-good watermark: as far as detection has got (below)
+            assert answer.pop("end_wait_s") >= 0
             assert answer == {"accepted": 10 + 4 + 1 + 1, "duplicate": False, "commands": []}
             again = post_batch(c, body)
-            assert {k: v for k, v in again.json().items() if k not in ("server_ts", "clean_through")} == {
+            assert {k: v for k, v in again.json().items() if k not in ("server_ts", "clean_through", "end_wait_s")} == {
                 "accepted": 0, "duplicate": True, "commands": []}
         assert c.get("/v1/runs").json()[0]["run_id"] == "api"
         detail = c.get("/v1/runs/api").json()
@@ -119,7 +120,7 @@ def test_ingest_query_api_and_duplicates(server):
         assert c.get("/v1/runs/api/incidents", params={"settle_s": 11}).status_code == 422  # past the bound
         # every step 0-9 came from both ranks and was judged clean: known-good through 9 (step 10: rank 0's alone)
         more = post_batch(c, make_batch("api", 0, 1, sections={wire.STEP: steps_section([10], loss=[0.5])}))
-        assert more.json()["clean_through"] == {"attempt": 0, "step": 9}
+        assert more.json()["clean_through"] == {"attempt": 0, "step": 9, "judged": 9}
 
 
 def test_sql_json_arrow_and_refusals(server):

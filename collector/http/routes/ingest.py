@@ -100,7 +100,8 @@ class IngestEndpoint:
         marks = self.storage.watermarks
         return 200, dumps({"accepted": outcome.accepted, "duplicate": outcome.duplicate,
                            "commands": outcome.commands, "server_ts": time.time(),
-                           "clean_through": marks.get(batch.run_id) if marks is not None else None}), []
+                           "clean_through": marks.get(batch.run_id) if marks is not None else None,
+                           "end_wait_s": marks.end_wait_s if marks is not None else None}), []
 
     @staticmethod
     async def _read(receive: Receive, limit: int) -> bytes:

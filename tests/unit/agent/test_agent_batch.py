@@ -174,8 +174,12 @@ def test_the_collectors_watermark_counts_for_the_attempt_it_was_about():
     agent = Agent(AgentConfig(url=None, device_health=False), run_id="r", rank=0)
     try:
         assert agent.clean_through() is None
-        agent._on_response({"accepted": 1, "clean_through": {"attempt": 0, "step": 28}})
-        assert agent.clean_through() == 28
+        assert agent.end_wait_s() is None
+        agent._on_response({"accepted": 1, "clean_through": {"attempt": 0, "step": 28, "judged": 31},
+                            "end_wait_s": 30.0})
+        assert (agent.clean_through(), agent.judged_through(), agent.end_wait_s()) == (28, 31, 30.0)
+        agent._on_response({"accepted": 1, "end_wait_s": -1})  # nonsense: the last one stands
+        assert agent.end_wait_s() == 30.0
         agent._on_response({"accepted": 1, "clean_through": None})  # no news: the last one stands
         agent._on_response({"accepted": 1, "clean_through": {"attempt": "x"}})  # malformed: ignored
         assert agent.clean_through() == 28

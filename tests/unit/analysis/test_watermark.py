@@ -25,8 +25,8 @@ def test_a_clean_run_is_vouched_for_up_to_the_steps_it_has_judged():
     sim = Sim(layout=Layout(dp=2, tp=2, nodes=2), steps=120, seed=3)
     a, marks = _marks(sim, sim.build())
     got = [w for _, w, _ in marks if w is not None]
-    assert got and all(att == 0 for att, _ in got)
-    steps = [s for _, s in got]
+    assert got and all(w.attempt == 0 and w.judged >= w.step for w in got)
+    steps = [w.step for w in got]
     assert steps == sorted(steps)  # monotone
     assert all(w[1] <= newest for newest, w, _ in marks if w is not None)  # never past what arrived
     assert steps[-1] >= 118  # and close behind it at the end
@@ -63,7 +63,7 @@ def test_a_nan_holds_it_too_and_a_new_attempt_starts_from_its_checkpoint():
         pl.lit(1, pl.Int64).alias("attempt"), pl.lit(41, pl.Int64).alias("step"))
     now = commits[-1][0] + 1.0
     a.feed_run(sim.run_id, Frames(steps=rows.head(1)), now=now)  # one rank of two: step 41 still open
-    assert a.clean_through(sim.run_id) == (1, 40)
+    assert a.clean_through(sim.run_id) == (1, 40, 40)
 
 
 def test_checksums_vouch_only_for_the_updates_before_the_last_agreeing_one():
@@ -77,4 +77,6 @@ def test_checksums_vouch_only_for_the_updates_before_the_last_agreeing_one():
     rows = [{"run_id": sim.run_id, "rank": r, "attempt": 0, "step": 25, "ts": now, "name": "checksum/pp0-tp0",
              "value": 7.0} for r in (0, 1)]
     a.feed_run(sim.run_id, Frames(scalars=scalars_frame(rows)), now=now + 0.1)
-    assert a.clean_through(sim.run_id) == (0, 24)  # the updates of steps 25 and on are not checked yet
+    mark = a.clean_through(sim.run_id)
+    assert mark[:2] == (0, 24)  # the updates of steps 25 and on are not checked yet
+    assert mark.judged >= 58  # but judged: the end of a run waits for this one

@@ -164,7 +164,7 @@ def test_a_taint_holds_the_watermark_until_its_rollback_is_done_and_a_shadow_one
     marks = storage.watermarks
     runner = PolicyRunner(storage, Policy(load_rules()), subscription=None, watch=FakeWatch())
     runner._refresh_run(RUN)
-    marks.set(RUN, (0, 80))
+    marks.set(RUN, (0, 80, 80))
     marks.hold(RUN, "loss_spike#1", 70)
     spike = {"id": 3, "run_id": RUN, "kind": "loss_spike", "status": "closed", "rank": None, "node": None,
              "step_from": 70, "step_to": 70, "opened_ts": 100.0, "cause_key": "loss_spike#1",
@@ -172,22 +172,22 @@ def test_a_taint_holds_the_watermark_until_its_rollback_is_done_and_a_shadow_one
     runner._incident(spike)
     assert [k for k, _ in storage.issued] == ["rollback"]
     assert storage.issued[0][1]["known_good_step"] == 69  # the checkpoint it restores: at or below it
-    assert marks.get(RUN) == {"attempt": 0, "step": 69}  # held while the rollback is under way
+    assert marks.get(RUN) == {"attempt": 0, "step": 69, "judged": 69}  # held while the rollback is under way
     runner._incident(spike)  # an update of the same row: still under way
-    assert marks.get(RUN) == {"attempt": 0, "step": 69}
+    assert marks.get(RUN) == {"attempt": 0, "step": 69, "judged": 69}
     command_id = storage.next_id
     runner._commit({"events": events(*({"rank": r, "kind": "command_ack",
                                         "data": f'{{"command_id": {command_id}, "status": "done"}}'} for r in (0, 1))),
                     "steps": steps(1, 61)})
     assert marks.held(RUN) == {}  # the rollback's attempt runs: its own watermark from here
-    marks.set(RUN, (1, 60))
-    assert marks.get(RUN) == {"attempt": 1, "step": 60}
+    marks.set(RUN, (1, 60, 60))
+    assert marks.get(RUN) == {"attempt": 1, "step": 60, "judged": 60}
 
     shadow = ActingStorage()
     runner = PolicyRunner(shadow, Policy(load_rules(), mode="shadow"), subscription=None, watch=FakeWatch())
     runner._refresh_run(RUN)
-    shadow.watermarks.set(RUN, (0, 80))
+    shadow.watermarks.set(RUN, (0, 80, 80))
     shadow.watermarks.hold(RUN, "loss_spike#1", 70)
     runner._incident(spike)
     assert [(k, st) for k, st, _ in shadow.actions] == [("rollback", "shadow")]
-    assert shadow.watermarks.get(RUN) == {"attempt": 0, "step": 80}
+    assert shadow.watermarks.get(RUN) == {"attempt": 0, "step": 80, "judged": 80}

@@ -217,6 +217,69 @@ def test_finish_leaves_a_command_carried_out_before_the_agent_heard_of_it():
     assert [(c, s) for c, s, _ in agents[1].acks] == [("s", "done"), ("late", "rejected")]
 
 
+# -- the end of a run -------------------------------------------------------------
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.now += s
+
+
+def end_both(chans, hs, *, ready, wait_s=30.0):
+    """Every rank after the same last boundary: rank 0 decides (it never blocks: the fake wire
+    hands its broadcasts on in order), then rank 1 follows the same broadcasts."""
+    clocks = [Clock() for _ in chans]  # each rank's own; rank 0's is returned
+    for ch, h in zip(chans, hs):
+        ch.step_boundary(h.ctx, 9)
+    return [ch.await_end(h.ctx, 9, ready=ready, wait_s=wait_s, clock=c, sleep=c.sleep)
+            for ch, h, c in zip(chans, hs, clocks)], clocks[0]
+
+
+def test_the_end_waits_for_the_verdict_on_the_last_step():
+    _, agents, chans = two_ranks()
+    hs = [make_ctx(None, rank=r, agent=agents[r]) for r in (0, 1)]
+    polls = []
+    outs, clock = end_both(chans, hs, ready=lambda: polls.append(1) or len(polls) >= 3)
+    assert outs == [None, None] and len(polls) == 3  # rank 0 alone asked, until the collector had judged it
+    assert 0.15 <= clock.now <= 0.25
+    assert all(a.acks == [] for a in agents)
+    for ch in chans:
+        ch.finish()  # the end's own broadcast is nobody's command
+    assert all(a.acks == [] for a in agents)
+
+
+def test_a_command_while_waiting_is_carried_out_by_every_rank_and_the_run_goes_on():
+    _, agents, chans = two_ranks()
+    hs = [make_ctx(None, rank=r, agent=agents[r]) for r in (0, 1)]
+    polls = []
+
+    def ready():
+        polls.append(1)
+        if len(polls) == 2:  # the collector's answer: the last steps spiked, roll back
+            deliver(agents, Command("c", "checkpoint"))
+        return False
+
+    outs, _ = end_both(chans, hs, ready=ready)
+    assert [o.detail for o in outs] == ["checkpoint of step 9 queued"] * 2
+    assert all(a.acks == [("c", "done", "checkpoint of step 9 queued")] for a in agents)
+
+
+def test_without_a_verdict_the_end_waits_no_longer_than_its_bound():
+    _, agents, chans = two_ranks()
+    hs = [make_ctx(None, rank=r, agent=agents[r]) for r in (0, 1)]
+    outs, clock = end_both(chans, hs, ready=lambda: False, wait_s=2.0)
+    assert outs == [None, None] and 2.0 <= clock.now <= 2.2
+    _, agents, chans = two_ranks()
+    hs = [make_ctx(None, rank=r, agent=agents[r]) for r in (0, 1)]
+    outs, clock = end_both(chans, hs, ready=lambda: False, wait_s=0.0)
+    assert outs == [None, None] and clock.now == 0.0  # a collector whose policy would not act: no wait
+
+
 # -- the step boundary -----------------------------------------------------------
 
 @dataclass
