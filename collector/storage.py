@@ -52,7 +52,14 @@ from collector.read import queries
 from collector.settings import Settings
 from collector.sql.guard import SelectResult, SqlRefused, run_select
 from collector.sql.slots import SqlDeadline, SqlSlots
-from collector.store.actions import ActionsProjection, BadBatchesProjection, RecordAction, SetNodeStatus, UpdateAction
+from collector.store.actions import (
+    ActionsProjection,
+    BadBatchesProjection,
+    MarkKnownGood,
+    RecordAction,
+    SetNodeStatus,
+    UpdateAction,
+)
 from collector.store.commands import CommandsProjection, IssueCommand, validate_request
 from collector.store.dedupe import BatchKeysProjection
 from collector.store.feed import Feed, Subscription
@@ -156,7 +163,8 @@ class Storage:
             self.detection = DetectionRunner(
                 self.subscribe("detection", max_commits=detection_queue_commits), analyzer,
                 submit=self.record_findings, meta=lambda run_id: self.read(queries.run_meta_tables, run_id),
-                clock=clock, tick_s=detection_tick_s, registry=self.metrics.registry, watermarks=self.watermarks)
+                clock=clock, tick_s=detection_tick_s, registry=self.metrics.registry, watermarks=self.watermarks,
+                mark_known_good=self.mark_known_good)
             self.detection.start()
         self.policy: PolicyRunner | None = None
         if policy is not None:
@@ -364,6 +372,11 @@ class Storage:
         next group commit. Never blocks; ValueError through the future for another status."""
         return self._writer.submit_intent("actions", SetNodeStatus(run_id, node, status, reason, incident_id),
                                           done=done)
+
+    def mark_known_good(self, run_id: str, attempt: int, step: int, *, done: Done | None = None) -> Future | None:
+        """The run's checkpoints of `attempt` at or below `step` are known-good (`checkpoints.known_good`),
+        in the next group commit. Never blocks."""
+        return self._writer.submit_intent("actions", MarkKnownGood(run_id, int(attempt), int(step)), done=done)
 
     # -- reads -----------------------------------------------------------------
     @contextmanager

@@ -85,13 +85,16 @@ class DetectionRunner:
     def __init__(self, subscription: Subscription, analyzer: Analyzer, *, submit: Submit, meta: Meta | None = None,
                  clock: Callable[[], float] = time.time, tick_s: float = 1.0, idle_run_s: float = 600.0,
                  on_gap: Callable[[int], None] | None = None, registry: CollectorRegistry | None = None,
-                 watermarks: Watermarks | None = None) -> None:
+                 watermarks: Watermarks | None = None,
+                 mark_known_good: Callable[[str, int, int], Any] | None = None) -> None:
         """`meta(run_id)`: the run's runs, ranks and nodes rows (None: the commits carry
         what the analysis needs). `tick_s`: a run without a pass this long gets one with
         empty tables. `idle_run_s`: a run without rows this long is forgotten. `watermarks`:
         where each pass leaves the run's clean-through watermark (collector/live/watermark.py)."""
         self.analyzer = analyzer
         self.watermarks = watermarks
+        self._mark_known_good = mark_known_good  # (run_id, attempt, step): checkpoints.known_good
+        self._marked: dict[str, tuple[int, int]] = {}  # run -> the watermark last sent there
         self._sub = subscription
         self._submit = submit
         self._meta = meta
@@ -127,6 +130,7 @@ class DetectionRunner:
         for r in list(self.analyzer.runs) if run_id is None else [run_id]:
             self.analyzer.drop_run(r)
             self._complete.discard(r)
+            self._marked.pop(r, None)
             if self.watermarks is not None:
                 self.watermarks.forget(r)
 
@@ -183,6 +187,7 @@ class DetectionRunner:
                     if f.kind in TAINTS_WEIGHTS and not f.resolved:
                         self.watermarks.hold(run_id, f.key, f.step_from)
                 self.watermarks.set(run_id, self.analyzer.clean_through(run_id))
+                self._known_good(run_id, tables)
             if findings:
                 self._metrics.findings.inc(len(findings))
                 with self._progress:
@@ -194,6 +199,24 @@ class DetectionRunner:
                     raise
         self.num_passes += 1
         self._metrics.pass_seconds.observe(time.perf_counter() - t0)
+
+    def _known_good(self, run_id: str, tables: Mapping[str, pa.Table]) -> None:
+        """Mark the run's checkpoints at or below its watermark when it moved, or when a
+        checkpoint was reported (its row may come after the watermark passed it)."""
+        mark = self.watermarks.get(run_id) if self._mark_known_good is not None else None
+        if mark is None:
+            return
+        key = (mark["attempt"], mark["step"])
+        events = tables.get("events")
+        reported = events is not None and events.num_rows and pc.any(
+            pc.equal(events["kind"], "checkpoint_saved")).as_py()
+        if key == self._marked.get(run_id) and not reported:
+            return
+        self._marked[run_id] = key
+        try:
+            self._mark_known_good(run_id, *key)
+        except Exception:  # noqa: BLE001 - refused (a full write queue): the next move marks them
+            self._marked.pop(run_id, None)
 
     def _frames(self, run_id: str, tables: Mapping[str, pa.Table]) -> Frames:
         """The run's rows, and its meta rows while its mesh is not known (a new round's is not)."""

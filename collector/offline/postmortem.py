@@ -270,9 +270,10 @@ def render_markdown(r: Report) -> str:
         out += ["", "## Nodes", ""] + _table(["node", "ranks", "status", "reason"], [
             [n.get("node"), json.dumps(n.get("ranks")), n.get("status"), n.get("reason")] for n in r.nodes])
     if r.checkpoints:
-        out += ["", "## Checkpoints", ""] + _table(["step", "attempt", "shards", "bytes", "write s", "verified"], [
+        out += ["", "## Checkpoints", ""] + _table(["step", "attempt", "shards", "bytes", "write s", "verified", "known good"], [
             [c.get("step"), c.get("attempt"), c.get("num_shards"), c.get("bytes"),
-             None if c.get("write_s") is None else f"{c['write_s']:.3f}", c.get("verified")] for c in r.checkpoints])
+             None if c.get("write_s") is None else f"{c['write_s']:.3f}", c.get("verified"), c.get("known_good")]
+             for c in r.checkpoints])
     out += ["", "## Charts", "", "The loss, grad-norm and loss-scale charts around each incident and the rank x "
             f"step heatmap of step time are in the HTML report: `collector postmortem {r.run_id} --db FILE "
             "--out report.html`.", ""]
@@ -365,9 +366,10 @@ def render_html(r: Report) -> str:
         parts.append(f'<h2>Step time by rank</h2><div class="heatmap">{fig_html(heatmap_figure(r.grid))}</div>')
     if r.checkpoints:
         parts.append("<h2>Checkpoints</h2>" + _html_table(
-            ["step", "attempt", "shards", "bytes", "write s", "verified"],
+            ["step", "attempt", "shards", "bytes", "write s", "verified", "known good"],
             [[c.get("step"), c.get("attempt"), c.get("num_shards"), c.get("bytes"),
-              None if c.get("write_s") is None else f"{c['write_s']:.3f}", c.get("verified")] for c in r.checkpoints]))
+              None if c.get("write_s") is None else f"{c['write_s']:.3f}", c.get("verified"), c.get("known_good")]
+             for c in r.checkpoints]))
     return (f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>Postmortem {html.escape(r.run_id)}</title>'
             f'<style>{_CSS}</style><script type="text/javascript">{get_plotlyjs()}</script></head>'
             f"<body>{''.join(parts)}</body></html>")

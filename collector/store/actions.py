@@ -19,7 +19,10 @@ after it like every projection (collector/store/projection.py):
   A detail object is merged into the row's (its keys win), so the decision's
   reason stays beside what came of it; any other detail replaces it;
 - `SetNodeStatus`: upsert the node's `nodes` row (healthy, suspect, isolated);
-  'isolated' sets isolated_ts (kept while it stays isolated, and after).
+  'isolated' sets isolated_ts (kept while it stays isolated, and after);
+- `MarkKnownGood`: the run's checkpoints of an attempt at or below the known-good
+  watermark get `known_good` (collector/live/watermark.py; the detection runner sends
+  it when the watermark moves, or a checkpoint was reported). Answered with None.
 
 A malformed intent (unknown status, an id that is no action, a detail that is no
 JSON) is answered with its error, and the rest of its group commits as usual.
@@ -96,6 +99,15 @@ class SetNodeStatus:
     incident_id: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class MarkKnownGood:
+    """Intent: checkpoints of `run_id`'s `attempt` at or below `step` are known-good."""
+
+    run_id: str
+    attempt: int
+    step: int
+
+
 @dataclass(slots=True)
 class ActionPlan:
     inserts: list[dict[str, Any]] = field(default_factory=list)  # full rows (detail as an object)
@@ -103,6 +115,7 @@ class ActionPlan:
     # per inserted or updated action, in intent order: (the row before, None for an insert; the row after)
     changes: list[tuple[dict[str, Any] | None, dict[str, Any]]] = field(default_factory=list)
     nodes: list[dict[str, Any]] = field(default_factory=list)  # nodes rows to upsert, in order
+    known_good: list[MarkKnownGood] = field(default_factory=list)
     next_id: int = 0
     results: list[Any] = field(default_factory=list)
     hooks: list[Any] = field(default_factory=list)  # each ActionHook's plan, in order
@@ -270,6 +283,9 @@ class ActionsProjection(Projection):
                                "updated_ts": now, "isolated_ts": now if it.status == "isolated" else None,
                                "incident_id": it.incident_id})
             return None
+        if isinstance(it, MarkKnownGood):
+            plan.known_good.append(it)
+            return None
         raise TypeError(f"not an action intent: {it!r}")
 
     def write(self, con: duckdb.DuckDBPyConnection, plan: ActionPlan | None, group: Group) -> None:
@@ -286,6 +302,9 @@ class ActionsProjection(Projection):
         for n in plan.nodes:
             con.execute(_NODE_UPSERT, [n["run_id"], n["node"], n["status"], n["reason"], n["updated_ts"],
                                        n["isolated_ts"], n["incident_id"]])
+        for m in plan.known_good:
+            con.execute("UPDATE checkpoints SET known_good = true WHERE run_id = ? AND attempt = ? AND step <= ? "
+                        "AND NOT known_good", [m.run_id, m.attempt, m.step])
         for hook, hook_plan in zip(self.hooks, plan.hooks):
             hook.write_actions(con, hook_plan, group)
 

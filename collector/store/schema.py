@@ -414,6 +414,12 @@ _DEVICE_HEALTH_V9 = [
 _STEP_SUMMARY_V10 = [_STEP_SUMMARY_V6[0].replace("avg(s.loss) AS loss_mean", "avg(coalesce(s.loss, s.local_loss)) AS loss_mean")]
 assert _STEP_SUMMARY_V10[0] != _STEP_SUMMARY_V6[0]
 
+# v11: a checkpoint at or below the run's known-good watermark (every step up to it judged by
+# every detector, nothing that taints the weights unsettled at or before it, the replicas'
+# checksums agreeing past it: analysis/watermark.py) is `known_good`; the trainer never prunes
+# the newest one. Rows from before keep false.
+_KNOWN_GOOD_V11 = ["ALTER TABLE checkpoints ADD COLUMN known_good BOOLEAN DEFAULT false"]
+
 MIGRATIONS: list[tuple[int, list[str]]] = [
     (1, _TABLES_V1 + _VIEWS_V1),
     (2, _BATCH_HASH_V2),
@@ -425,6 +431,7 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
     (8, _ROLLUP_V8),
     (9, _DEVICE_HEALTH_V9),
     (10, _STEP_SUMMARY_V10),
+    (11, _KNOWN_GOOD_V11),
 ]
 
 

@@ -16,6 +16,7 @@ import pyarrow as pa
 import pytest
 
 from agent import wire
+from tests.polling import wait_until
 from tests.unit.collector.collector_batches import columns, make_batch, steps_section
 from tests.unit.collector.collector_server import ROOT, CollectorProcess
 
@@ -121,6 +122,8 @@ def test_ingest_query_api_and_duplicates(server):
         # every step 0-9 came from both ranks and was judged clean: known-good through 9 (step 10: rank 0's alone)
         more = post_batch(c, make_batch("api", 0, 1, sections={wire.STEP: steps_section([10], loss=[0.5])}))
         assert more.json()["clean_through"] == {"attempt": 0, "step": 9, "judged": 9}
+        # and so the checkpoint of step 5 is known-good (sent with the next pass: bounded wait)
+        assert wait_until(lambda: c.get("/v1/runs/api/checkpoints").json()[0]["known_good"], timeout_s=5.0)
 
 
 def test_sql_json_arrow_and_refusals(server):
