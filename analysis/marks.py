@@ -17,6 +17,11 @@ Read from events, scalars and heartbeat phases, and kept small:
   latest one did (a run shutting down: its remaining ranks stop entering
   collectives too, which is no new hang).
 - *exits*: the launcher's `rank_exited` reports, queued for the crash detector.
+- *reruns*: the (attempt, step) a rollback reruns to diagnose its incident
+  (`rollback_started` with `diagnose`: every rank sends it before the rerun's rows).
+  The rerun reproducing the fault is the diagnosis (its `rerun_verdict`), not a new
+  incident: the nan and spike detectors leave those steps to it (a device NaN's
+  rerun, opened as a second incident, was rolled back again and again).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from analysis.frames import Frames, has, ints
 from analysis.topology import Topology, _grow
 
 _EXCLUDED_MEMORY = 1024
+_RERUN_MEMORY = 64
 
 
 # A rank that exits with this left for the supervisor's restart (an isolation; the
@@ -66,7 +72,7 @@ def _data(raw) -> dict:
 class RunMarks:
     __slots__ = ("steps_after_start", "steps_after_checkpoint", "steps_after_eval", "steps_after_skip", "_excluded",
                  "_excluded_order", "_warm", "finished", "finished_ts", "closed", "closed_s", "exits",
-                 "_first_step", "_now")
+                 "_first_step", "_now", "_reruns")
 
     def __init__(self, *, steps_after_start: int, steps_after_checkpoint: int, steps_after_eval: int,
                  steps_after_skip: int = 0) -> None:
@@ -84,8 +90,13 @@ class RunMarks:
         self.closed_s: float | None = None  # when (the pass's `now`) a rank's agent last closed
         self._now = 0.0
         self.exits: list[RankExit] = []  # not yet taken by the crash detector
+        self._reruns: deque[tuple[int, int]] = deque(maxlen=_RERUN_MEMORY)  # (attempt, step) of diagnosis reruns
 
     # -- queries ---------------------------------------------------------------
+    def is_rerun(self, attempt: int, step: int) -> bool:
+        """The step is a rollback's diagnosis rerun of its suspect step (in the attempt it made)."""
+        return (attempt, step) in self._reruns
+
     def is_excluded(self, attempt: int, step: int, topo: Topology) -> bool:
         if step <= self._warm.get(attempt, -1):
             return True
@@ -161,7 +172,7 @@ class RunMarks:
     def _from_events(self, events: pl.DataFrame) -> None:
         kinds = events["kind"].cast(pl.String)
         wanted = kinds.is_in(["run_finished", "run_started", "restart", "checkpoint_loaded", "checkpoint_saved",
-                              "agent_closed", "rank_exited"])
+                              "agent_closed", "rank_exited", "rollback_started"])
         if not wanted.any():
             return
         cols = ["ts", "rank", "step", "kind", "data"] + (["attempt"] if "attempt" in events.columns else [])
@@ -187,6 +198,11 @@ class RunMarks:
                 s = data.get("step", step)
                 if isinstance(s, int) and s >= 0:
                     self._exclude(-1, s, s + self.steps_after_checkpoint)
+            elif kind == "rollback_started":
+                data = _data(row["data"])
+                a, s = data.get("attempt", attempt), data.get("suspect_step")
+                if data.get("diagnose") and isinstance(a, int) and isinstance(s, int) and (a, s) not in self._reruns:
+                    self._reruns.append((a, s))
             elif kind == "agent_closed":
                 if rank is not None and rank >= 0:
                     self.closed = _grow(self.closed, rank + 1, False)

@@ -31,7 +31,8 @@ origin's own `finite_fwd` row names it when it comes).
 One episode per spread: every non-finite row of the run, on any rank, from its
 first step until `resolve_after_steps` complete all-finite steps, is one
 incident. A row of an earlier step arriving late moves the episode's start (and
-origin) back; a newer attempt (after a rollback) closes it. A non-finite row
+origin) back; a newer attempt (after a rollback) closes it. The rows of a rollback's diagnosis rerun are
+left to its verdict (analysis/marks.py *reruns*). A non-finite row
 `resolve_after_steps` or more steps after the episode's last one, with every
 step between reported by some rank and none of them flagged, starts a new
 episode (the old one closes first), also when a backlog brings both in one pass.
@@ -120,6 +121,15 @@ def _flags(df: pl.DataFrame, scaler_on: bool) -> pl.DataFrame:
             .select(cols + ["_phase"]).collect())
 
 
+def _without_reruns(p, bad: pl.DataFrame) -> pl.DataFrame:
+    """The non-finite rows less those of a rollback's diagnosis rerun (analysis/marks.py):
+    its reproduction is the verdict on the incident it reruns, not a new one."""
+    if not bad.height:
+        return bad
+    keep = [not p.run.marks.is_rerun(a, s) for a, s in zip(bad["attempt"].to_list(), bad["step"].to_list())]
+    return bad if all(keep) else bad.filter(pl.Series(keep))
+
+
 def _flow_key(row: dict) -> tuple:
     """Data-flow order of a non-finite row (smaller first)."""
     phase, stage, replica, tp = row["_phase"], row["_stage"], row["_replica"], row["_tp"]
@@ -145,7 +155,7 @@ class NanDetector:
         steps = p.frames.steps
         changed: set[int] = set()
         if steps is not None and steps.height:
-            bad = _flags(steps, p.run.scaler_seen)
+            bad = _without_reruns(p, _flags(steps, p.run.scaler_seen))
             if bad.height:
                 changed = self._absorb(p, st, bad)
             for attempt, ep in st.episodes.items():
@@ -253,7 +263,7 @@ class NanDetector:
         rel = p.released
         if rel is None or not rel.height or not st.episodes:
             return
-        bad = _flags(rel, p.run.scaler_seen)
+        bad = _without_reruns(p, _flags(rel, p.run.scaler_seen))
         bad_keys = set(bad.select("attempt", "step").unique().iter_rows()) if bad.height else set()
         per_step = rel.group_by("attempt", "step").agg(pl.len().alias("n")).sort("attempt", "step")
         newest_attempt = int(rel["attempt"].max())

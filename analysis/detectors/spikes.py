@@ -164,6 +164,8 @@ class _SpikeDetector:
             st.attempt = attempt
         if value is None or not math.isfinite(value) or value <= 0:
             return None  # non-finite: the nan detector's
+        if p.run.marks.is_rerun(attempt, step):
+            return None  # a rollback's diagnosis rerun: its verdict says what a spike there is
         lx = math.log(value)
         if len(st.baseline) < cfg.min_history_steps:
             self._add(st, step, lx)

@@ -92,3 +92,32 @@ def test_two_nans_that_a_backlog_brings_in_one_pass_are_two_incidents():
     assert sorted((f.step_from, f.rank) for f in last_of(findings).values()) == [(100, 3), (112, 0)], \
         [f.summary() for f in first.values()]
     assert all(f.resolved for f in last_of(findings).values())
+
+
+def test_a_rollbacks_rerun_that_reproduces_the_nan_is_its_verdict_not_a_new_incident():
+    """A device NaN at step 30 on rank 1: the rollback to step 25 reruns step 30 (attempt 1) and
+    rank 1 fails again. That is the diagnosis (the trainer's rerun_verdict: device), not a second
+    incident: opened as one, it was rolled back again and again until max_rollbacks stopped the run.
+    A NaN at a step that is no rerun is still one."""
+    from analysis.frames import events_frame
+
+    a = Analyzer()
+    meta = Frames(runs=runs_frame([{"run_id": "r", "world_size": 2, "mesh": '{"dp": 2, "tp": 1, "pp": 1}'}]),
+                  ranks=ranks_frame([{"run_id": "r", "rank": r, "node": f"n{r}", "dp": r, "tp": 0, "pp": 0}
+                                     for r in range(2)]))
+    a.feed(meta, now=0.0)
+    nan = float("nan")
+    rows = [_row(s, r, **({"loss": nan, "finite_fwd": 0} if (s, r) == (30, 1) else {}))
+            for s in range(1, 36) for r in range(2)]
+    out = a.feed(Frames(steps=steps_frame(rows)), now=40.0)
+    assert [(f.kind, f.rank, f.step_from) for f in out if not f.resolved][:1] == [("nan", 1, 30)]
+    started = events_frame([{"run_id": "r", "rank": r, "ts": 41.0, "step": 25, "attempt": 1, "kind": "rollback_started",
+                             "data": '{"attempt": 1, "suspect_step": 30, "diagnose": true, "to_step": 25}'}
+                            for r in range(2)])
+    rerun = [{**_row(s, r, **({"loss": nan, "finite_fwd": 0} if (s, r) == (30, 1) else {})), "attempt": 1,
+              "ts": 41.0 + s} for s in range(26, 60) for r in range(2)]
+    out = a.feed(Frames(events=started, steps=steps_frame(rerun)), now=100.0)
+    assert [f.key for f in out if f.kind == "nan" and not f.resolved] == []
+    later = [{**_row(61, r, **({"loss": nan, "finite_fwd": 0} if r == 1 else {})), "attempt": 1} for r in range(2)]
+    out = a.feed(Frames(steps=steps_frame(later)), now=101.0)
+    assert [(f.kind, f.rank, f.step_from) for f in out] == [("nan", 1, 61)]
