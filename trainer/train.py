@@ -219,6 +219,10 @@ class Trainer:
                     break
             if self.channel is not None and not self.state.exit_code:
                 self.channel.finish()
+                if self.ckpt is not None:  # every rank's last saves reported before rank 0 says the run finished
+                    self.ckpt.wait()
+                    self._checkpoint_events()
+                    self.comm.barrier()
         finally:
             loader.close()
             if self.ckpt is not None:
