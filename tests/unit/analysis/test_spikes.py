@@ -133,3 +133,28 @@ def test_a_spike_in_the_replay_is_still_caught():
     commits[hit[0]] = (now, type(frames)(steps=frames.steps.with_columns(pl.col("loss") * 3.0)))
     first = opened(feed(Analyzer(), commits))
     assert [(f.kind, f.step_from) for f in first.values()] == [("loss_spike", 70)]
+
+
+def test_the_rollbacks_rerun_of_the_spiked_step_is_its_verdict_not_a_second_spike():
+    """The replay's step 70 spiked, and a rollback to step 60 reruns it to diagnose: the rerun
+    spikes again (a device, or the same data on one replica). That is the verdict on the first
+    incident (rerun_verdict), not a second loss_spike: opened as one it was rolled back again."""
+    import polars as pl
+
+    from analysis.frames import events_frame
+
+    commits = _steep_then_rolled_back(back_to=40)
+    hit = next(i for i, (_, fr) in enumerate(commits) if fr.steps is not None and fr.steps.height
+               and fr.steps["attempt"][0] == 1 and fr.steps["step"][0] == 70)
+    now, frames = commits[hit]
+    commits[hit] = (now, type(frames)(steps=frames.steps.with_columns(pl.col("loss") * 3.0)))
+    rerun = [(t, fr) for t, fr in commits[hit - 9:hit + 20]]  # steps 61-89 of attempt 1 again, as attempt 2
+    end = commits[-1][0]
+    started = events_frame([{"run_id": commits[hit][1].steps["run_id"][0], "rank": r, "ts": end + 0.5, "step": 60,
+                             "attempt": 2, "kind": "rollback_started",
+                             "data": '{"attempt": 2, "suspect_step": 70, "diagnose": true}'} for r in (0, 1)])
+    again = [(end + 1.0, type(frames)(events=started))]
+    for i, (_, fr) in enumerate(rerun):
+        again.append((end + 1.1 + 0.1 * i, type(fr)(steps=fr.steps.with_columns(pl.lit(2, pl.Int32).alias("attempt")))))
+    first = opened(feed(Analyzer(), commits + again))
+    assert [(f.kind, f.step_from) for f in first.values()] == [("loss_spike", 70)]
