@@ -212,6 +212,7 @@ class Agent(Recorder):
         self._mailbox: deque[Command] = deque()
         self._seen_commands: set[str] = set()
         self._clean_through: tuple[int, int, int] | None = None  # (attempt, step, judged): the collector's watermark
+        self._watermarked = False  # the collector answers with a watermark (it runs detection)
         self._end_wait_s: float | None = None  # how long a finished run waits for the last verdicts (the collector's)
         self._recorded = {k: 0 for k in STATS_KINDS}
         self._buffer_dropped = {k: 0 for k in STATS_KINDS}
@@ -365,10 +366,14 @@ class Agent(Recorder):
     def clean_through(self) -> int | None:
         """The newest step of this rank's attempt the collector vouches for (every detector
         judged it, nothing that spoils the weights at or before it; collector/live/watermark.py):
-        a checkpoint at or below it is known-good. None: not known (no collector, no detection,
-        or its latest answer was about another attempt: a rollback's lineage starts over)."""
+        a checkpoint at or below it is known-good. -1: the collector keeps a watermark but has
+        vouched for nothing of this attempt yet (it trails the ranks; a rollback's lineage
+        starts over): none is known-good, every one may become it. None: no watermark comes
+        (no collector answered yet, or it runs no detection)."""
         mark = self._clean_through
-        return mark[1] if mark is not None and mark[0] == self.attempt else None
+        if mark is not None and mark[0] == self.attempt:
+            return mark[1]
+        return -1 if self._watermarked else None
 
     def judged_through(self) -> int | None:
         """The newest step of this rank's attempt every detector has judged, with nothing
@@ -707,6 +712,8 @@ class Agent(Recorder):
                                type(bridge).__name__, e)
 
     def _on_response(self, body: dict) -> None:
+        if "clean_through" in body:
+            self._watermarked = True
         mark = body.get("clean_through")
         if isinstance(mark, dict):
             try:

@@ -235,8 +235,10 @@ class Checkpointer:
     agreed, and a divergence caught at the next checksum rolls back to before the last
     agreeing one: with checkpoints more frequent than checksums the newest `keep` can
     all be too recent (the trainer passes 2 x checksum_every).
-    `known_good()` (rank 0's; None: not known): the collector's clean-through watermark
-    (collector/live/watermark.py, through the agent). Pruning never removes the newest
+    `known_good()` (rank 0's): the collector's clean-through watermark (collector/live/
+    watermark.py, through the agent); -1 while it has vouched for nothing of this attempt
+    (it trails the ranks by a second or more); None when no watermark comes (no collector,
+    no detection): pruning is then plain `keep`. Pruning never removes the newest
     checkpoint at or below it, nor any after it, so a rollback decided late still finds
     one before its incident. Should the watermark not move for `KNOWN_GOOD_STALE_S` (a
     collector away or stuck), disk stays bounded: the known-good one and the newest

@@ -97,11 +97,13 @@ class IngestEndpoint:
             return 503, dumps({"error": f"busy, retry later: {e}"}), [(b"retry-after", b"1")]
         # server_ts: this collector's clock, for the agents' offset estimates (agent/clock.py);
         # clean_through: the run's known-good watermark (collector/live/watermark.py), for the trainer
+        # (present, maybe null, only when this collector runs detection: the trainer then keeps checkpoints for it)
+        answer = {"accepted": outcome.accepted, "duplicate": outcome.duplicate, "commands": outcome.commands,
+                  "server_ts": time.time()}
         marks = self.storage.watermarks
-        return 200, dumps({"accepted": outcome.accepted, "duplicate": outcome.duplicate,
-                           "commands": outcome.commands, "server_ts": time.time(),
-                           "clean_through": marks.get(batch.run_id) if marks is not None else None,
-                           "end_wait_s": marks.end_wait_s if marks is not None else None}), []
+        if marks is not None:
+            answer["clean_through"], answer["end_wait_s"] = marks.get(batch.run_id), marks.end_wait_s
+        return 200, dumps(answer), []
 
     @staticmethod
     async def _read(receive: Receive, limit: int) -> bytes:

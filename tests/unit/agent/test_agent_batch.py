@@ -174,7 +174,10 @@ def test_the_collectors_watermark_counts_for_the_attempt_it_was_about():
     agent = Agent(AgentConfig(url=None, device_health=False), run_id="r", rank=0)
     try:
         assert agent.clean_through() is None
-        assert agent.end_wait_s() is None
+        agent._on_response({"accepted": 1})  # a collector without detection: no watermark ever
+        assert agent.clean_through() is None and agent.end_wait_s() is None
+        agent._on_response({"accepted": 1, "clean_through": None, "end_wait_s": 30.0})  # detection, nothing judged yet
+        assert agent.clean_through() == -1 and agent.judged_through() is None
         agent._on_response({"accepted": 1, "clean_through": {"attempt": 0, "step": 28, "judged": 31},
                             "end_wait_s": 30.0})
         assert (agent.clean_through(), agent.judged_through(), agent.end_wait_s()) == (28, 31, 30.0)
@@ -184,7 +187,7 @@ def test_the_collectors_watermark_counts_for_the_attempt_it_was_about():
         agent._on_response({"accepted": 1, "clean_through": {"attempt": "x"}})  # malformed: ignored
         assert agent.clean_through() == 28
         agent.set_attempt(1)
-        assert agent.clean_through() is None
+        assert agent.clean_through() == -1  # a new lineage: nothing of it vouched for yet
         agent._on_response({"accepted": 1, "clean_through": {"attempt": 1, "step": 24}})
         assert agent.clean_through() == 24
     finally:

@@ -308,7 +308,7 @@ def test_the_newest_known_good_checkpoint_and_all_after_it_survive_pruning(tmp_p
     mark = [None]
     ck = make(tmp_path, logs, keep=3, known_good=lambda: mark[0])
     root = tmp_path / "ckpt"
-    mark[0] = 4  # the watermark trails: none is known-good yet, and every one may become it
+    mark[0] = -1  # the collector keeps a watermark but has vouched for nothing yet: every one may become it
     for step in (8, 16, 24, 32):
         save(ck, step)
         assert ck.wait(10)
