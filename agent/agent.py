@@ -384,7 +384,10 @@ class Agent(Recorder):
 
     def end_wait_s(self) -> float | None:
         """How long a finished run may wait for the verdict on its last steps, as the collector
-        said (0: its policy would not act); None: no answer said (no collector, or none yet)."""
+        said (0: its policy would not act); None: no answer said (no collector, or none yet).
+        0 while the collector is away (batches go to the spool): no verdict can come then."""
+        if self._end_wait_s is not None and self._shipper is not None and self._shipper.away:
+            return 0.0
         return self._end_wait_s
 
     def commands(self) -> list[Command]:

@@ -48,9 +48,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-# the end of a run waits at most this long for the collector's verdict on its last steps until the
-# collector has said its own bound (rules: policy.end_of_run_wait_s; 0 when its policy would not act)
-END_WAIT_S = 30.0
+# the end of a run waits for the collector's verdict on its last steps as long as the collector says
+# (rules: policy.end_of_run_wait_s; 0 when its policy would not act), never longer than this
+END_WAIT_MAX_S = 600.0
 
 
 def memory_bytes(device: torch.device) -> int:
@@ -321,13 +321,14 @@ class Trainer:
 
     def _judged_end(self) -> bool:
         """The steps are done: wait for the collector's verdict on the last ones
-        (trainer/control.py `await_end`), at most its `end_wait_s` (END_WAIT_S until it
-        said). True: a command sent the run on (a rollback of its last steps)."""
+        (trainer/control.py `await_end`), at most its `end_wait_s` (0 while it is away,
+        or when it never answered: no verdict can come). True: a command sent the run on
+        (a rollback of its last steps)."""
         if self.channel is None or self.state.exit_code or self.state.stopped or self.state.step < self.cfg.steps:
             return False
         last = self.state.step
-        said = self.agent.end_wait_s()
-        wait_s = END_WAIT_S if said is None else said
+        said = self.agent.end_wait_s() if self.is_logger else None  # rank 0 decides alone
+        wait_s = 0.0 if said is None else min(said, END_WAIT_MAX_S)
         t0 = time.monotonic()
 
         def ready() -> bool:
@@ -338,9 +339,10 @@ class Trainer:
         outcome = self.channel.await_end(self.ctx, last, ready=ready, wait_s=wait_s)
         waited = time.monotonic() - t0
         if outcome is None:
-            if self.is_logger and wait_s > 0 and not ready():
-                self._log(f"end of run: the collector gave no verdict on step {last} within {wait_s:g} s"
-                          f"{'' if said is not None else ' (it never answered)'}; ending without it")
+            if self.is_logger and not ready() and (said is None or said > 0):
+                why = (f"it gave none within {wait_s:g} s" if wait_s > 0 else
+                       "it is unreachable" if said is not None else "it never answered")
+                self._log(f"end of run: no verdict from the collector on step {last} ({why}); ending without it")
             elif self.is_logger and waited >= 1.0:
                 self._log(f"end of run: the collector judged the last step {waited:.1f} s after it")
             return False
