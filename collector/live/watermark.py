@@ -62,8 +62,9 @@ class Watermarks:
             self._holds.pop(run_id, None)
 
     def forget(self, run_id: str) -> None:
+        """The analysis of the run starts over (a gap, an idle run): its watermark is unknown
+        until the next pass. The holds stay: the policy still owes their incidents an end."""
         with self._lock:
-            self._holds.pop(run_id, None)
             self._marks.pop(run_id, None)
 
     def held(self, run_id: str) -> dict[str, int]:

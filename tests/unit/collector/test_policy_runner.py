@@ -191,3 +191,17 @@ def test_a_taint_holds_the_watermark_until_its_rollback_is_done_and_a_shadow_one
     runner._incident(spike)
     assert [(k, st) for k, st, _ in shadow.actions] == [("rollback", "shadow")]
     assert shadow.watermarks.get(RUN) == {"attempt": 0, "step": 80, "judged": 80}
+
+
+def test_a_detection_that_starts_over_keeps_the_policys_holds():
+    """After a gap the analysis starts over and knows nothing of the spike it had found: the
+    policy's rollback for it is still under way, so its hold stays until the policy releases it."""
+    marks = Watermarks(hold_for_policy=True)
+    marks.set(RUN, (0, 80, 80))
+    marks.hold(RUN, "loss_spike#1", 70)
+    marks.forget(RUN)
+    assert marks.get(RUN) is None  # unknown until the next pass
+    marks.set(RUN, (0, 95, 95))  # the fresh analysis' own view
+    assert marks.get(RUN) == {"attempt": 0, "step": 69, "judged": 69}
+    marks.release(RUN, "loss_spike#1")
+    assert marks.get(RUN) == {"attempt": 0, "step": 95, "judged": 95}
