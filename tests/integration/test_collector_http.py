@@ -87,7 +87,7 @@ def test_ingest_query_api_and_duplicates(server):
             answer = r.json()
             assert abs(answer.pop("server_ts") - time.time()) < 60  # the collector's clock (agent/clock.py)
             answer.pop("clean_through")  # the known-good watermark: as far as detection has got (below)
-            assert answer.pop("end_wait_s") >= 0  # this collector runs detection: both keys are there
+            assert answer.pop("end_wait_s") == 30.0  # detection and an acting policy: the rules' end_of_run_wait_s
             assert answer == {"accepted": 10 + 4 + 1 + 1, "duplicate": False, "commands": []}
             again = post_batch(c, body)
             assert {k: v for k, v in again.json().items() if k not in ("server_ts", "clean_through", "end_wait_s")} == {
