@@ -15,7 +15,13 @@ warm-up). Flagged values stay out of the baseline; a shift that lasts
 baseline is relearned). A new attempt (a rollback, or a restart resumed from a
 checkpoint) rewinds the baseline to its values of the steps before the attempt's
 first one: the replayed stretch is judged against the curve as it was there, not
-against the lower level the run had reached later.
+against the lower level the run had reached later. A baseline whose newest value
+is more than `window_steps` steps before the step judged is stale and warms up
+again: the steps between never came in clean (non-finite, skipped), and the
+curve that resumes after them is not the one it measured (a device NaN skipped
+steps 30-94; the job, restarted without the device, resumed step-29 weights at
+step 95's data and learning rate, twice as noisy, and a 1.18x step 12 steps in,
+judged against steps 1-29, was a loss spike).
 
 Verdicts come at first sight of a step (its first rows: loss and grad-norm are
 global), so a spike is reported at the step it happens. When the step is
@@ -167,6 +173,10 @@ class _SpikeDetector:
         if p.run.marks.is_rerun(attempt, step):
             return None  # a rollback's diagnosis rerun: its verdict says what a spike there is
         lx = math.log(value)
+        newest = st.steps.newest()
+        if newest is not None and step - newest > cfg.window_steps:
+            st.baseline.clear()  # stale: the steps since its last value never came in clean
+            st.steps.clear()
         if len(st.baseline) < cfg.min_history_steps:
             self._add(st, step, lx)
             return None

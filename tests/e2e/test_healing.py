@@ -305,8 +305,9 @@ def test_a_device_nan_isolates_its_node_and_the_job_finishes_on_the_other(device
     nans = o.of("nan")
     assert nans and (nans[0]["step_from"], nans[0]["rank"], nans[0]["node"]) == (30, 1, "node1"), o.report()
     assert nans[0]["root_cause"].startswith("device: "), o.report()
-    (verdict,) = [e["data"] for e in o.events("rerun_verdict")]
-    assert (verdict["verdict"], verdict["rank"]) == ("device", 1), verdict
+    verdicts = [e["data"] for e in o.events("rerun_verdict")]
+    assert len(verdicts) == 1, (verdicts, o.report())
+    assert (verdicts[0]["verdict"], verdicts[0]["rank"]) == ("device", 1), verdicts
     assert o.bad_batches == [], o.report()  # the samples were fine
     assert_isolated(o, "node1", nans[0], "device: ")
     assert_finished_without(o, "node1", 150)

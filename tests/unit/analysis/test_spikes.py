@@ -158,3 +158,26 @@ def test_the_rollbacks_rerun_of_the_spiked_step_is_its_verdict_not_a_second_spik
         again.append((end + 1.1 + 0.1 * i, type(fr)(steps=fr.steps.with_columns(pl.lit(2, pl.Int32).alias("attempt")))))
     first = opened(feed(Analyzer(), commits + again))
     assert [(f.kind, f.step_from) for f in first.values()] == [("loss_spike", 70)]
+
+
+def test_a_baseline_older_than_its_window_warms_up_again():
+    """Seen in CI: a device NaN from step 30 on; every step to 94 was skipped, then the job
+    restarted without the device and resumed step-29 weights at step 95's data and learning rate,
+    twice as noisy. A 1.18x step 12 steps in, judged against steps 1-29, opened a loss spike (and
+    its one-replica rerun called it data). A baseline whose newest value is more than
+    `window_steps` before the step judged warms up again; a spike after that warm-up is caught."""
+    import polars as pl
+
+    sim = Sim(layout=Layout(dp=2, nodes=2), steps=160, seed=12)
+    commits = sim.build()
+    out = []
+    for now, frames in commits:
+        if frames.steps is None or not frames.steps.height:
+            out.append((now, frames))
+            continue
+        steps = frames.steps.filter((pl.col("step") <= 29) | (pl.col("step") >= 95))  # 30-94 never clean
+        factor = pl.when(pl.col("step") == 107).then(1.18).when(pl.col("step") == 130).then(3.0).otherwise(1.0)
+        steps = steps.with_columns(pl.when(pl.col("step") >= 95).then(1).otherwise(0).cast(pl.Int32).alias("attempt"),
+                                   pl.col("loss") * factor)
+        out.append((now, type(frames)(**{**frames.tables(), "steps": steps})))
+    assert [f.step_from for f in opened(feed(Analyzer(), out), "loss_spike").values()] == [130]
