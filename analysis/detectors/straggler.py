@@ -40,13 +40,18 @@ swing of the run that lasted as long (`above_swings`: the latest `swing_memory` 
 that ended with no incident, their length and peak level: host noise measured on the
 run itself), by `swing_margin_z` sigmas of the level, its group waits for it
 (`_witnessed`: the waits it caused are `witness_share` of its excess or more),
+its climb has lasted `min_persist_s` seconds (judged steps since the sum left zero
+times the smoothed step time: a shared host's swings are the scheduler's, a fraction
+of a second whatever the step; on two shared cores a clean rank ran 1.3-1.8x its peer
+for 0.15-0.35 s, its own compute up and its peer's not, just as a straggler's),
 its smoothed ratio is at least `min_ratio`, its smoothed excess compute is at
 least `min_share` of the step time (on an oversubscribed host a slow link's rank
 and its partner compute a little slower too, ~1.2x of a compute that is a sliver
 of a step spent in slow transfers: that costs the job nothing and is the
 `slow_link` detector's), against a single peer (a two-rank stage) its own
 compute is also `min_ratio` above its own past (the median of its judged steps
-`window_steps` and more ago; or the ratio is `max_step_ratio` or more): two
+before its climb began, or of those `window_steps` and more ago when fewer than
+`window_steps` came before it; or the ratio is `max_step_ratio` or more): two
 ranks' ratio cannot tell one slowing down from the other speeding up, and on
 shared cores a rank's compute drops to ~0.65x for stretches while its peer's
 stays put, and it is not a *waiter*: the
@@ -159,7 +164,7 @@ class _State:
     __slots__ = ("cusum", "mask", "calm", "ratio", "excess", "compute", "onset", "judged", "last_lr", "noise",
                  "episodes", "waits", "last_judged", "step_s", "num_steps_judged", "stage_levels", "kh",
                  "lr_hist", "hist_steps", "block_sum", "block_n", "last_block", "drift",
-                 "own_hist", "paired", "held", "num_unjudged_steps", "climb_peak", "swings")
+                 "own_hist", "own_base", "paired", "held", "num_unjudged_steps", "climb_peak", "swings")
 
     def __init__(self, alpha: float, noise_window: int, async_min_share: float = 0.05,
                  clock_error_s: float = 0.0, swing_memory: int = 64) -> None:
@@ -189,6 +194,7 @@ class _State:
         self.lr_hist = np.full((0, _ONSET_STEPS), np.nan)
         self.hist_steps: deque[int] = deque(maxlen=_ONSET_STEPS)  # the judged steps those columns are for
         self.own_hist = np.full((0, _LEVEL_MAX_STEPS), np.nan)  # column i: log compute at the i-th latest judged step
+        self.own_base = np.full(0, np.nan)  # median log compute before the current climb began (NaN: too few steps)
         self.paired = np.zeros(0, bool)  # judged against a single peer at its last step
         self.held: deque[tuple[int, int, pl.DataFrame]] = deque()  # released steps waiting for their waits
         self.num_unjudged_steps = 0  # held steps dropped past _MAX_HELD_STEPS
@@ -212,6 +218,7 @@ class _State:
         self.last_block = _grow(self.last_block, n, np.nan)
         self.lr_hist = _grow_rows(self.lr_hist, n)
         self.own_hist = _grow_rows(self.own_hist, n)
+        self.own_base = _grow(self.own_base, n, np.nan)
         self.paired = _grow(self.paired, n, False)
         self.climb_peak = _grow(self.climb_peak, n, 0.0)
 
@@ -438,6 +445,9 @@ class StragglerDetector:
         ended = (before > 0) & (after <= 0)
         self._swings(st, r[ended], st.judged[r[ended]])
         st.onset[r[climbing]] = step
+        for rank in r[climbing].tolist():  # its own compute before the climb (this step's not in yet)
+            past = st.own_hist[rank][np.isfinite(st.own_hist[rank])]
+            st.own_base[rank] = float(np.median(past)) if len(past) >= self.cfg.window_steps else np.nan
         st.climb_peak[r[climbing]] = -np.inf
         st.onset[r[after <= 0]] = -1
         st.calm[r] = np.where(after < 0.5 * h, st.calm[r] + 1, 0)  # hysteresis: calm well below the threshold
@@ -482,17 +492,26 @@ class StragglerDetector:
         """Per rank: not judged against a single peer, or slower than its own past too. Two
         ranks' ratio cannot tell one slowing down from the other speeding up (on shared cores
         a rank's compute drops to ~0.65x while its peer's stays put); a straggler's own
-        compute rises above its level before the climb (the median of its judged steps
-        `window_steps` and more ago). A ratio of `max_step_ratio` or more is slow either way
-        (a straggler from the first step has no faster past)."""
+        compute rises above its level before the climb (`own_base`: the median of its judged
+        steps before the climb began; with fewer than `window_steps` of them, of its steps
+        `window_steps` and more ago). Not the steps just before now: a verdict that waits
+        for the climb to last `min_persist_s` (dozens of steps of a fast job) would compare
+        the straggler with its own slow steps (a dp2 straggler of the bench was never named).
+        A ratio of `max_step_ratio` or more is slow either way (a straggler from the first
+        step has no faster past)."""
         n = len(st.cusum)
         ok = ~st.paired[:n] | (st.ratio >= self.cfg.max_step_ratio)
         w, m = self.cfg.window_steps, max(1, self.cfg.min_slow_steps)
         for rank in np.flatnonzero(~ok).tolist():
-            recent, past = st.own_hist[rank, :m], st.own_hist[rank, w:]
-            recent, past = recent[np.isfinite(recent)], past[np.isfinite(past)]
-            if len(recent) and len(past) >= w:
-                ok[rank] = math.exp(float(np.median(recent)) - float(np.median(past))) >= self.cfg.min_ratio
+            recent = st.own_hist[rank, :m]
+            recent = recent[np.isfinite(recent)]
+            base = st.own_base[rank] if st.onset[rank] >= 0 else np.nan
+            if not np.isfinite(base):  # no climb, or too few steps before it: the steps window_steps and more ago
+                past = st.own_hist[rank, w:]
+                past = past[np.isfinite(past)]
+                base = float(np.median(past)) if len(past) >= w else np.nan
+            if len(recent) and np.isfinite(base):
+                ok[rank] = math.exp(float(np.median(recent)) - base) >= self.cfg.min_ratio
         return ok
 
     # -- who is held back by whom --------------------------------------------------
@@ -535,7 +554,9 @@ class StragglerDetector:
         level, sigmas, scale = self.levels(st)
         up = st.onset[:len(level)] >= 0
         st.climb_peak[up] = np.maximum(st.climb_peak[up], level[up])
+        lasted = np.where(st.onset >= 0, (step - st.onset + 1) * st.step_s, 0.0)  # s, the climb so far
         firing = np.flatnonzero((st.cusum >= h) & (popcount(st.mask & self.full) >= cfg.min_slow_steps)
+                                & (lasted >= cfg.min_persist_s)
                                 & (st.ratio >= cfg.min_ratio) & costly & self._slowed(st)
                                 & (sigmas >= cfg.level_z) & self._witnessed(st)) \
             if known else np.zeros(0, np.int64)

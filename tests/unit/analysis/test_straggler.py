@@ -291,3 +291,44 @@ def test_a_reference_raised_by_noise_still_lets_a_2x_straggler_climb(seed):
     f = next(iter(first.values()))
     assert f.evidence["cusum_reference"] > math.log(1.3)  # the noise did raise it
     assert onset <= f.evidence["fired_at_step"] < onset + 8
+
+
+def _fast_steps(commits, times: float):
+    """The same commits with every duration (`*_s` of the steps and the collectives) `times` as
+    long: a faster job, the same ratios and the same waits relative to its steps."""
+    out = []
+    for now, frames in commits:
+        got = {}
+        for name in ("steps", "collectives"):
+            df = getattr(frames, name)
+            if df is not None:
+                got[name] = df.with_columns([pl.col(c) * times for c in df.columns
+                                             if c.endswith("_s") and df[c].dtype.is_float()])
+        out.append((now, replace(frames, **got)))
+    return out
+
+
+@pytest.mark.parametrize("seed", [6, 7])
+def test_a_swing_shorter_than_min_persist_s_is_not_a_straggler_and_a_straggler_is_named_after_it(seed):
+    """Seen on two shared cores: a clean rank of a fast job (14-25 ms steps) ran 1.3-1.8x its peer
+    for 7-17 steps, its own compute up and its peer's not, exactly as a straggler's; it was named.
+    The scheduler's swings last a fraction of a second whatever the step: a climb must last
+    `min_persist_s` (0.5 s) before it fires. The same swing is named with the gate at 0, and a real
+    1.5x straggler of the same job is named once it has lasted 0.5 s."""
+    layout, onset, times = Layout(dp=2, nodes=2), 100, 0.1
+    swing = (Contention(rank=1, start=onset, end=onset + 12, factor=1.6),)
+    built = _fast_steps(Sim(layout=layout, steps=180, seed=seed, jitter=0.05, faults=swing).build(), times)
+    step_s = float(pl.concat([fr.steps for _, fr in built if fr.steps is not None])["step_s"].median())
+    assert 12 * step_s < 0.5 * 0.8  # the swing lasts well under min_persist_s
+    assert [f.summary() for f in feed(Analyzer(), built)] == []
+    gate_off = rules_from_dict({"straggler": {"min_persist_s": 0.0}})
+    assert [(f.kind, f.rank) for f in opened(feed(Analyzer(gate_off), built)).values()] == [("straggler", 1)]
+
+    slow = Straggler(rank=1, start=onset, factor=1.5)
+    built = _fast_steps(Sim(layout=layout, steps=180, seed=seed, jitter=0.05, faults=(slow,)).build(), times)
+    first = opened(feed(Analyzer(), built))
+    assert [(f.kind, f.rank) for f in first.values()] == [("straggler", 1)], [f.summary() for f in first.values()]
+    f = next(iter(first.values()))
+    lasted = (f.evidence["fired_at_step"] - onset + 1) * f.evidence["step_s"]
+    assert 0.5 <= lasted < 0.5 + 10 * f.evidence["step_s"], (f.evidence["fired_at_step"], f.evidence["step_s"])
+    assert onset <= f.step_from <= onset + 2
