@@ -6,7 +6,9 @@ others up.
 - per rank, a step cut into compute, data loading, exposed communication and the rest
   (views.rank_time): a straggler has more compute, the ranks waiting for it more
   exposed communication;
-- the slowest ranks as a table, with their compute against the median rank's;
+- the slowest ranks as a table, with their compute against the median rank's of their
+  restart round (views.rank_rounds): after a restart on fewer nodes each replica's step
+  carries more micro-batches, and only ranks of one layout compare;
 - the mesh (views.mesh): one cell per rank, a tile per data-parallel replica
   (pipeline stages as rows, tensor shards as columns), coloured by health, with a band
   under the cells naming their node.
@@ -68,7 +70,8 @@ SILENT_AFTER_S = 30.0  # a running rank whose last heartbeat is older than this 
 TOP_SLOWEST = 8
 PARTS = (("compute_s", "compute (fwd+bwd+opt)", "#4e79a7"), ("data_s", "data loading", "#59a14f"),
          ("comm_exposed_s", "exposed comm", "#e15759"), ("other_s", "other", "#bab0ac"))
-TABLE_COLUMNS = [{"name": "rank", "id": "rank", "type": "numeric"}, {"name": "node", "id": "node"},
+TABLE_COLUMNS = [{"name": "rank", "id": "rank", "type": "numeric"}, {"name": "round", "id": "round", "type": "numeric"},
+                 {"name": "node", "id": "node"},
                  {"name": "mesh (dp·pp·tp)", "id": "coords"},
                  {"name": "step (ms)", "id": "step_ms", "type": "numeric"},
                  {"name": "compute (ms)", "id": "compute_ms", "type": "numeric"},
@@ -99,7 +102,8 @@ def layout(ranks: str | None = None, metric: str = "step", **query: Any) -> html
                             config=GRAPH_CONFIG, figure=empty("loading…")),
                   dcc.Graph(id={"type": "rk-graph", "name": "mesh"}, className="llmw-card",
                             config={"displayModeBar": False}, figure=empty("loading…"))], className="llmw-row"),
-        html.Div("Slowest ranks (by mean step time over the range)", className="llmw-section"),
+        html.Div("Slowest ranks (compute against the median of their restart round, over the range)",
+                 className="llmw-section"),
         dash_table.DataTable(id="rk-table", columns=TABLE_COLUMNS, data=[], sort_action="native",
                              style_table={"overflowX": "auto"}, style_as_list_view=True,
                              style_cell={"fontFamily": "inherit", "fontSize": 13, "padding": "4px 10px",
@@ -157,7 +161,7 @@ def build(src: Source, run_id: str, *, ranks: list[int] | tuple[int, ...] = (), 
                                   metric=metric, step_from=step_from, step_to=step_to, uirevision=run_id),
         "bars": bars_figure(shown, uirevision=run_id),
         "mesh": mesh_figure(mesh_rows, run.get("status"), now, uirevision=run_id),
-        "table": slowest_table(times),
+        "table": slowest_table(src.view(run_id, "rank_rounds", step_from=step_from, step_to=step_to)),
         "rank_options": rank_options(info),
         "range": (min(steps), max(steps)) if steps else None,
     }
@@ -301,19 +305,29 @@ def bars_figure(rows: list[dict], *, uirevision: str = "keep") -> go.Figure:
 
 
 def slowest_table(rows: list[dict]) -> list[dict]:
-    """The slowest ranks by mean step time (compute breaks ties: with lockstep collectives
-    every rank's step is as long as the slowest), with compute over the median rank's."""
-    computes = [c for c in (finite(r.get("compute_s")) for r in rows) if c is not None]
-    median = statistics.median(computes) if computes else None
-    ordered = sorted(rows, key=lambda r: (-(finite(r.get("step_s")) or 0.0), -(finite(r.get("compute_s")) or 0.0),
-                                          r["rank"]))
+    """The slowest ranks (views.rank_rounds: a row per restart round and rank), by compute over
+    the median rank's of the same round (with lockstep collectives every rank's step is as long
+    as the slowest: step time breaks ties), slowest first. Rows without `round` are one round,
+    their median taken here."""
+    by_round: dict[Any, list[float]] = {}
+    for r in rows:
+        c = finite(r.get("compute_s"))
+        if c is not None:
+            by_round.setdefault(r.get("round"), []).append(c)
+    medians = {k: statistics.median(v) for k, v in by_round.items()}
+
+    def ratio(r: dict) -> float | None:
+        c, m = finite(r.get("compute_s")), finite(r.get("round_compute_s")) or medians.get(r.get("round"))
+        return c / m if c is not None and m else None
+
+    ordered = sorted(rows, key=lambda r: (-(ratio(r) or 0.0), -(finite(r.get("step_s")) or 0.0), r["rank"]))
     out = []
     for r in ordered[:TOP_SLOWEST]:
-        step_s, compute_s = finite(r.get("step_s")), finite(r.get("compute_s"))
-        out.append({"rank": r["rank"], "node": r.get("node") or "?", "coords": _coords(r),
-                    "step_ms": None if step_s is None else round(step_s * 1e3, 1),
+        step_s, compute_s, q = finite(r.get("step_s")), finite(r.get("compute_s")), ratio(r)
+        out.append({"rank": r["rank"], "round": r.get("round") or 0, "node": r.get("node") or "?",
+                    "coords": _coords(r), "step_ms": None if step_s is None else round(step_s * 1e3, 1),
                     "compute_ms": None if compute_s is None else round(compute_s * 1e3, 1),
-                    "compute_ratio": round(compute_s / median, 2) if compute_s is not None and median else None})
+                    "compute_ratio": None if q is None else round(q, 2)})
     return out
 
 

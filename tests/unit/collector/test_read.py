@@ -133,3 +133,41 @@ def test_a_read_only_connection_cannot_write(tmp_path):
             con.execute("INSERT INTO runs (run_id, created_ts, updated_ts) VALUES ('x', 0, 0)")
     finally:
         con.close()
+
+
+def test_ranks_compare_within_their_restart_round(tmp_path):
+    """The demo: node1 (ranks 2, 3; rank 3 a 1.35x straggler) isolated, the job restarted on node0
+    with the same global batch, so its ranks computed twice the micro-batches a step. Over the whole
+    run rank 3 looked faster than the median (0.93x); within round 0 it is 1.35x, and the restarted
+    round's ranks are 1.0x of theirs."""
+    from collector.read import views
+    from dashboard.pages import ranks as page
+
+    storage = Storage(Settings(db_path=tmp_path / "d.duckdb", writer=WriterSettings(linger_s=0.0, min_interval_s=0.0)))
+    started = [{"ts": 1.0, "step": 0, "attempt": 0, "kind": "run_started", "data": {"restart": 0, "attempt_floor": 0}}]
+    again = [{"ts": 90.0, "step": 60, "attempt": 2, "kind": "run_started", "data": {"restart": 1, "attempt_floor": 2}}]
+    try:
+        for rank in range(4):
+            compute = 0.135 if rank == 3 else 0.1
+            storage.ingest_blocking(decode(make_batch(
+                rank=rank, run=RUN if rank == 0 else None, events=started,
+                sections={wire.STEP: steps_section(range(1, 61), step_s=0.15, fwd_s=compute / 2, bwd_s=compute / 2,
+                                                      opt_s=0.0)})))
+        for rank in range(2):
+            storage.ingest_blocking(decode(make_batch(
+                rank=rank, batch_seq=1, incarnation="inc1", events=again,
+                sections={wire.STEP: steps_section(range(61, 161), attempt=2, step_s=0.25, fwd_s=0.1, bwd_s=0.1,
+                                                      opt_s=0.0)})))
+        rows = storage.read(views.rank_rounds, "run1")
+        whole = storage.read(views.rank_time, "run1")
+    finally:
+        storage.close()
+    assert [(r["round"], r["rank"], r["num_steps"]) for r in rows] == [(0, 0, 60), (0, 1, 60), (0, 2, 60), (0, 3, 60),
+                                                                      (1, 0, 100), (1, 1, 100)]
+    table = page.slowest_table(rows)
+    assert (table[0]["rank"], table[0]["round"], table[0]["node"], table[0]["compute_ratio"]) == (3, 0, "node1", 1.35)
+    assert {(t["round"], t["rank"]): t["compute_ratio"] for t in table[1:]} == {
+        (0, 0): 1.0, (0, 1): 1.0, (0, 2): 1.0, (1, 0): 1.0, (1, 1): 1.0}
+    # over the whole run, the median rank carries the restarted round's bigger steps
+    median = sorted(r["compute_s"] for r in whole)[1:3]
+    assert next(r["compute_s"] for r in whole if r["rank"] == 3) < sum(median) / 2

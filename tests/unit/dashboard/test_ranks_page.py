@@ -69,7 +69,7 @@ def test_the_bars_split_each_ranks_step_and_rank_3_computes_most(db_source):
 def test_the_slowest_ranks_table_puts_rank_3_first_with_its_compute_ratio(db_source):
     table = ranks.build(db_source, RUN_ID, now=LAST_HEARTBEAT)["table"]
     assert len(table) == 4 and table[0]["rank"] == 3
-    assert table[0] == {"rank": 3, "node": "node1", "coords": "dp1 · pp0 · tp1", "step_ms": 500.0,
+    assert table[0] == {"rank": 3, "round": 0, "node": "node1", "coords": "dp1 · pp0 · tp1", "step_ms": 500.0,
                         "compute_ms": 402.5, "compute_ratio": 1.34}
     assert {r["compute_ratio"] for r in table[1:]} == {1.0}
     assert [c["id"] for c in ranks.TABLE_COLUMNS] == list(table[0])

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.slow  # a real collector process
 
 VIEW_PARAMS = {"overview": {"max_points": 7}, "scalars": {"prefix": "eval/"}, "lineage": {"max_points": 10},
                "grid": {"max_steps": 12, "step_from": 5}, "rank_time": {"step_from": 10, "step_to": 50},
+               "rank_rounds": {"step_from": 10, "step_to": 50},
                "comm_ops": {"last_steps": 30}, "comm_latency": {"step_from": 1, "step_to": 60},
                "comm_waits": {}, "mesh": {}, "attempts": {}}
 
