@@ -29,6 +29,10 @@ class RollingBaseline:
     def __len__(self) -> int:
         return self._n
 
+    @property
+    def capacity(self) -> int:
+        return len(self._buf)
+
     def add(self, x: float) -> None:
         self._buf[self._i] = x
         self._i = (self._i + 1) % len(self._buf)

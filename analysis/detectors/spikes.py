@@ -61,6 +61,7 @@ steps), so one cause is one incident.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import replace
 
 import numpy as np
@@ -71,6 +72,8 @@ from analysis.frames import has, iter_steps
 from analysis.registry import register
 from analysis.robust import MAD_TO_SIGMA, RollingBaseline, RollingBaselines, loo_median
 from analysis.topology import _grow
+
+_HISTORY_STEPS = 1024  # unflagged (step, log value) kept for a rollback to rebuild the baseline from
 
 
 class _Episode:
@@ -89,12 +92,16 @@ class _Episode:
 
 
 class _State:
-    __slots__ = ("baseline", "steps", "attempt", "replicas", "ep", "consecutive", "num_flagged", "peer_spread",
+    __slots__ = ("baseline", "steps", "history", "attempt", "replicas", "ep", "consecutive", "num_flagged",
+                 "peer_spread",
                  "peer_offset", "peer_seen", "peer_flags", "peer_streak")
 
     def __init__(self, window: int) -> None:
         self.baseline = RollingBaseline(window)
         self.steps = RollingBaseline(window)  # the step of each baseline value (a rollback rewinds to them)
+        # the lineage's unflagged values, further back than the window: a rollback dozens of steps back
+        # rebuilds its baseline from them (from the window alone it found nothing before its first step)
+        self.history: deque[tuple[int, float]] = deque(maxlen=_HISTORY_STEPS)
         self.attempt = -1  # the newest attempt judged
         self.replicas = RollingBaselines(1, window)
         self.ep: _Episode | None = None
@@ -108,7 +115,7 @@ class _State:
         self.peer_streak = (-1, -1, 0)  # (replica, last step, consecutive steps) it was flagged against its peers
 
     def footprint(self) -> dict[str, int]:
-        return {"baseline": len(self.baseline), "episode_steps": len(self.ep.steps) if self.ep else 0,
+        return {"baseline": len(self.baseline), "history": len(self.history), "episode_steps": len(self.ep.steps) if self.ep else 0,
                 "replica_series": self.replicas.num_series, "peer_replicas": len(self.peer_offset),
                 "peer_flags": len(self.peer_flags)}
 
@@ -130,7 +137,7 @@ class _SpikeDetector:
         is judged against it, not lost to a new warm-up); the replicas' series (the old
         round's ranks) and an open episode are not."""
         st = self.new_state()
-        st.baseline, st.steps, st.attempt = old.baseline, old.steps, old.attempt
+        st.baseline, st.steps, st.history, st.attempt = old.baseline, old.steps, old.history, old.attempt
         return st
 
     def run(self, p, st: _State) -> None:
@@ -177,6 +184,7 @@ class _SpikeDetector:
         if newest is not None and step - newest > cfg.window_steps:
             st.baseline.clear()  # stale: the steps since its last value never came in clean
             st.steps.clear()
+            st.history.clear()
         if len(st.baseline) < cfg.min_history_steps:
             self._add(st, step, lx)
             return None
@@ -233,28 +241,33 @@ class _SpikeDetector:
             st.ep, st.consecutive = None, 0
             st.baseline.clear()
             st.steps.clear()
+            st.history.clear()
         return True
 
     @staticmethod
     def _add(st: _State, step: int, lx: float) -> None:
         st.baseline.add(lx)
         st.steps.add(float(step))
+        st.history.append((step, lx))
 
     @staticmethod
     def _rewind(st: _State, first_step: int) -> None:
         """A new attempt from `first_step` on (a rollback or a restart resumed from a
-        checkpoint): the baseline is what the curve was before that step. Without it
-        the replay of a steep early stretch, judged against the level the run had
-        reached later, looked like a spike (and a rollback answered it: a loop)."""
-        keep = st.steps.ordered() < first_step
-        if keep.all():
-            return
-        values, steps = st.baseline.ordered()[keep].copy(), st.steps.ordered()[keep].copy()
+        checkpoint): the baseline is what the curve was before that step, rebuilt from the
+        lineage's history (the window holds only the newest values: a rollback from step 124
+        to 37 found none before 37 in it, and the replay went unjudged for its warm-up, a
+        spike at 43 with it). Without the rewind the replay of a steep early stretch, judged
+        against the level the run had reached later, looked like a spike (and a rollback
+        answered it: a loop). The replaced stretch leaves the history."""
+        while st.history and st.history[-1][0] >= first_step:
+            st.history.pop()
+        if not len(st.steps) or st.steps.ordered().max() < first_step:
+            return  # nothing of the window at or after it: the baseline stands
         st.baseline.clear()
         st.steps.clear()
-        for x, s in zip(values.tolist(), steps.tolist()):
-            st.baseline.add(x)
-            st.steps.add(s)
+        for step, lx in list(st.history)[-st.baseline.capacity:]:
+            st.baseline.add(lx)
+            st.steps.add(float(step))
 
     def _fold(self, p, attempt: int, step: int, numbers: dict) -> bool:
         """Whether this flag belongs to another incident (the grad detector folds into loss)."""

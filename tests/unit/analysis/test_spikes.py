@@ -135,6 +135,23 @@ def test_a_spike_in_the_replay_is_still_caught():
     assert [(f.kind, f.step_from) for f in first.values()] == [("loss_spike", 70)]
 
 
+def test_a_spike_in_a_replay_from_further_back_than_the_window_is_caught():
+    """A rollback from step 150 to 37 (the known-good watermark keeps the checkpoint however far
+    back): the window's 50 values are all after 37, and the replay was judged from an empty
+    baseline after a warm-up of 20 steps; a spike at 43 went unseen. The baseline is rebuilt
+    from the lineage's history before 37."""
+    import polars as pl
+
+    commits = _steep_then_rolled_back(back_to=36, steps=150)
+    hit = [i for i, (_, fr) in enumerate(commits) if fr.steps is not None and fr.steps.height
+           and fr.steps["attempt"][0] == 1 and fr.steps["step"][0] == 43]
+    assert len(hit) == 1
+    now, frames = commits[hit[0]]
+    commits[hit[0]] = (now, type(frames)(steps=frames.steps.with_columns(pl.col("loss") * 1.7)))
+    first = opened(feed(Analyzer(), commits))
+    assert [(f.kind, f.step_from) for f in first.values()] == [("loss_spike", 43)]
+
+
 def test_the_rollbacks_rerun_of_the_spiked_step_is_its_verdict_not_a_second_spike():
     """The replay's step 70 spiked, and a rollback to step 60 reruns it to diagnose: the rerun
     spikes again (a device, or the same data on one replica). That is the verdict on the first
