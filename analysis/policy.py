@@ -11,7 +11,11 @@ What calls for what (DESIGN.md section 7, the keys are `[policy]` in rules.toml)
   verified checkpoint before the incident's first step; the rerun of that step
   with the replicas swapped is the diagnosis (trainer/diagnosis.py). Its verdict
   comes back as an event (`on_verdict`):
-  - `data`: nothing more (the trainer skipped the samples);
+  - `data`: nothing more (the trainer skipped the samples). But when an incident of
+    the same kind opens after it within `recur_within_steps` steps of the skipped
+    step, the skip did not help: it is not the data, and another rollback would loop;
+    the run is **stopped** with that reason (the rollback refused, as past
+    `max_rollbacks`);
   - `device`: **isolate** the node;
   - `transient`: counted against the node; `transient_limit` of them within
     `transient_window_s` isolate it.
@@ -109,6 +113,7 @@ class RunPolicy:
     transients: dict[str, deque] = field(default_factory=dict)  # node -> times of transient verdicts
     crashes: dict[str, int] = field(default_factory=dict)  # node -> crash incidents
     acted: set[int] = field(default_factory=set)  # incidents an action was decided for
+    skips: list[tuple[str, int, float]] = field(default_factory=list)  # data verdicts: (kind, step, when)
     slow_since: dict[int, float] = field(default_factory=dict)  # straggler incident -> costly since
     # the most the run itself allows ("shadow", "off"; None: the policy's mode): a job we did not
     # write (llmwatch-instrument) is acted on in shadow unless it opts in
@@ -242,10 +247,13 @@ class Policy:
 
     def on_verdict(self, st: RunPolicy, verdict: dict[str, Any], node: str | None, now: float) -> list[Decision]:
         """A rerun's verdict (the trainer's `rerun_verdict` event); `node`: its rank's."""
+        what = verdict.get("verdict")
+        step = _number((verdict.get("probe") or {}).get("step"))
+        if what == "data" and step is not None and verdict.get("incident_kind"):
+            st.skips = [*st.skips[-15:], (str(verdict["incident_kind"]), int(step), now)]  # what a recurrence is
         if st.finished or node is None:
             return []
         inc = {"id": verdict.get("incident_id"), "rank": verdict.get("rank"), "node": node}
-        what = verdict.get("verdict")
         if what == "device":
             return self._isolate(st, inc, node, now, f"device: {verdict.get('evidence', 'the fault stayed on it')}")
         if what == "transient":
@@ -297,6 +305,8 @@ class Policy:
             return self.mode_of(action) != "off" and self.cooling(st, action, now)
         if kind not in self.cfg.rollback_on:
             return False
+        if self._recurrence(st, inc) is not None:
+            return False  # stopped now: a cooldown is for the next rollback, and there is none
         return self.settling(inc, now) or (self.mode_of(ROLLBACK) != "off" and self.cooling(st, ROLLBACK, now))
 
     def settling(self, inc: dict[str, Any], now: float) -> bool:
@@ -321,6 +331,12 @@ class Policy:
         if inc.get("rank") is not None:
             args["rank"] = int(inc["rank"])
         args.update(self._reproduce_thresholds(inc))
+        recur = self._recurrence(st, inc)
+        if recur is not None:
+            stop = self._decision(st, STOP, inc, recur, now, args={"reason": recur}, cooldown=False)
+            if self.mode_of(ROLLBACK) == "shadow":  # the skip it counts was never carried out
+                stop = [replace(d, mode="shadow") for d in stop]
+            return self._decision(st, ROLLBACK, inc, reason, now, args=args, refused=recur) + stop
         while st.rollbacks and now - st.rollbacks[0] > self.cfg.rollback_window_s:
             st.rollbacks.popleft()
         if len(st.rollbacks) >= self.cfg.max_rollbacks:
@@ -334,6 +350,21 @@ class Policy:
         if out and out[0].refused is None:
             st.rollbacks.append(now)
         return out
+
+    def _recurrence(self, st: RunPolicy, inc: dict[str, Any]) -> str | None:
+        """Why the incident is its kind coming back after a data verdict skipped its samples
+        (opened after that verdict, at or within `recur_within_steps` steps after the skipped
+        step), None when it is not."""
+        within, step = self.cfg.recur_within_steps, _number(inc.get("step_from"))
+        opened = _number(inc.get("opened_ts"))
+        if within <= 0 or step is None:
+            return None
+        for kind, skipped, when in reversed(st.skips):
+            if kind == inc.get("kind") and 0 <= step - skipped <= within and (opened is None or opened > when):
+                return (f"{kind} at step {int(step)} came back {int(step - skipped)} step(s) after the samples of step "
+                        f"{skipped} were skipped (a data verdict): not the data, and another rollback would loop "
+                        f"(recur_within_steps {within}): stopping the run")
+        return None
 
     def _reproduce_thresholds(self, inc: dict[str, Any]) -> dict[str, float]:
         """What a reproduced spike looks like in the rerun: above the geometric midpoint of

@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--run-dir", help="where the run writes its files (default runs/<run id>)")
     g.add_argument("--metrics-jsonl", help="rank 0 writes one JSON object per step here")
     g.add_argument("--inject", action="append", metavar="KIND@k=v,...",
-                   help="fault injection: nan@step=S,rank=R[,mode=data|transient|device] | spike@step=S | "
+                   help="fault injection: nan@step=S,rank=R[,mode=data|transient|device] | spike@step=S[,mode=data|step] | "
                         "straggler@rank=R,from=S,factor=F[,to=E] | slowlink@rank=R,axis=dp|tp|pp,from=S,factor=F[,to=E] "
                         "(that rank's ops on the axis take F x as long) | slowio@rank=R,from=S,factor=F,what=data|ckpt[,to=E] "
                         "(that rank's data fetch or checkpoint shard writes take F x as long) | "

@@ -1,7 +1,7 @@
 """Fault injection for demos and tests.
 
     --inject nan@step=40,rank=2[,mode=data|transient|device]
-    --inject spike@step=60
+    --inject spike@step=60[,mode=data|step]
     --inject straggler@rank=3,from=30,factor=1.5[,to=80]
     --inject slowlink@rank=3,axis=tp,from=30,factor=4[,to=80]
     --inject slowio@rank=2,from=30,factor=3,what=data|ckpt[,to=80]
@@ -72,7 +72,10 @@ the difference the root-cause logic tests for (data vs hardware). A data `nan`
 poisons the samples of the injected rank's dp replica only; afterwards it fires on
 whichever rank holds any of them (after a replica swap, another replica) at the
 injected rank's (tp, pp) stage, and not on the injected rank when it holds other
-samples. `spike` poisons the whole global batch on every rank.
+samples. `spike` poisons the whole global batch on every rank. A `spike` with
+`mode=step` is not the data's: it fires at its step in every attempt, whatever
+the batch (an optimizer's instability): the rerun reproduces it, a data verdict
+skips a batch that was never the cause, and it comes back.
 
 Injections name ranks of the *original* layout: after an elastic restart with
 fewer dp replicas the rank numbers change, but a fault belongs to hardware, so
@@ -102,7 +105,7 @@ from trainer.config import ConfigError
 
 _KEYS: dict[str, dict[str, type]] = {
     "nan": {"step": int, "rank": int, "mode": str},
-    "spike": {"step": int},
+    "spike": {"step": int, "mode": str},
     "straggler": {"rank": int, "from": int, "factor": float, "to": int},
     "slowlink": {"rank": int, "axis": str, "from": int, "factor": float, "to": int},
     "slowio": {"rank": int, "from": int, "factor": float, "what": str, "to": int},
@@ -114,6 +117,7 @@ _KEYS: dict[str, dict[str, type]] = {
     "devhealth": {"rank": int, "from": int, "what": str, "to": int},
 }
 _NAN_MODES = ("data", "transient", "device")
+_SPIKE_MODES = ("data", "step")  # spike: tied to the samples, or to the step whatever its batch
 _FLIP_TARGETS = ("param", "optim")  # bitflip: a parameter or an optimizer-state element
 _LINK_AXES = ("dp", "tp", "pp")  # slowlink: the axis whose ops are stretched
 _IO_WHATS = ("data", "ckpt")  # slowio: the data fetch or the checkpoint shard writes
@@ -138,7 +142,7 @@ class Injection:
     kind: str
     step: int = -1  # nan, spike, hang, crash; `from` for straggler
     rank: int = -1  # -1: every rank (spike)
-    mode: str = "data"  # nan: data | transient | device
+    mode: str = "data"  # nan: data | transient | device; spike: data | step
     factor: float = 1.0  # straggler, slowlink; jitter: 1 + pct / 100
     to_step: int = 1 << 62  # straggler, slowlink, slowio, overflow, devhealth: last affected step
     seed: int = 0  # jitter
@@ -175,8 +179,9 @@ def parse_injection(spec: str, *, world_size: int | None = None) -> Injection:
     if world_size is not None and rank >= world_size:
         raise ConfigError(f"--inject {spec!r}: rank {rank} outside world of {world_size}")
     mode = str(values.get("mode", "data"))
-    if mode not in _NAN_MODES:
-        raise ConfigError(f"--inject {spec!r}: mode must be one of {', '.join(_NAN_MODES)}")
+    modes = _SPIKE_MODES if kind == "spike" else _NAN_MODES
+    if mode not in modes:
+        raise ConfigError(f"--inject {spec!r}: mode must be one of {', '.join(modes)}")
     factor = float(values.get("factor", 1.0))
     axis = str(values.get("axis", ""))
     if kind == "slowlink" and axis not in _LINK_AXES:
@@ -361,7 +366,11 @@ class FaultInjector:
         slowdown = jitter = 1.0
         links: dict[str, float] = {}
         for inj in self.injections:
-            if inj.kind == "spike":
+            if inj.kind == "spike" and inj.mode == "step":
+                if step == inj.step and self._mark_fired(f"{inj.name}/attempt={attempt}"):
+                    self._truth(inj, step, attempt)  # one row per attempt
+                spike |= step == inj.step
+            elif inj.kind == "spike":
                 spike |= self._data_tied(inj, step, attempt, window, None)
             elif inj.kind == "nan":
                 nan |= self._nan(inj, step, attempt, window, replica_window)

@@ -212,6 +212,14 @@ def rollback_cap(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def recurring(tmp_path_factory):
+    # a spike of the optimizer's, not the data's (mode=step): at 40 and 43 in every attempt, whatever the batch
+    d = tmp_path_factory.mktemp("recurring") / "run"
+    return run_healing(d, *DP, *rules(d.parent / "rules.toml"), "--steps", "150", *ckpt(d, every=4),
+                       "--inject", "spike@step=40,mode=step", "--inject", "spike@step=43,mode=step")
+
+
+@pytest.fixture(scope="module")
 def min_nodes(tmp_path_factory):
     d = tmp_path_factory.mktemp("min_nodes") / "run"
     return run_healing(d, *DP, *rules(d.parent / "rules.toml"), "--min-nodes", "2", "--steps", "150", *ckpt(d),
@@ -473,6 +481,26 @@ def test_past_max_rollbacks_the_next_incident_stops_the_run(rollback_cap):
     assert finished["data"]["status"] == "stopped" and 150 <= finished["step"] < 300, finished
     assert o.run.metrics()[-1]["step"] < 300
     assert [b["incident_id"] for b in o.bad_batches] == [nans[0]["id"]], o.report()  # the refused one: no skip
+
+
+def test_a_spike_that_comes_back_after_its_skip_stops_the_run_at_once(recurring):
+    """Rolled back and its batch skipped (a data verdict: the rerun reproduced it), the spike comes
+    back 3 steps later with other samples: not the data. The next rollback is refused and the run
+    stopped with that reason, without waiting out the cooldown or reaching max_rollbacks."""
+    o = recurring
+    spikes = o.of("loss_spike")
+    assert [i["step_from"] for i in spikes][:2] == [40, 43], o.report()
+    (verdict,) = [e["data"] for e in o.events("rerun_verdict")]
+    assert (verdict["verdict"], verdict["incident_id"]) == ("data", spikes[0]["id"]), verdict
+    kinds = [(a["kind"], a["status"], a["incident_id"]) for a in o.actions]
+    assert kinds == [("rollback", "done", spikes[0]["id"]), ("rollback", "refused", spikes[1]["id"]),
+                     ("stop", "done", spikes[1]["id"])], o.report()
+    why = o.actions[1]["detail"]["refused"]
+    assert why.startswith("loss_spike at step 43 came back 3 step(s) after the samples of step 40 were skipped"), why
+    (run,) = o.query("SELECT status FROM runs")
+    assert run["status"] == "stopped", o.report()
+    assert o.run.metrics()[-1]["step"] < 150
+    assert [b["incident_id"] for b in o.bad_batches] == [spikes[0]["id"]], o.report()
 
 
 def test_an_isolation_below_min_nodes_is_refused_and_the_job_is_not_restarted(min_nodes):

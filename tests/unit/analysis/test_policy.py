@@ -127,6 +127,46 @@ def test_past_max_rollbacks_the_run_is_stopped_instead_of_looping():
     assert kinds(p.on_incident(st, incident(5), now=701.0)) == [(ROLLBACK, "auto", None)]
 
 
+def data_verdict(kind: str = "loss_spike", step: int = 40, id: int = 1) -> dict:
+    return {"verdict": "data", "incident_id": id, "incident_kind": kind, "rank": None,
+            "probe": {"kind": kind, "step": step}, "evidence": "reproduced with a single replica"}
+
+
+def test_a_rollback_that_comes_back_after_its_skip_stops_the_run():
+    """A spike that is the optimizer's, not the data's: rolled back, its samples skipped (a data
+    verdict), and it spikes again three steps later. Another rollback would loop until
+    max_rollbacks; the run is stopped with the reason at once."""
+    p, st = policy(), run_state()
+    assert kinds(p.on_incident(st, incident(1, "loss_spike", opened_ts=0.0), now=0.0)) == [(ROLLBACK, "auto", None)]
+    assert p.on_verdict(st, data_verdict(), None, now=2.0) == []
+    rb, stop = p.on_incident(st, incident(2, "loss_spike", step=43, opened_ts=9.0), now=9.0)
+    assert rb.kind == ROLLBACK and rb.refused.startswith("loss_spike at step 43 came back 3 step(s) after the samples "
+                                                         "of step 40 were skipped")
+    assert (stop.kind, stop.mode, stop.refused, stop.incident_id, stop.args) == (STOP, "auto", None, 2,
+                                                                                   {"reason": rb.refused})
+    assert not p.waiting(st, incident(3, "loss_spike", step=44, opened_ts=2.5), now=2.5)  # inside the cooldown: now
+
+
+@pytest.mark.parametrize("second", [
+    incident(2, "loss_spike", step=70, opened_ts=9.0),  # well after the skip: a new spike
+    incident(2, "nan", step=43, opened_ts=9.0),  # another kind
+    incident(2, "loss_spike", step=43, opened_ts=1.0),  # opened before the verdict: the old attempt's
+], ids=["later", "other-kind", "before-the-verdict"])
+def test_what_is_not_a_recurrence_is_rolled_back(second):
+    p, st = policy(), run_state()
+    p.on_incident(st, incident(1, "loss_spike", opened_ts=0.0), now=0.0)
+    p.on_verdict(st, data_verdict(), None, now=2.0)
+    assert kinds(p.on_incident(st, second, now=9.0)) == [(ROLLBACK, "auto", None)]
+
+
+def test_recur_within_steps_0_leaves_recurrences_to_max_rollbacks():
+    p, st = policy(policy={"recur_within_steps": 0}), run_state()
+    p.on_incident(st, incident(1, "loss_spike", opened_ts=0.0), now=0.0)
+    p.on_verdict(st, data_verdict(), None, now=2.0)
+    assert kinds(p.on_incident(st, incident(2, "loss_spike", step=43, opened_ts=9.0), now=9.0)) == [
+        (ROLLBACK, "auto", None)]
+
+
 def test_shadowed_rollbacks_never_stop_the_run_for_real():
     p, st = policy(policy={"rollback_mode": "shadow"}), run_state()
     for i, t in enumerate((0.0, 100.0, 200.0), 1):

@@ -160,3 +160,16 @@ def test_spike_stays_global(tmp_path):
     # swapped halves or not, the whole global batch is poisoned
     assert all(inj.step_faults(5, 1, (0, 0, 16), replica_window=replica((0, 0, 16), 1 - r, 2)).spike
                for r, inj in enumerate(ranks))
+
+
+def test_a_step_spike_fires_at_its_step_in_every_attempt_whatever_the_batch(tmp_path):
+    """`mode=step`: an optimizer's spike, not the data's: skipping its batch does not help."""
+    inj = FaultInjector([parse_injection("spike@step=5,mode=step")], rank=0, node=0, run_dir=tmp_path, dp=2)
+    assert inj.step_faults(5, 0, (0, 0, 16)).spike
+    assert not inj.step_faults(6, 0, (0, 16, 32)).spike
+    assert inj.step_faults(5, 1, (0, 0, 16)).spike  # the rerun
+    assert inj.step_faults(5, 1, (0, 16, 32)).spike  # the same step on the next batch
+    assert not inj.step_faults(6, 1, (0, 0, 16)).spike  # its first batch elsewhere: nothing
+    assert [(r["kind"], r["step"], r["attempt"]) for r in rows_of(tmp_path)] == [("spike", 5, 0), ("spike", 5, 1)]
+    with pytest.raises(ConfigError, match="mode must be one of data, step"):
+        parse_injection("spike@step=5,mode=device")
