@@ -24,7 +24,8 @@ takes more steps instead of firing on the swings. The reference is also at least
 (from the changes between consecutive blocks' means): processes sharing cores
 drift apart by 15-50% for tens of steps, which step-to-step noise does not see
 and a CUSUM at `log min_ratio` takes for a straggler. On a quiet one 1.5x opens in
-~2 steps and 1.25x in ~4 (the goals: 5 and 10). The clip keeps a single hiccup
+~2 steps and 1.25x in ~4 (the goals: 5 and 10) when a step takes 0.25 s or more; a
+faster job's climb must last `min_persist_s` first (below). The clip keeps a single hiccup
 (a GC pause) below the threshold, and `min_slow_steps` slow steps within the
 last `window_steps` are required as well. The sum is capped at twice the
 threshold, so a rank that recovers after a long straggle drains in a few steps.
