@@ -201,15 +201,17 @@ class NodeWatch:
         with self._lock:
             self._isolated.update(found)
 
-    def decided_since(self, ts: float) -> bool:
-        """Whether the policy has recorded a restart or an isolation since `ts` (unix s):
-        its answer to a crash."""
+    def decided_since(self, ts: float, taken: set[int] | frozenset[int] = frozenset()) -> set[int]:
+        """The ids of the restarts and isolations the policy has recorded since `ts` (unix s),
+        less those in `taken` (already an earlier crash's answer): its answer to a crash."""
         try:
             rows = self._api.get_json(self._actions_path)
         except ApiError:
-            return False
-        return isinstance(rows, list) and any(isinstance(a, dict) and a.get("kind") in RESTART_ACTIONS
-                   and (a.get("requested_ts") or 0) >= ts for a in rows)
+            return set()
+        if not isinstance(rows, list):
+            return set()
+        return {int(a["id"]) for a in rows if isinstance(a, dict) and a.get("kind") in RESTART_ACTIONS
+                and isinstance(a.get("id"), int) and a["id"] not in taken and (a.get("requested_ts") or 0) >= ts}
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -244,6 +246,7 @@ class Supervisor:
         self.layout = first_layout(cfg)
         self.restarts = 0
         self.rounds = 0
+        self.answers: set[int] = set()  # the policy's actions already taken as a crash's answer
 
     def run(self) -> int:
         cfg = self.cfg
@@ -365,16 +368,21 @@ class Supervisor:
         if self.watch is None:
             return {}
         nodes = {self.layout.node_of(r) for r in ended.failed if 0 <= r < self.layout.world_size}
-        # the policy's answer to this crash, not to an earlier one: decided after the
-        # failure was seen (less a second: the collector may hear of it first)
+        # the policy's answer to this crash, not to an earlier one: decided after the failure
+        # was seen (less a second: the collector may hear of it first), and not an action an
+        # earlier crash took as its answer (a second crash 0.9 s after the first took the first
+        # one's restart for its own, and restarted on node1 before the policy isolated it)
         since = (ended.failed_ts or time.time()) - 1.0
         deadline = time.monotonic() + CRASH_DECISION_S
         while time.monotonic() < deadline:
             self.watch.poll_once()
             found = {n: r for n, r in self.watch.isolated().items() if n in nodes}
             if found:
+                self.answers |= self.watch.decided_since(since, self.answers)
                 return found
-            if self.watch.decided_since(since):
+            got = self.watch.decided_since(since, self.answers)
+            if got:
+                self.answers |= got
                 self.watch.poll_once()  # an isolation recorded with it is in nodes by now
                 return {n: r for n, r in self.watch.isolated().items() if n in nodes}
             time.sleep(0.2)

@@ -39,8 +39,8 @@ class FakeWatch:
         self.decided = decided  # whether the policy has recorded its answer to the crash
         self.num_polls = 0
 
-    def decided_since(self, ts: float) -> bool:
-        return self.decided
+    def decided_since(self, ts: float, taken=frozenset()) -> set[int]:
+        return {1} - set(taken) if self.decided else set()
 
     def isolated(self) -> dict[str, str]:
         return dict(self._isolated)
@@ -376,9 +376,9 @@ def test_a_run_that_finishes_during_the_isolation_grace_is_done(tmp_path):
 
 def test_a_crash_answer_counts_only_if_decided_after_this_crash(tmp_path, clock):
     class Answers(FakeWatch):
-        def decided_since(self, ts: float) -> bool:
+        def decided_since(self, ts: float, taken=frozenset()) -> set[int]:
             self.asked.append(ts)
-            return False
+            return set()
 
     watch = Answers()
     watch.asked = []
@@ -388,6 +388,34 @@ def test_a_crash_answer_counts_only_if_decided_after_this_crash(tmp_path, clock)
     # rank 1 failed at the first poll, at the fake clock's start: an answer must be newer than
     # that (less a second), not any of the last seconds' (a first crash's restart action)
     assert watch.asked and set(watch.asked) == {1.7e9 + 1000.0 - 1.0}
+
+
+def test_a_second_crash_does_not_take_the_first_ones_restart_for_its_answer(tmp_path, clock):
+    """Seen in CI: node1 crashed twice 0.9 s apart. The first crash's restart action was recorded
+    within the second's "less a second" margin, the supervisor took it for the second crash's
+    answer, and restarted on node1 before the policy's isolation came. An action is one crash's
+    answer only."""
+    class Actions(FakeWatch):
+        def __init__(self):
+            super().__init__()
+            self.actions = {1: "restart"}  # the first crash's answer, already recorded
+
+        def decided_since(self, ts, taken=frozenset()):
+            return set(self.actions) - set(taken)
+
+        def poll_once(self):
+            super().poll_once()
+            if self.num_polls >= 6:  # the second crash's answer: an isolation, a little later
+                self.actions[2] = "isolate"
+                self._isolated["node1"] = "crash #2 on node1"
+
+    watch = Actions()
+    rounds = Rounds(lambda: [FakeProc(None), FakeProc(1)], lambda: [FakeProc(None), FakeProc(1)], procs(1, 0))
+    s, _ = supervise(job(tmp_path, nodes=2, dp=2), tmp_path, rounds, watch=watch)
+    assert s.run() == 0
+    # the same nodes after the first crash, without node1 after the second
+    assert [r[1].nodes for r in rounds.seen] == [("node0", "node1"), ("node0", "node1"), ("node0",)]
+    assert s.answers == {1, 2}
 
 
 def test_the_launcher_imports_no_torch():
