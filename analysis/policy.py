@@ -245,12 +245,17 @@ class Policy:
         return self._isolate(st, inc, node, now,
                              f"{len(times)} device faults within {self.cfg.transient_window_s:g} s")
 
-    def on_verdict(self, st: RunPolicy, verdict: dict[str, Any], node: str | None, now: float) -> list[Decision]:
-        """A rerun's verdict (the trainer's `rerun_verdict` event); `node`: its rank's."""
+    def on_verdict(self, st: RunPolicy, verdict: dict[str, Any], node: str | None, now: float, *,
+                   at: float | None = None) -> list[Decision]:
+        """A rerun's verdict (the trainer's `rerun_verdict` event); `node`: its rank's; `at`: when
+        the trainer reached it (the event's ts; default `now`): an incident opened after that is
+        the next one, even when the collector read the verdict later (a busy collector opened the
+        recurring spike before it read the verdict that skipped its forerunner's batch)."""
         what = verdict.get("verdict")
         step = _number((verdict.get("probe") or {}).get("step"))
         if what == "data" and step is not None and verdict.get("incident_kind"):
-            st.skips = [*st.skips[-15:], (str(verdict["incident_kind"]), int(step), now)]  # what a recurrence is
+            when = now if at is None else at
+            st.skips = [*st.skips[-15:], (str(verdict["incident_kind"]), int(step), when)]  # what a recurrence is
         if st.finished or node is None:
             return []
         inc = {"id": verdict.get("incident_id"), "rank": verdict.get("rank"), "node": node}

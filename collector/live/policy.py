@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -291,7 +292,7 @@ class PolicyRunner:
         if kind == "command_ack":
             self._ack(run_id, int(ev["rank"]), data, ev.get("ts"))
         elif kind == "rerun_verdict":
-            self._verdict(run_id, data)
+            self._verdict(run_id, data, ev.get("ts"))
         elif kind == "run_finished":
             self.policy.on_finished(self._state(run_id))
             self._settle_at_end(run_id)
@@ -367,7 +368,7 @@ class PolicyRunner:
                 self.storage.update_action(p.action_id, status="failed",
                                            detail={"outcome": "the run finished before it acted"})
 
-    def _verdict(self, run_id: str, data: dict[str, Any]) -> None:
+    def _verdict(self, run_id: str, data: dict[str, Any], ts: float | None = None) -> None:
         iid = data.get("incident_id")
         verdict = data.get("verdict")
         if iid is not None and verdict in ("data", "device", "transient"):
@@ -379,7 +380,8 @@ class PolicyRunner:
             "id": iid, "run_id": run_id}
         # the verdict's rank, else the incident's culprit as it stands now
         node = self._node_map.get(run_id, {}).get(int(rank)) if rank is not None else incident.get("node")
-        for d in self.policy.on_verdict(self._state(run_id), data, node, self.clock()):
+        at = float(ts) if isinstance(ts, (int, float)) and math.isfinite(ts) else None
+        for d in self.policy.on_verdict(self._state(run_id), data, node, self.clock(), at=at):
             self._carry_out(d, incident)
 
     def _steps(self, steps: pa.Table) -> None:

@@ -147,6 +147,16 @@ def test_a_rollback_that_comes_back_after_its_skip_stops_the_run():
     assert not p.waiting(st, incident(3, "loss_spike", step=44, opened_ts=2.5), now=2.5)  # inside the cooldown: now
 
 
+def test_a_recurrence_counts_from_when_the_verdict_was_reached_not_when_it_was_read():
+    """Seen in CI: the collector read the verdict (at 3.0) after it had opened the recurring spike
+    (at 2.5), which the trainer reached after the verdict (at 2.0): still a recurrence."""
+    p, st = policy(), run_state()
+    p.on_incident(st, incident(1, "loss_spike", opened_ts=0.0), now=0.0)
+    p.on_verdict(st, data_verdict(), None, now=3.0, at=2.0)
+    rb, stop = p.on_incident(st, incident(2, "loss_spike", step=43, opened_ts=2.5), now=3.0)
+    assert rb.refused is not None and stop.kind == STOP
+
+
 @pytest.mark.parametrize("second", [
     incident(2, "loss_spike", step=70, opened_ts=9.0),  # well after the skip: a new spike
     incident(2, "nan", step=43, opened_ts=9.0),  # another kind

@@ -205,3 +205,27 @@ def test_a_detection_that_starts_over_keeps_the_policys_holds():
     assert marks.get(RUN) == {"attempt": 0, "step": 69, "judged": 69}
     marks.release(RUN, "loss_spike#1")
     assert marks.get(RUN) == {"attempt": 0, "step": 95, "judged": 95}
+
+
+def test_a_verdict_read_after_the_spike_came_back_still_makes_it_a_recurrence():
+    """Seen in CI: the collector opened the spike that came back (at 102.5) before it read the
+    verdict that had skipped its forerunner's batch (reached at 102.0, read at 103.0). The
+    verdict counts from when the trainer reached it: the spike is a recurrence and stops the run."""
+    import json
+
+    now = [100.0]
+    storage = ActingStorage()
+    storage.update_incident = lambda *a, **k: None
+    runner = PolicyRunner(storage, Policy(load_rules()), subscription=None, watch=FakeWatch(), clock=lambda: now[0])
+    spike = {"id": 1, "run_id": RUN, "kind": "loss_spike", "status": "open", "rank": None, "node": None,
+             "step_from": 40, "step_to": 40, "opened_ts": 100.0, "evidence": {}}
+    runner._incident(spike)
+    now[0] = 102.5
+    runner._incident({**spike, "id": 2, "step_from": 43, "step_to": 43, "opened_ts": 102.5})  # waits: cooldown
+    now[0] = 103.0
+    verdict = {"incident_id": 1, "incident_kind": "loss_spike", "verdict": "data", "rank": None,
+               "probe": {"kind": "loss_spike", "step": 40}, "evidence": "reproduced"}
+    runner._commit({"events": events({"rank": 0, "ts": 102.0, "kind": "rerun_verdict", "data": json.dumps(verdict)})})
+    runner._tick()
+    assert [(k, s) for k, s, _ in storage.actions] == [("rollback", "issued"), ("rollback", "refused"),
+                                                       ("stop", "issued")]
