@@ -122,15 +122,20 @@ def test_a_rollback_into_the_steep_early_curve_is_not_a_spike():
     assert [f.summary() for f in feed(Analyzer(), _steep_then_rolled_back(back_to=40))] == []
 
 
-def test_a_spike_in_the_replay_is_still_caught():
+def _spiked_replay(commits, step: int, factor: float) -> list:
+    """The commits with the replay's (attempt 1) `step` loss `factor` times as high."""
     import polars as pl
 
-    commits = _steep_then_rolled_back(back_to=40)
     hit = [i for i, (_, fr) in enumerate(commits) if fr.steps is not None and fr.steps.height
-           and fr.steps["attempt"][0] == 1 and fr.steps["step"][0] == 70]
+           and fr.steps["attempt"][0] == 1 and fr.steps["step"][0] == step]
     assert len(hit) == 1
     now, frames = commits[hit[0]]
-    commits[hit[0]] = (now, type(frames)(steps=frames.steps.with_columns(pl.col("loss") * 3.0)))
+    commits[hit[0]] = (now, type(frames)(steps=frames.steps.with_columns(pl.col("loss") * factor)))
+    return commits
+
+
+def test_a_spike_in_the_replay_is_still_caught():
+    commits = _spiked_replay(_steep_then_rolled_back(back_to=40), 70, 3.0)
     first = opened(feed(Analyzer(), commits))
     assert [(f.kind, f.step_from) for f in first.values()] == [("loss_spike", 70)]
 
@@ -140,14 +145,7 @@ def test_a_spike_in_a_replay_from_further_back_than_the_window_is_caught():
     back): the window's 50 values are all after 37, and the replay was judged from an empty
     baseline after a warm-up of 20 steps; a spike at 43 went unseen. The baseline is rebuilt
     from the lineage's history before 37."""
-    import polars as pl
-
-    commits = _steep_then_rolled_back(back_to=36, steps=150)
-    hit = [i for i, (_, fr) in enumerate(commits) if fr.steps is not None and fr.steps.height
-           and fr.steps["attempt"][0] == 1 and fr.steps["step"][0] == 43]
-    assert len(hit) == 1
-    now, frames = commits[hit[0]]
-    commits[hit[0]] = (now, type(frames)(steps=frames.steps.with_columns(pl.col("loss") * 1.7)))
+    commits = _spiked_replay(_steep_then_rolled_back(back_to=36, steps=150), 43, 1.7)
     first = opened(feed(Analyzer(), commits))
     assert [(f.kind, f.step_from) for f in first.values()] == [("loss_spike", 43)]
 
