@@ -16,7 +16,9 @@ What calls for what (DESIGN.md section 7, the keys are `[policy]` in rules.toml)
     step, the skip did not help: it is not the data, and another rollback would loop;
     the run is **stopped** with that reason (the rollback refused, as past
     `max_rollbacks`);
-  - `device`: **isolate** the node;
+  - `device`: **isolate** the node. When a guard rail refuses that (`min_nodes`), the
+    run is **stopped** with the reason: the device fails every step whatever its data,
+    and each rollback would replay into it;
   - `transient`: counted against the node; `transient_limit` of them within
     `transient_window_s` isolate it.
 - `straggler` whose cost stays at or above `straggler_cost_s` seconds per step and
@@ -114,6 +116,7 @@ class RunPolicy:
     crashes: dict[str, int] = field(default_factory=dict)  # node -> crash incidents
     acted: set[int] = field(default_factory=set)  # incidents an action was decided for
     skips: list[tuple[str, int, float]] = field(default_factory=list)  # data verdicts: (kind, step, when)
+    stopping: bool = False  # a stop was decided (auto): no rollback after it
     slow_since: dict[int, float] = field(default_factory=dict)  # straggler incident -> costly since
     # the most the run itself allows ("shadow", "off"; None: the policy's mode): a job we did not
     # write (llmwatch-instrument) is acted on in shadow unless it opts in
@@ -260,7 +263,12 @@ class Policy:
             return []
         inc = {"id": verdict.get("incident_id"), "rank": verdict.get("rank"), "node": node}
         if what == "device":
-            return self._isolate(st, inc, node, now, f"device: {verdict.get('evidence', 'the fault stayed on it')}")
+            out = self._isolate(st, inc, node, now, f"device: {verdict.get('evidence', 'the fault stayed on it')}")
+            if out and out[0].kind == ISOLATE and out[0].refused:
+                why = (f"device: rank {inc['rank']} on {node} fails whatever its data, and its isolation was refused "
+                       f"({out[0].refused}): stopping the run rather than rolling back into it")
+                out += self._stop(st, inc, why, now, shadow=out[0].mode == "shadow", node=node)
+            return out
         if what == "transient":
             times = st.transients.setdefault(node, deque())
             times.append(now)
@@ -325,6 +333,8 @@ class Policy:
     def _rollback(self, st: RunPolicy, inc: dict[str, Any], now: float) -> list[Decision]:
         if inc.get("node") in st.isolated:
             return []  # its node is on its way out: the isolation is the action
+        if st.stopping:
+            return []  # the run is being stopped: nothing to roll back into
         if self.settling(inc, now):
             return []  # asked again on the incident's next update, or by the runner's tick
         step = inc.get("step_from")
@@ -337,19 +347,16 @@ class Policy:
             args["rank"] = int(inc["rank"])
         args.update(self._reproduce_thresholds(inc))
         recur = self._recurrence(st, inc)
-        if recur is not None:
-            stop = self._decision(st, STOP, inc, recur, now, args={"reason": recur}, cooldown=False)
-            if self.mode_of(ROLLBACK) == "shadow":  # the skip it counts was never carried out
-                stop = [replace(d, mode="shadow") for d in stop]
+        if recur is not None:  # shadowed: the skip it counts was never carried out
+            stop = self._stop(st, inc, recur, now, shadow=self.mode_of(ROLLBACK) == "shadow")
             return self._decision(st, ROLLBACK, inc, reason, now, args=args, refused=recur) + stop
         while st.rollbacks and now - st.rollbacks[0] > self.cfg.rollback_window_s:
             st.rollbacks.popleft()
         if len(st.rollbacks) >= self.cfg.max_rollbacks:
             cap = f"{len(st.rollbacks)} rollbacks within {self.cfg.rollback_window_s:g} s (max_rollbacks " \
                   f"{self.cfg.max_rollbacks}): stopping the run instead of looping"
-            stop = self._decision(st, STOP, inc, cap, now, args={"reason": cap}, cooldown=False)
-            if self.mode_of(ROLLBACK) == "shadow":  # the rollbacks it counts were never carried out
-                stop = [replace(d, mode="shadow") for d in stop]
+            # shadowed: the rollbacks it counts were never carried out
+            stop = self._stop(st, inc, cap, now, shadow=self.mode_of(ROLLBACK) == "shadow")
             return self._decision(st, ROLLBACK, inc, reason, now, args=args, refused=cap) + stop
         out = self._decision(st, ROLLBACK, inc, reason, now, args=args, node=inc.get("node"))
         if out and out[0].refused is None:
@@ -370,6 +377,16 @@ class Policy:
                         f"{skipped} were skipped (a data verdict): not the data, and another rollback would loop "
                         f"(recur_within_steps {within}): stopping the run")
         return None
+
+    def _stop(self, st: RunPolicy, inc: dict[str, Any], why: str, now: float, *, shadow: bool,
+              node: str | None = None) -> list[Decision]:
+        """A stop of the run for `why` (in shadow when what it answers was shadowed); once one
+        is carried out for real, no rollback follows it."""
+        out = self._decision(st, STOP, inc, why, now, args={"reason": why}, cooldown=False, node=node)
+        if shadow:
+            out = [replace(d, mode="shadow") for d in out]
+        st.stopping |= any(d.mode == "auto" for d in out)
+        return out
 
     def _reproduce_thresholds(self, inc: dict[str, Any]) -> dict[str, float]:
         """What a reproduced spike looks like in the rerun: above the geometric midpoint of

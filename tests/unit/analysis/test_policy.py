@@ -123,8 +123,11 @@ def test_past_max_rollbacks_the_run_is_stopped_instead_of_looping():
     assert rb.kind == ROLLBACK and rb.refused.startswith("3 rollbacks within 600 s (max_rollbacks 3)")
     assert (stop.kind, stop.mode, stop.refused, stop.incident_id) == (STOP, "auto", None, 4)
     assert stop.args == {"reason": rb.refused}
+    assert p.on_incident(st, incident(5), now=701.0) == []  # the run is being stopped: nothing after it
     # the window slides: the first rollback is older than 600 s at 701
-    assert kinds(p.on_incident(st, incident(5), now=701.0)) == [(ROLLBACK, "auto", None)]
+    p, st = policy(), run_state()
+    for i, t in enumerate((0.0, 100.0, 200.0, 701.0), 1):
+        assert kinds(p.on_incident(st, incident(i), now=t)) == [(ROLLBACK, "auto", None)]
 
 
 def data_verdict(kind: str = "loss_spike", step: int = 40, id: int = 1) -> dict:
@@ -235,6 +238,21 @@ def test_a_device_verdict_isolates_its_node():
     assert d.args == {"node": "node1", "reason": "device: it stayed", "incident_id": 5}
     assert st.isolated == {"node1"}
     assert p.on_verdict(st, {"verdict": "device", "incident_id": 6}, "node1", now=1.0) == []  # already out
+
+
+def test_a_device_that_cannot_be_isolated_stops_the_run():
+    """min_nodes refuses the isolation: the device fails every step whatever its data, and each
+    rollback would replay into it (the e2e run rolled back until max_rollbacks stopped it)."""
+    p, st = policy(policy={"min_nodes": 2}), run_state("node0", "node1")
+    iso, stop = p.on_verdict(st, {"verdict": "device", "incident_id": 5, "rank": 1}, "node1", now=0.0)
+    assert (iso.kind, iso.refused) == (ISOLATE, "min_nodes: isolating node1 would leave 1 healthy node(s), fewer than 2")
+    assert (stop.kind, stop.mode, stop.refused, stop.incident_id) == (STOP, "auto", None, 5)
+    assert stop.reason.startswith("device: rank 1 on node1 fails whatever its data, and its isolation was refused")
+    assert p.on_incident(st, incident(6, step=31, node="node1"), now=10.0) == []  # stopping: no rollback into it
+    shadowed, st = policy(policy={"min_nodes": 2, "isolate_mode": "shadow"}), run_state("node0", "node1")
+    iso, stop = shadowed.on_verdict(st, {"verdict": "device", "incident_id": 5, "rank": 1}, "node1", now=0.0)
+    assert (iso.mode, stop.mode) == ("shadow", "shadow")
+    assert kinds(shadowed.on_incident(st, incident(6, step=31, node="node1"), now=10.0)) == [(ROLLBACK, "auto", None)]
 
 
 def test_a_data_verdict_or_one_without_a_node_does_nothing():
