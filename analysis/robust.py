@@ -41,10 +41,6 @@ class RollingBaseline:
     def clear(self) -> None:
         self._n = self._i = 0
 
-    def newest(self) -> float | None:
-        """The value added last, None when empty."""
-        return float(self._buf[self._i - 1]) if self._n else None
-
     def ordered(self) -> np.ndarray:
         """The values, oldest first."""
         if self._n < len(self._buf):

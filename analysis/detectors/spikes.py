@@ -92,16 +92,15 @@ class _Episode:
 
 
 class _State:
-    __slots__ = ("baseline", "steps", "history", "attempt", "replicas", "ep", "consecutive", "num_flagged",
-                 "peer_spread",
+    __slots__ = ("baseline", "history", "attempt", "replicas", "ep", "consecutive", "num_flagged", "peer_spread",
                  "peer_offset", "peer_seen", "peer_flags", "peer_streak")
 
     def __init__(self, window: int) -> None:
-        self.baseline = RollingBaseline(window)
-        self.steps = RollingBaseline(window)  # the step of each baseline value (a rollback rewinds to them)
-        # the lineage's unflagged values, further back than the window: a rollback dozens of steps back
-        # rebuilds its baseline from them (from the window alone it found nothing before its first step)
-        self.history: deque[tuple[int, float]] = deque(maxlen=_HISTORY_STEPS)
+        self.baseline = RollingBaseline(window)  # the newest `window` values of `history`
+        # the lineage's unflagged (step, log value), further back than the window: a rollback dozens of
+        # steps back rebuilds its baseline from them (from the window alone it found nothing before its
+        # first step)
+        self.history: deque[tuple[int, float]] = deque(maxlen=max(_HISTORY_STEPS, window))
         self.attempt = -1  # the newest attempt judged
         self.replicas = RollingBaselines(1, window)
         self.ep: _Episode | None = None
@@ -137,7 +136,7 @@ class _SpikeDetector:
         is judged against it, not lost to a new warm-up); the replicas' series (the old
         round's ranks) and an open episode are not."""
         st = self.new_state()
-        st.baseline, st.steps, st.history, st.attempt = old.baseline, old.steps, old.history, old.attempt
+        st.baseline, st.history, st.attempt = old.baseline, old.history, old.attempt
         return st
 
     def run(self, p, st: _State) -> None:
@@ -180,10 +179,8 @@ class _SpikeDetector:
         if p.run.marks.is_rerun(attempt, step):
             return None  # a rollback's diagnosis rerun: its verdict says what a spike there is
         lx = math.log(value)
-        newest = st.steps.newest()
-        if newest is not None and step - newest > cfg.window_steps:
+        if st.history and step - st.history[-1][0] > cfg.window_steps:
             st.baseline.clear()  # stale: the steps since its last value never came in clean
-            st.steps.clear()
             st.history.clear()
         if len(st.baseline) < cfg.min_history_steps:
             self._add(st, step, lx)
@@ -240,14 +237,12 @@ class _SpikeDetector:
             p.resolve(ep.key, evidence={**p.book.get(ep.key).evidence, "resolved_because": "level shift"})
             st.ep, st.consecutive = None, 0
             st.baseline.clear()
-            st.steps.clear()
             st.history.clear()
         return True
 
     @staticmethod
     def _add(st: _State, step: int, lx: float) -> None:
         st.baseline.add(lx)
-        st.steps.add(float(step))
         st.history.append((step, lx))
 
     @staticmethod
@@ -259,15 +254,14 @@ class _SpikeDetector:
         spike at 43 with it). Without the rewind the replay of a steep early stretch, judged
         against the level the run had reached later, looked like a spike (and a rollback
         answered it: a loop). The replaced stretch leaves the history."""
-        while st.history and st.history[-1][0] >= first_step:
-            st.history.pop()
-        if not len(st.steps) or st.steps.ordered().max() < first_step:
-            return  # nothing of the window at or after it: the baseline stands
+        kept = [(step, lx) for step, lx in st.history if step < first_step]
+        if len(kept) == len(st.history):
+            return  # nothing at or after it: the baseline stands
+        st.history.clear()
+        st.history.extend(kept)
         st.baseline.clear()
-        st.steps.clear()
-        for step, lx in list(st.history)[-st.baseline.capacity:]:
+        for _, lx in kept[-st.baseline.capacity:]:
             st.baseline.add(lx)
-            st.steps.add(float(step))
 
     def _fold(self, p, attempt: int, step: int, numbers: dict) -> bool:
         """Whether this flag belongs to another incident (the grad detector folds into loss)."""
