@@ -172,7 +172,7 @@ def rank_time(cur: Cursor, run_id: str, *, step_from: int | None = None, step_to
 
 def rank_rounds(cur: Cursor, run_id: str, *, step_from: int | None = None, step_to: int | None = None) -> Rows:
     """Per restart round and rank over the range (the effective attempt's steps): mean step
-    time and compute (fwd + bwd + opt), with the round's median compute. Only ranks of one
+    time and compute (fwd + bwd + opt). Only ranks of one
     layout compare: a restart on fewer nodes keeps the global batch, so each replica's step
     carries more micro-batches after it (the demo's ranks computed 0.14 s a step before
     node1 was isolated and 0.19 s after). A round's attempts start at its `run_started`
@@ -189,7 +189,7 @@ def rank_rounds(cur: Cursor, run_id: str, *, step_from: int | None = None, step_
                             avg(fwd_s + bwd_s + opt_s) AS compute_s
                      FROM tagged GROUP BY round, rank)
         SELECT p.round, p.rank, coalesce(p.node, k.node) AS node, k.dp, k.tp, k.pp, p.num_steps, p.step_s,
-               p.compute_s, median(p.compute_s) OVER (PARTITION BY p.round) AS round_compute_s
+               p.compute_s
         FROM per p LEFT JOIN ranks k ON k.run_id = $r AND k.rank = p.rank ORDER BY p.round, p.rank""",
                    {"r": run_id, "lo": -_BIG if step_from is None else int(step_from),
                     "hi": _BIG if step_to is None else int(step_to)})

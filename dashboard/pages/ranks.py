@@ -307,8 +307,7 @@ def bars_figure(rows: list[dict], *, uirevision: str = "keep") -> go.Figure:
 def slowest_table(rows: list[dict]) -> list[dict]:
     """The slowest ranks (views.rank_rounds: a row per restart round and rank), by compute over
     the median rank's of the same round (with lockstep collectives every rank's step is as long
-    as the slowest: step time breaks ties), slowest first. Rows without `round` are one round,
-    their median taken here."""
+    as the slowest: step time breaks ties), slowest first. Rows without `round` are one round."""
     by_round: dict[Any, list[float]] = {}
     for r in rows:
         c = finite(r.get("compute_s"))
@@ -317,7 +316,7 @@ def slowest_table(rows: list[dict]) -> list[dict]:
     medians = {k: statistics.median(v) for k, v in by_round.items()}
 
     def ratio(r: dict) -> float | None:
-        c, m = finite(r.get("compute_s")), finite(r.get("round_compute_s")) or medians.get(r.get("round"))
+        c, m = finite(r.get("compute_s")), medians.get(r.get("round"))
         return c / m if c is not None and m else None
 
     ordered = sorted(rows, key=lambda r: (-(ratio(r) or 0.0), -(finite(r.get("step_s")) or 0.0), r["rank"]))
