@@ -115,7 +115,8 @@ class RunPolicy:
     transients: dict[str, deque] = field(default_factory=dict)  # node -> times of transient verdicts
     crashes: dict[str, int] = field(default_factory=dict)  # node -> crash incidents
     acted: set[int] = field(default_factory=set)  # incidents an action was decided for
-    skips: list[tuple[str, int, float]] = field(default_factory=list)  # data verdicts: (kind, step, when)
+    # the latest data verdicts, (kind, skipped step, when): what a recurrence comes back after
+    skips: deque = field(default_factory=lambda: deque(maxlen=16))
     stopping: bool = False  # a stop was decided (auto): no rollback after it
     slow_since: dict[int, float] = field(default_factory=dict)  # straggler incident -> costly since
     # the most the run itself allows ("shadow", "off"; None: the policy's mode): a job we did not
@@ -258,7 +259,7 @@ class Policy:
         step = _number((verdict.get("probe") or {}).get("step"))
         if what == "data" and step is not None and verdict.get("incident_kind"):
             when = now if at is None else at
-            st.skips = [*st.skips[-15:], (str(verdict["incident_kind"]), int(step), when)]  # what a recurrence is
+            st.skips.append((str(verdict["incident_kind"]), int(step), when))
         if st.finished or node is None:
             return []
         inc = {"id": verdict.get("incident_id"), "rank": verdict.get("rank"), "node": node}
