@@ -11,6 +11,11 @@ of attempts a rollback or a restart replaced, and time outside any step (start-u
 checkpoint stalls, restarts). Stragglers slow steps that still count, so goodput
 does not subtract them; `goodput_without_stragglers` does, with their cost.
 
+By cause: the `goodput` view (collector/store/schema.py GOODPUT_SQL; `queries.goodput_causes`
+for one run) splits the wall time into `CAUSES`, which add up to it: the steps that
+counted less the slow-downs, each slow-down incident's cost, and every second the
+run spent on anything else, named.
+
 Pure: the rows come from collector/read/queries.py (`step_time_parts`, `run_span`); the
 postmortem report, the query API (`GET /v1/runs/<run>/goodput`) and the benches
 compute it here.
@@ -20,6 +25,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+# the `goodput` view's causes, in the order a report lists them, with what each one is
+CAUSES: dict[str, str] = {
+    "productive": "steps that counted, less what the slow-downs cost",
+    "slowdown": "a straggler, slow link or data stall: its cost per step over the steps it slowed",
+    "skipped": "steps the optimizer skipped (a NaN, an fp16 overflow)",
+    "detection": "steps a rollback replaced that ran after the fault and before its incident opened",
+    "redone": "the other steps a rollback or a restart replaced",
+    "recovery": "between steps, while ranks exited, restarted or rolled back",
+    "checkpoint": "between steps, stalled on a checkpoint's snapshot",
+    "idle": "the rest outside steps: start-up, evaluation, the end of the run",
+}
+
+
+def cause_label(row: dict[str, Any]) -> str:
+    """A `goodput` row's name for a reader: its cause, and a slow-down's incident."""
+    cause = row.get("cause")
+    return f"slow-down (incident {row['incident_id']})" if cause == "slowdown" and row.get("incident_id") is not None \
+        else str(cause)
+
+
+def ordered_causes(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`goodput` rows in CAUSES' order (a slow-down per incident, by id)."""
+    order = {c: i for i, c in enumerate(CAUSES)}
+    return sorted(rows, key=lambda r: (order.get(r.get("cause"), len(order)), r.get("incident_id") or 0))
 
 
 @dataclass(slots=True)

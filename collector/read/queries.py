@@ -16,6 +16,8 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
+from collector.store.schema import GOODPUT_SQL
+
 Cursor = duckdb.DuckDBPyConnection
 Rows = list[dict[str, Any]]
 
@@ -251,6 +253,23 @@ def step_time_parts(cur: Cursor, run_id: str) -> Rows:
                coalesce(sum(tokens), 0) AS tokens
         FROM own GROUP BY effective, skipped ORDER BY effective DESC, skipped""", {"r": run_id})
 
+
+
+def goodput_causes(cur: Cursor, run_id: str) -> Rows:
+    """The run's wall time by cause, the `goodput` view's rows for one run (collector/store/schema.py
+    GOODPUT_SQL: productive, slowdown per incident, skipped, detection, redone, recovery,
+    checkpoint, idle), largest first: `cause`, `incident_id` (a slow-down's), `seconds`,
+    `num_steps` (NULL for time outside steps) and `share` of the wall time."""
+    return records(cur, GOODPUT_SQL.format(runs="run_id = $r") + " ORDER BY seconds DESC, cause, incident_id",
+                   {"r": run_id})
+
+
+def goodput_seconds(cur: Cursor, run_id: str) -> dict[str, float]:
+    """`goodput_causes` summed by cause (the slow-downs of every incident together): {cause: s}."""
+    out: dict[str, float] = {}
+    for row in goodput_causes(cur, run_id):
+        out[row["cause"]] = out.get(row["cause"], 0.0) + float(row["seconds"] or 0.0)
+    return out
 
 def step_window(cur: Cursor, run_id: str, *, step_from: int, step_to: int, max_points: int = 400) -> Rows:
     """loss, grad_norm and loss_scale of the effective curve over [step_from, step_to],

@@ -340,10 +340,12 @@ def runs_overview(cur: Cursor, *, limit: int = 50) -> Rows:
 
 
 def run_goodput(cur: Cursor, run_id: str) -> dict[str, Any]:
-    """The run's goodput and what it is made of (collector/read/goodput.py), as a dict."""
+    """The run's goodput and what it is made of (collector/read/goodput.py), as a dict, with
+    `causes`: its wall time by cause (queries.goodput_causes: the `goodput` view's rows)."""
     g = goodput(queries.step_time_parts(cur, run_id), queries.run_span(cur, run_id))
+    causes = [{k: v for k, v in row.items() if k != "run_id"} for row in queries.goodput_causes(cur, run_id)]
     return {**{f: getattr(g, f) for f in g.__dataclass_fields__}, "goodput": g.goodput,
-            "tokens_per_s": g.tokens_per_s}
+            "tokens_per_s": g.tokens_per_s, "causes": causes}
 
 
 VIEWS: dict[str, Any] = {  # name -> function: what the query API serves under /view/<name>

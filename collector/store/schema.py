@@ -420,6 +420,105 @@ assert _STEP_SUMMARY_V10[0] != _STEP_SUMMARY_V6[0]
 # the newest one. Rows from before keep false.
 _KNOWN_GOOD_V11 = ["ALTER TABLE checkpoints ADD COLUMN known_good BOOLEAN DEFAULT false"]
 
+# v12: goodput by cause (collector/read/goodput.py, docs/postmortem.md): a run's wall time, from its
+# start to its last step or event, split into causes that add up to it, one row per (run, cause),
+# and per incident for the slow-downs. A step lasts as long as its slowest rank, capped at the time
+# since the step before it ended (step_time_parts' rule: no overlap counted twice); the rest of the
+# wall time lies in the gaps between steps, before the first and after the last.
+#
+#   productive  the steps that counted (steps_effective, not skipped), less the slow-downs
+#   slowdown    per incident of a costed kind (straggler, slow_link, data_stall): its
+#               cost_s_per_step x its effective steps (scaled down when they add up past productive)
+#   skipped     effective steps the optimizer skipped (a NaN, an fp16 overflow)
+#   detection   steps a rollback replaced that ran after the incident's first step and before it
+#               was opened: what waiting for the detector cost
+#   redone      the other steps a rollback or a restart replaced
+#   recovery    gaps in which the attempt changed or a rank exited, (re)started or rolled back
+#   checkpoint  the rest of a gap after a checkpoint, up to the save's stall (checkpoint_queued)
+#   idle        the rest: start-up, evaluation, the end of the run
+# The view's query, with `{runs}` the filter on every table it reads (DuckDB does not push a
+# filter on run_id through its windows): the view over all runs, and collector/read/queries.py
+# `goodput_causes` over one (`run_id = $r`). A change here takes a migration re-creating the view.
+GOODPUT_SQL = """WITH per_step AS (
+        SELECT run_id, attempt, step, bool_and(effective) AS effective,
+               coalesce(bool_or(skipped), false) AS skipped, max(step_s) AS step_s, max(ts) AS end_ts
+        FROM steps_history WHERE {runs} GROUP BY run_id, attempt, step),
+    timed AS (
+        SELECT *, lag(end_ts) OVER w AS prev_end, lag(attempt) OVER w AS prev_attempt,
+               lag(step) OVER w AS prev_step,
+               greatest(coalesce(least(step_s, end_ts - lag(end_ts) OVER w), step_s, 0), 0) AS own_s
+        FROM per_step WINDOW w AS (PARTITION BY run_id ORDER BY end_ts, attempt, step)),
+    span AS (
+        SELECT run_id, min(start_ts) AS start_ts, max(end_ts) AS end_ts FROM (
+            SELECT run_id, ts - coalesce(step_s, 0) AS start_ts, ts AS end_ts FROM steps WHERE {runs}
+            UNION ALL SELECT run_id, started_ts, NULL FROM runs WHERE {runs}
+            UNION ALL SELECT run_id, ts, NULL FROM heartbeats WHERE {runs}
+            UNION ALL SELECT run_id, NULL, ts FROM events WHERE {runs}) GROUP BY run_id),
+    bounds AS (
+        SELECT t.run_id, min(t.end_ts - t.own_s) AS first_start, max(t.end_ts) AS last_end,
+               any_value(s.start_ts) AS start_ts, any_value(s.end_ts) AS end_ts
+        FROM timed t JOIN span s USING (run_id) GROUP BY t.run_id),
+    gaps AS (
+        SELECT run_id, prev_end AS gap_from, end_ts - own_s AS gap_to, attempt <> prev_attempt AS new_attempt,
+               prev_step, prev_attempt
+        FROM timed WHERE prev_end IS NOT NULL
+        UNION ALL SELECT run_id, least(start_ts, first_start), first_start, false, NULL, NULL FROM bounds
+        UNION ALL SELECT run_id, last_end, greatest(end_ts, last_end), false, NULL, NULL FROM bounds),
+    stalls AS (
+        SELECT run_id, step, attempt, max(TRY_CAST(json_extract(data, '$.stall_s') AS DOUBLE)) AS stall_s
+        FROM events WHERE {runs} AND kind = 'checkpoint_queued' GROUP BY run_id, step, attempt),
+    marks AS (
+        SELECT run_id, ts FROM events
+        WHERE {runs} AND kind IN ('run_started', 'run_restarting', 'rank_exited', 'rollback_started', 'checkpoint_loaded')),
+    judged AS (
+        SELECT g.run_id, g.gap_to - g.gap_from AS gap_s,
+               g.new_attempt OR EXISTS (SELECT 1 FROM marks m WHERE m.run_id = g.run_id AND m.ts > g.gap_from
+                                        AND m.ts <= g.gap_to) AS recovery,
+               least(greatest(coalesce(st.stall_s, 0), 0), g.gap_to - g.gap_from) AS stall_s
+        FROM gaps g LEFT JOIN stalls st
+            ON st.run_id = g.run_id AND st.step = g.prev_step AND st.attempt = g.prev_attempt),
+    replaced AS (
+        SELECT t.run_id, t.own_s, EXISTS (
+            SELECT 1 FROM incidents i JOIN actions a ON a.incident_id = i.id AND a.kind = 'rollback'
+            WHERE i.run_id = t.run_id AND i.step_from IS NOT NULL AND t.step >= i.step_from
+              AND t.end_ts <= i.opened_ts) AS before_detection
+        FROM timed t WHERE NOT t.effective),
+    slow AS (
+        SELECT i.run_id, i.id AS incident_id, count(*) AS num_steps,
+               count(*) * TRY_CAST(json_extract(i.evidence, '$.cost_s_per_step') AS DOUBLE) AS seconds
+        FROM incidents i JOIN timed t ON t.run_id = i.run_id AND t.effective AND NOT t.skipped
+            AND t.step BETWEEN i.step_from AND coalesce(i.step_to, i.step_from)
+        WHERE i.kind IN ('straggler', 'slow_link', 'data_stall')
+          AND TRY_CAST(json_extract(i.evidence, '$.cost_s_per_step') AS DOUBLE) > 0
+        GROUP BY i.run_id, i.id, i.evidence),
+    productive AS (
+        SELECT run_id, sum(own_s) AS seconds, count(*) AS num_steps FROM timed
+        WHERE effective AND NOT skipped GROUP BY run_id),
+    scale AS (  -- slow-downs that overlap are not counted past the productive time
+        SELECT p.run_id, least(1.0, p.seconds / greatest(sum(s.seconds), 1e-12)) AS k
+        FROM productive p JOIN slow s USING (run_id) GROUP BY p.run_id, p.seconds),
+    parts AS (
+        SELECT p.run_id, 'productive' AS cause, NULL::BIGINT AS incident_id,
+               p.seconds - coalesce((SELECT sum(s.seconds) * any_value(k.k) FROM slow s JOIN scale k USING (run_id)
+                                     WHERE s.run_id = p.run_id), 0) AS seconds, p.num_steps
+        FROM productive p
+        UNION ALL SELECT s.run_id, 'slowdown', s.incident_id, s.seconds * k.k, s.num_steps
+        FROM slow s JOIN scale k USING (run_id)
+        UNION ALL SELECT run_id, 'skipped', NULL, sum(own_s), count(*) FROM timed
+        WHERE effective AND skipped GROUP BY run_id
+        UNION ALL SELECT run_id, CASE WHEN before_detection THEN 'detection' ELSE 'redone' END, NULL,
+                         sum(own_s), count(*)
+        FROM replaced GROUP BY run_id, before_detection
+        UNION ALL SELECT run_id, 'recovery', NULL, sum(gap_s), NULL FROM judged WHERE recovery GROUP BY run_id
+        UNION ALL SELECT run_id, 'checkpoint', NULL, sum(stall_s), NULL FROM judged
+        WHERE NOT recovery GROUP BY run_id
+        UNION ALL SELECT run_id, 'idle', NULL, sum(gap_s - stall_s), NULL FROM judged
+        WHERE NOT recovery GROUP BY run_id)
+    SELECT run_id, cause, incident_id, seconds, num_steps,
+           seconds / nullif(sum(seconds) OVER (PARTITION BY run_id), 0) AS share
+    FROM parts WHERE seconds > 0 OR cause = 'productive'"""
+_GOODPUT_V12 = ["CREATE OR REPLACE VIEW goodput AS " + GOODPUT_SQL.format(runs="true")]
+
 MIGRATIONS: list[tuple[int, list[str]]] = [
     (1, _TABLES_V1 + _VIEWS_V1),
     (2, _BATCH_HASH_V2),
@@ -432,6 +531,7 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
     (9, _DEVICE_HEALTH_V9),
     (10, _STEP_SUMMARY_V10),
     (11, _KNOWN_GOOD_V11),
+    (12, _GOODPUT_V12),
 ]
 
 

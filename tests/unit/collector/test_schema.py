@@ -15,7 +15,7 @@ from tests.unit.collector.collector_batches import make_batch, steps_section
 CONTRACT = {"runs", "ranks", "steps", "collectives", "scalars", "heartbeats", "events", "incidents", "actions",
             "checkpoints", "nodes", "commands", "batches", "alert_outbox", "bad_batches", "schema_version",
             "collectives_rollup", "collective_waits_rollup", "device_health"}
-VIEWS = {"steps_effective", "steps_history", "step_summary", "collective_summary"}
+VIEWS = {"steps_effective", "steps_history", "step_summary", "collective_summary", "goodput"}
 
 
 def test_open_twice_is_idempotent(settings):
