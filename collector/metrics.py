@@ -99,12 +99,43 @@ class RunGauges:
         return out
 
 
-class _RunCollector:
-    """Custom collector: builds the per-run gauge families at scrape time."""
+GOODPUT_REFRESH_S = 15.0  # a live run's goodput by cause is read again at most this often
+GOODPUT_READS_PER_SCRAPE = 8  # and for at most this many runs per scrape (the others keep their last figures)
 
-    def __init__(self, gauges: RunGauges, open_incidents: Callable[[], dict[str, int]]) -> None:
+
+class _RunCollector:
+    """Custom collector: builds the per-run gauge families at scrape time. A live run's
+    goodput by cause (the `goodput` view: ~15 ms of DuckDB on a run of 100k steps) is read
+    only when its step moved, at most every GOODPUT_REFRESH_S, and for at most
+    GOODPUT_READS_PER_SCRAPE runs a scrape: a scrape costs the same however many runs are live."""
+
+    def __init__(self, gauges: RunGauges, open_incidents: Callable[[], dict[str, int]],
+                 goodput: Callable[[str], dict[str, float]] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._gauges = gauges
         self._open_incidents = open_incidents
+        self._goodput = goodput
+        self._clock = clock
+        self._causes: dict[str, tuple[int, float, dict[str, float]]] = {}  # run -> (step, read at, cause -> s)
+
+    def _goodput_of(self, snap: dict[str, tuple[int, float, float]]) -> dict[str, dict[str, float]]:
+        if self._goodput is None:
+            return {}
+        now, reads = self._clock(), 0
+        for run_id in sorted(snap, key=lambda r: self._causes.get(r, (None, -math.inf))[1]):  # stalest first
+            at_step = snap[run_id][0]
+            had = self._causes.get(run_id)
+            if reads >= GOODPUT_READS_PER_SCRAPE or (had is not None and (
+                    had[0] == at_step or now - had[1] < GOODPUT_REFRESH_S)):
+                continue
+            reads += 1
+            try:
+                self._causes[run_id] = (at_step, now, self._goodput(run_id))
+            except Exception:  # a read that failed keeps the last figures; the scrape still answers
+                continue
+        for gone in set(self._causes) - set(snap):
+            del self._causes[gone]
+        return {run_id: causes for run_id, (_, _, causes) in self._causes.items()}
 
     def collect(self):
         step = GaugeMetricFamily("llmwatch_run_step", "Latest step reported by any rank", labels=["run_id"])
@@ -119,7 +150,13 @@ class _RunCollector:
         counts = self._open_incidents()
         for run_id in sorted(set(snap) | set(counts)):
             inc.add_metric([run_id], counts.get(run_id, 0))
-        yield from (step, loss, tps, inc)
+        good = GaugeMetricFamily("llmwatch_run_goodput_seconds",
+                                 "Wall time of a live run by cause (the goodput view; productive is what counted)",
+                                 labels=["run_id", "cause"])
+        for run_id, causes in sorted(self._goodput_of(snap).items()):
+            for cause, seconds in sorted(causes.items()):
+                good.add_metric([run_id, cause], seconds)
+        yield from (step, loss, tps, inc, good)
 
 
 class CollectorMetrics:
@@ -147,8 +184,11 @@ class CollectorMetrics:
     def watch_queue(self, depth: Callable[[], int]) -> None:
         self.queue_depth.set_function(depth)
 
-    def watch_incidents(self, open_incidents: Callable[[], dict[str, int]]) -> None:
-        self.registry.register(_RunCollector(self.runs, open_incidents))
+    def watch_incidents(self, open_incidents: Callable[[], dict[str, int]],
+                        goodput: Callable[[str], dict[str, float]] | None = None) -> None:
+        """The scrape-time run families: open incidents, and a live run's goodput by cause
+        (`goodput(run_id)` -> {cause: seconds})."""
+        self.registry.register(_RunCollector(self.runs, open_incidents, goodput))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

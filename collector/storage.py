@@ -147,7 +147,8 @@ class Storage:
         self._read_lock = threading.Lock()
         self._init_sql()
         self.metrics.watch_queue(self.queue_depth)
-        self.metrics.watch_incidents(lambda: self.read(queries.open_incidents))
+        self.metrics.watch_incidents(lambda: self.read(queries.open_incidents),
+                                     lambda run_id: self.read(queries.goodput_seconds, run_id))
         self._writer.start()
         if self.sender is not None:
             self.sender.offer(self._outbox.pending_at_start)  # what an earlier run left undelivered

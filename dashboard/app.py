@@ -24,6 +24,7 @@ import dash
 from dash import ALL, Dash, Input, Output, State, callback, clientside_callback, ctx, dcc, html, no_update
 from flask import Response
 
+from collector.read.goodput import cause_label
 from dashboard import state
 from dashboard.figures import fmt_ts
 from dashboard.source import Source, SourceError
@@ -107,7 +108,7 @@ def _status(run_id, _tick):
         return html.Span("waiting for a run to report…", className="llmw-muted")
     try:
         run = state.source().run(run_id)
-        good = _goodput(run_id, run)
+        good = state.goodput(run_id, run)
     except SourceError as e:
         return html.Span(str(e), className="llmw-error")
     if run is None:
@@ -124,24 +125,24 @@ def _status(run_id, _tick):
               "llmw-pill llmw-alert" if run.get("open_incidents") else None),
              ("goodput", "–" if g is None else f"{100 * g:.1f}%", None),
              ("updated", fmt_ts(run.get("updated_ts")), None)]
-    return [html.Span([html.Span(k, className="llmw-key"), html.Span(str(v), className=cls or "llmw-val")],
-                      className="llmw-stat") for k, v, cls in items]
+    spans = [html.Span([html.Span(k, className="llmw-key"), html.Span(str(v), className=cls or "llmw-val")],
+                       className="llmw-stat", **({"title": _lost_to(good)} if k == "goodput" else {}))
+             for k, v, cls in items]
+    lost = _lost_to(good, limit=2)
+    return spans + ([html.Span(lost, className="llmw-stat llmw-muted", id="run-goodput-lost")] if lost else [])
 
 
-_GOODPUT: dict[tuple, dict] = {}  # (run, last step, attempt, status, updated) -> goodput: read again only when it moved
+def _lost_to(good: dict, *, limit: int | None = None) -> str:
+    """Where the wall time went that did not count (collector/read/goodput.py CAUSES), the
+    largest first: the goodput stat's tooltip lists all, the header the `limit` largest."""
+    if not isinstance(good, dict):
+        return ""
+    rows = [c for c in (good.get("causes") or []) if c.get("cause") != "productive" and (c.get("share") or 0) >= 0.001]
+    rows.sort(key=lambda c: -(c.get("share") or 0))
+    parts = [f"{cause_label(c)} {100 * c['share']:.1f}%" for c in rows[:limit]]
+    return ("lost to " + ", ".join(parts)) if parts else ""
 
 
-def _goodput(run_id: str, run: dict | None) -> dict:
-    """The run's goodput, for the status line of every page on every refresh: ~50 ms of
-    DuckDB on a big run, so asked again only when the run moved."""
-    if run is None:
-        return {}
-    key = (run_id, run.get("last_step"), run.get("last_attempt"), run.get("status"), run.get("updated_ts"))
-    if key not in _GOODPUT:
-        if len(_GOODPUT) > 64:
-            _GOODPUT.clear()
-        _GOODPUT[key] = state.source().table(run_id, "goodput")
-    return _GOODPUT[key]
 
 
 # The nav links keep the run; the URL keeps the run without a reload.

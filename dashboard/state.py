@@ -25,6 +25,23 @@ def source() -> Source:
     return _source
 
 
+_GOODPUT: dict[tuple, dict] = {}  # (run, last step, attempt, status, updated) -> goodput: read again only when it moved
+
+
+def goodput(run_id: str, run: dict | None) -> dict:
+    """The run's goodput and its causes (collector/read/views.py run_goodput), for the status
+    line of every page and the Incidents page on every refresh: ~50 ms of DuckDB on a big run,
+    so asked again only when the run moved."""
+    if run is None:
+        return {}
+    key = (run_id, run.get("last_step"), run.get("last_attempt"), run.get("status"), run.get("updated_ts"))
+    if key not in _GOODPUT:
+        if len(_GOODPUT) > 64:
+            _GOODPUT.clear()
+        _GOODPUT[key] = source().table(run_id, "goodput")
+    return _GOODPUT[key]
+
+
 def query(search: str | None) -> dict[str, str]:
     """A URL's query string as {name: last value}."""
     return {k: v[-1] for k, v in parse_qs((search or "").lstrip("?")).items() if v}

@@ -28,7 +28,7 @@ from typing import Any
 
 from analysis.kinds import COSTED
 from collector.read import queries, views
-from collector.read.goodput import Goodput, goodput
+from collector.read.goodput import CAUSES, Goodput, cause_label, goodput, ordered_causes
 
 WINDOW_STEPS = 20  # steps shown either side of an incident in its chart
 GRID_STEPS = 400  # columns of the report's rank x step heatmap
@@ -150,6 +150,7 @@ class Report:
     slowdowns: list[dict[str, Any]]  # slowdown_costs rows
     nodes: list[dict[str, Any]]
     checkpoints: list[dict[str, Any]]
+    causes: list[dict[str, Any]] = field(default_factory=list)  # goodput_causes rows: the wall time by cause
     windows: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # incident id -> step_window rows
     grid: list[dict[str, Any]] = field(default_factory=list)  # step_grid rows
 
@@ -190,7 +191,8 @@ def gather(cur: queries.Cursor, run_id: str, *, window_steps: int = WINDOW_STEPS
         windows[inc["id"]] = queries.step_window(cur, run_id, step_from=max(0, inc["step_from"] - window_steps),
                                               step_to=hi + window_steps)
     return Report(run_id=run_id, run=run, span=span, goodput=g, incidents=incidents, slowdowns=slowdowns,
-                  nodes=queries.nodes(cur, run_id), checkpoints=checkpoints, windows=windows,
+                  nodes=queries.nodes(cur, run_id), checkpoints=checkpoints,
+                  causes=ordered_causes(queries.goodput_causes(cur, run_id)), windows=windows,
                   grid=views.step_grid(cur, run_id, max_steps=GRID_STEPS))
 
 
@@ -241,6 +243,17 @@ def _summary_rows(r: Report) -> list[list[Any]]:
                               " tokens/s of wall time)"]]
 
 
+_CAUSE_HEADER = ["cause", "seconds", "share of wall time", "steps", "what it is"]
+CAUSE_NOTES = ("The wall time split by cause (the `goodput` view in SQL): the causes add up to the wall time. "
+               "A step lasts as long as its slowest rank; a slow-down's cost is its evidence's cost_s_per_step "
+               "times the effective steps in its range.")
+
+
+def _cause_rows(r: Report) -> list[list[Any]]:
+    return [[cause_label(c), f"{c['seconds']:.2f}", _pct(c.get("share")), c.get("num_steps"),
+             CAUSES.get(c.get("cause"), "")] for c in r.causes]
+
+
 def _incident_rows(r: Report) -> list[list[Any]]:
     return [[i.get("id"), i.get("kind"), i.get("severity"), _steps(i), i.get("rank"), i.get("node"),
              highlights(i.get("kind", ""), i.get("evidence")), i.get("root_cause"), i.get("status"),
@@ -261,7 +274,10 @@ def _slowdown_rows(r: Report) -> list[list[Any]]:
 
 def render_markdown(r: Report) -> str:
     out = [f"# Postmortem: run {r.run_id}", "", *_table(["", ""], _summary_rows(r)), "", "## Goodput", "",
-           GOODPUT_DEFINITION, "", "## Incidents", ""]
+           GOODPUT_DEFINITION, ""]
+    if r.causes:
+        out += ["### Where the wall time went", "", *_table(_CAUSE_HEADER, _cause_rows(r)), "", CAUSE_NOTES, ""]
+    out += ["## Incidents", ""]
     out += _table(_INCIDENT_HEADER, _incident_rows(r)) if r.incidents else ["No incidents."]
     out += ["", "## Cost of slow-downs", ""]
     out += _table(_SLOWDOWN_HEADER, _slowdown_rows(r)) + ["", SLOWDOWN_NOTES] if r.slowdowns else \
@@ -349,6 +365,8 @@ def render_html(r: Report) -> str:
     parts = [f"<h1>Postmortem: run {html.escape(r.run_id)}</h1>",
              _html_table(["", ""], _summary_rows(r)),
              f"<h2>Goodput</h2><p>{html.escape(GOODPUT_DEFINITION)}</p>",
+             ("<h3>Where the wall time went</h3>" + _html_table(_CAUSE_HEADER, _cause_rows(r), cls="causes")
+              + f"<p>{html.escape(CAUSE_NOTES)}</p>") if r.causes else "",
              "<h2>Incidents</h2>",
              _html_table(_INCIDENT_HEADER, _incident_rows(r), cls="incidents") if r.incidents else "<p>No incidents.</p>",
              "<h2>Cost of slow-downs</h2>",

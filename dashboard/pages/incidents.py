@@ -4,7 +4,9 @@ A wall-time timeline with one row per incident kind (each incident a bar from wh
 it opened to when it closed, or to now while it is open, coloured by severity) and
 the actions as markers on a row of their own; then the incidents and the actions
 as tables, the sample windows rollbacks skipped, and a link to the run's
-postmortem report (served by the app at /report/<run>).
+postmortem report (served by the app at /report/<run>). Above them, where the run's
+wall time went: one bar split by cause (collector/read/goodput.py CAUSES, the
+`goodput` view), each slow-down incident its own part.
 
 Live, every refresh reads the run's incidents and actions (small tables) and
 redraws only when something on the page would look different (`signature`), so a
@@ -23,6 +25,7 @@ import plotly.graph_objects as go
 from dash import Input, Output, State, callback, dcc, html, no_update
 
 from collector.offline.postmortem import highlights
+from collector.read.goodput import CAUSES, cause_label, ordered_causes
 from dashboard import state
 from dashboard.components import data_table, legend_below
 from dashboard.figures import (
@@ -47,6 +50,8 @@ NO_INCIDENTS = "no incidents: nothing was detected in this run"
 ACTION_SYMBOLS = {"rollback": "triangle-left", "isolate": "x", "restart": "circle", "stop": "square",
                   "repair": "cross", "checkpoint": "hexagon"}
 OPEN_BG = "#fdecec"  # an open incident's row
+CAUSE_COLORS = {"productive": "#2ca02c", "slowdown": "#f0a30a", "skipped": "#d62728", "detection": "#e377c2",
+                "redone": "#ff7f0e", "recovery": "#6f42c1", "checkpoint": "#1f77b4", "idle": "#b3b3b3"}
 
 INCIDENT_COLUMNS = (("id", "id", "n"), ("kind", "kind", "t"), ("severity", "severity", "t"),
                     ("status", "status", "t"), ("rank", "culprit rank", "n"), ("node", "node", "t"),
@@ -179,6 +184,27 @@ def timeline_figure(incidents: list[dict], actions: list[dict], attempts: list[d
     return fig
 
 
+def causes_figure(good: dict[str, Any], *, uirevision: str = "keep") -> go.Figure:
+    """The run's wall time as one horizontal bar split by cause (`run_goodput`'s `causes`)."""
+    rows = ordered_causes([c for c in (good.get("causes") or []) if (c.get("seconds") or 0) > 0])
+    if not rows:
+        return empty("no steps yet: nothing to split", height=150)
+    fig = go.Figure()
+    for c in rows:
+        label = cause_label(c)
+        fig.add_trace(go.Bar(
+            x=[c["seconds"]], y=["wall time"], orientation="h", name=label,
+            marker={"color": CAUSE_COLORS.get(c["cause"], "#7f7f7f")},
+            hovertemplate=(f"{label}: %{{x:.2f}} s ({100 * (c.get('share') or 0):.1f}%)"
+                           f"<br>{CAUSES.get(c['cause'], '')}<extra></extra>")))
+    g = good.get("goodput")
+    base_layout(fig, title=f"Where the wall time went (goodput {'–' if g is None else f'{100 * g:.1f}%'})",
+                height=170, uirevision=uirevision)
+    fig.update_layout(barmode="stack", showlegend=True, xaxis={"ticksuffix": " s"}, yaxis={"visible": False},
+                      legend={"orientation": "h", "y": -0.45, "traceorder": "normal"})
+    return fig
+
+
 # -- what the callback computes (also what bench/bench_dashboard.py times) -----------------
 def read(src: Source, run_id: str) -> dict[str, Any]:
     """The run's rows and their `signature`: what changes when the page would look different."""
@@ -241,6 +267,8 @@ def layout(**_: Any) -> html.Div:
                  className="llmw-controls"),
         dcc.Graph(id="inc-timeline", className="llmw-card", config=GRAPH_CONFIG,
                   figure=empty("loading…", height=220)),
+        dcc.Graph(id="inc-causes", className="llmw-card", config=GRAPH_CONFIG, figure=empty("loading…", height=150)),
+        dcc.Store(id="inc-causes-drawn"),
         html.Div("Incidents", className="llmw-section"),
         html.Div(id="inc-incidents-empty", className="llmw-muted"),
         data_table("inc-table", INCIDENT_COLUMNS, conditional=_STATUS_STYLES, sort_by=[]),
@@ -278,3 +306,22 @@ def _draw(run_id, _tick, drawn):
             "" if out["actions"] else "no actions: the policy did nothing in this run",
             "" if bad else "no sample windows were skipped",
             report_link(run_id), key)
+
+
+@callback(Output("inc-causes", "figure"), Output("inc-causes-drawn", "data"),
+          Input("run", "value"), Input("tick", "n_intervals"), State("inc-causes-drawn", "data"))
+def _draw_causes(run_id, _tick, drawn):
+    """Its own callback: the split moves with every step of a live run, the tables do not."""
+    if not run_id:
+        return empty("no run yet", height=150), None
+    try:
+        src = state.source()
+        run = src.run(run_id)
+        good = state.goodput(run_id, run)
+    except SourceError as e:
+        return empty(str(e), height=150), None
+    key = json.dumps([run_id, [(c.get("cause"), c.get("incident_id"), round(c.get("seconds") or 0, 1))
+                               for c in (good.get("causes") or [])] if isinstance(good, dict) else None])
+    if drawn == key:
+        return no_update, no_update
+    return causes_figure(good if isinstance(good, dict) else {}, uirevision=run_id), key

@@ -120,6 +120,19 @@ def test_time_lost_per_incident(answers):
     assert rows[0]["kind"] == "straggler"  # 27 slow steps cost more than one skipped one
 
 
+def test_goodput_by_cause_adds_up_and_names_the_straggler_and_the_skip(answers):
+    rows = answers["goodput_by_cause"]
+    assert sum(r["pct"] for r in rows) == pytest.approx(100.0, abs=0.5)
+    by = {(r["cause"], r["incident_id"]): r for r in rows}
+    assert by[("productive", None)]["pct"] > 50, rows
+    assert by[("skipped", None)]["num_steps"] == 1  # the NaN's step
+    slow = [r for r in rows if r["cause"] == "slowdown"]
+    assert slow and all(r["incident_id"] is not None and r["seconds"] > 0 for r in slow), rows
+    straggler_ids = {r["id"] for r in answers["time_lost_per_incident"] if r["kind"] == "straggler"}
+    assert {r["incident_id"] for r in slow} <= straggler_ids | {
+        r["id"] for r in answers["time_lost_per_incident"] if r["kind"] in ("slow_link", "data_stall")}
+
+
 def test_first_nonfinite_step_and_origin(answers):
     (row,) = answers["first_nonfinite_step"]
     assert (row["attempt"], row["step"]) == (0, NAN["step"])

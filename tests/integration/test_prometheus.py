@@ -127,6 +127,9 @@ def test_prometheus_scrapes_a_runs_step_with_the_read_token(collector, prometheu
     assert float(loss["value"][1]) == 2.5
     (incidents,) = query(prometheus, 'llmwatch_run_open_incidents{run_id="prom-run"}')
     assert float(incidents["value"][1]) == 0.0
+    # its wall time by cause: the batch's steps are skipped ones (steps_section's default)
+    causes = {r["metric"]["cause"] for r in query(prometheus, 'llmwatch_run_goodput_seconds{run_id="prom-run"}')}
+    assert causes == {"skipped"}, causes
 
     # the job without the token: the collector refuses it, Prometheus shows the target down
     def targets() -> dict[str, dict]:

@@ -38,6 +38,47 @@ def test_health_counters_and_run_gauges(storage):
     assert got[("llmwatch_run_loss", run_label)] == 3.5  # mean of 2, 3, 4, 5
     assert got[("llmwatch_run_tokens_per_s", run_label)] == 4000 / 1.25 / 2  # tp*pp = 2 ranks per replica
     assert got[("llmwatch_run_open_incidents", run_label)] == 1
+    # the run's wall time by cause (the goodput view): its two steps (the batches' steps are skipped ones)
+    causes = {dict(labels)["cause"]: v for (name, labels), v in got.items()
+              if name == "llmwatch_run_goodput_seconds" and dict(labels)["run_id"] == "run1"}
+    assert causes == {"skipped": 2.0}
+
+
+def test_goodput_is_read_when_a_run_moved_and_for_a_bounded_number_of_runs_a_scrape():
+    from collector.metrics import GOODPUT_READS_PER_SCRAPE, GOODPUT_REFRESH_S, _RunCollector
+
+    class Snap:
+        runs: dict = {}
+
+        def snapshot(self):
+            return dict(self.runs)
+
+    reads, clock = [], [0.0]
+
+    def goodput(run_id):
+        reads.append(run_id)
+        return {"productive": 1.0}
+
+    snap = Snap()
+    snap.runs = {f"r{i}": (1, 2.0, 3.0) for i in range(GOODPUT_READS_PER_SCRAPE + 2)}
+    col = _RunCollector(snap, lambda: {}, goodput, clock=lambda: clock[0])
+
+    def scrape():
+        fams = {f.name: f for f in col.collect()}
+        return {s.labels["run_id"] for s in fams["llmwatch_run_goodput_seconds"].samples}
+
+    assert len(scrape()) == GOODPUT_READS_PER_SCRAPE and len(reads) == GOODPUT_READS_PER_SCRAPE
+    assert len(scrape()) == len(snap.runs)  # the rest on the next scrape
+    reads.clear()
+    assert scrape() == set(snap.runs) and reads == []  # nothing moved: nothing read
+    snap.runs["r0"] = (2, 2.0, 3.0)
+    scrape()
+    assert reads == []  # moved, but read less than GOODPUT_REFRESH_S ago
+    clock[0] = GOODPUT_REFRESH_S
+    scrape()
+    assert reads == ["r0"]
+    del snap.runs["r1"]
+    assert "r1" not in scrape()  # a run gone quiet leaves the family
 
 
 def test_runs_leave_the_gauges_when_quiet():
