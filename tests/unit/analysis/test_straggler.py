@@ -332,3 +332,25 @@ def test_a_swing_shorter_than_min_persist_s_is_not_a_straggler_and_a_straggler_i
     lasted = (f.evidence["fired_at_step"] - onset + 1) * f.evidence["step_s"]
     assert 0.5 <= lasted < 0.5 + 10 * f.evidence["step_s"], (f.evidence["fired_at_step"], f.evidence["step_s"])
     assert onset <= f.step_from <= onset + 2
+
+
+def test_a_climb_reset_again_and_again_under_the_priors_reference_is_dated_from_its_start():
+    """Until a two-rank job's drift is measured the CUSUM's reference is the prior's, higher
+    than a loaded host's 1.3x straggler: its sum left zero and came back for good only once
+    the reference fell (a dp2 straggler from step 42, at 1.5x on a loaded host, was dated 60).
+    The onset is where a sum with today's reference would have left zero."""
+    from analysis.detectors.straggler import StragglerDetector
+
+    det = StragglerDetector(load_rules())
+    st = det.new_state()
+    st.ensure(2)
+    rng = np.random.default_rng(4)
+    steps = list(range(10, 74))  # the 64 judged steps looked at, oldest first
+    lr = np.where(np.array(steps) >= 42, 0.30, 0.0) + rng.normal(0.0, 0.05, len(steps))
+    for step, x in zip(steps, lr):
+        st.hist_steps.appendleft(step)
+        st.lr_hist[1, 1:] = st.lr_hist[1, :-1]
+        st.lr_hist[1, 0] = x
+    st.kh = (0.15, 1.5)  # today's reference (log 1.16), the drift measured; the prior's was 0.42
+    st.onset[1] = 60  # where the sum left zero for good under the prior
+    assert 41 <= det._onset(st, 1, 73, det.clip, det.cfg.window_steps) <= 43
