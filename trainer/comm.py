@@ -160,7 +160,11 @@ class Handle:
             w1 = _wait_until(late)
             done = max(done, late)
         comm.blocked_cpu_s += time.thread_time() - c0
-        comm._emit(self._step, self._seq, self._gseq, self._op, self._axis, self._group_id, self._peer, self._nbytes, self._t0, max(done, self._t0) - self._t0, w1 - w0)
+        # blocked on the op until it completed: on a loaded host the thread may get its core back
+        # well after the completion, and that wait was the scheduler's, not the op's (an exposed
+        # share above 1 on an axis of the cookbook's run)
+        wait_s = max(0.0, min(w1, max(done, w0)) - w0)
+        comm._emit(self._step, self._seq, self._gseq, self._op, self._axis, self._group_id, self._peer, self._nbytes, self._t0, max(done, self._t0) - self._t0, wait_s)
 
     def is_completed(self) -> bool:
         return self._work.is_completed()

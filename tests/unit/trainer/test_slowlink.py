@@ -100,3 +100,34 @@ def test_a_new_step_without_the_fault_is_healthy_again():
     comm.begin_step(1, (("dp", 2.0),))
     comm.begin_step(2)
     assert comm.slowness("dp") == 1.0
+
+
+class LateWakeWork:
+    """An async op that completed at once (its future's callback ran), whose waiting thread got
+    its core back only `s` seconds later: a loaded host's scheduler."""
+
+    def __init__(self, s):
+        self.s = s
+
+    def get_future(self):
+        fut = torch.futures.Future()
+        fut.set_result(None)
+        return fut
+
+    def wait(self):
+        time.sleep(self.s)
+
+
+def test_an_async_ops_wait_ends_at_its_completion_not_when_the_thread_woke():
+    """Blocked on the op until it completed: the time the thread then waited for its core was the
+    scheduler's (the cookbook's run on a loaded host had an axis with more wait than duration)."""
+    comm, sink = _comm()
+    comm.begin_step(3)
+    h = comm._timed("all_reduce", "dp", 0, -1, 1024, 0, 0, lambda a: LateWakeWork(0.03), True)
+    time.sleep(0.01)  # compute, during which the op completes
+    h.wait()
+    (*_, dur, wait), = sink.rows
+    assert dur < 0.01 and wait == 0.0  # it was done before wait() was called: nothing was exposed
+    h2 = comm._timed("all_reduce", "dp", 0, -1, 1024, 1, 1, lambda a: SleepyWork(0.02), True)
+    h2.wait()  # no future: its completion is when wait() returned
+    assert sink.rows[-1][-1] >= 0.02 and sink.rows[-1][-1] == pytest.approx(sink.rows[-1][-2], abs=1e-3)
