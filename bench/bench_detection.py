@@ -1,6 +1,7 @@
 """Detection on real runs: precision, recall, latency and culprit accuracy of the live incidents.
 
-Each scenario is a real `trainer --telemetry` run (embedded collector, tiny model)
+Each scenario is a real `trainer --telemetry` run (embedded collector, a tiny model, or a
+small one with `--model small`)
 with one random fault (kind, rank, step, factor) on a random layout among dp2,
 dp2 x tp2 and dp2 x pp2, or none (a clean run), and background jitter on every
 run (`jitter@pct=10`: every rank's compute stretched by a random 0-10% each
@@ -36,6 +37,7 @@ accuracy 100%, no false incident per 1,000 clean steps.
     python bench/bench_detection.py --seed 1 --scenarios 8
     python bench/bench_detection.py --seed 2 --scenarios 30 --json out.json
     python bench/bench_detection.py --seed 3 --scenarios 12 --hog   # a process spinning beside it
+    python bench/bench_detection.py --seed 4 --scenarios 12 --kinds straggler clean --model small
 
 Runs take 15-40 s each on two cores; the machine is shared, and what other
 processes do shows up in the compute times the straggler detector reads.
@@ -66,6 +68,11 @@ from analysis.scoring import Incident, cause_of, opened_step_of, score, suspects
 
 TINY = ["--layers", "4", "--d-model", "64", "--heads", "4", "--seq-len", "32", "--micro-batch-size", "2",
         "--micro-batches", "2", "--no-progress"]
+# steps of ~15-40 ms on two cores (the default: many runs in little time), or of ~150-250 ms, where a
+# host's scheduler swings (a fraction of a second whatever the step) are a step or two, as on a real model
+MODELS = {"tiny": TINY,
+          "small": ["--layers", "4", "--d-model", "256", "--heads", "4", "--seq-len", "128", "--micro-batch-size", "4",
+                    "--micro-batches", "2", "--no-progress"]}
 LAYOUTS = {"dp2": ["--dp", "2", "--nodes", "2"], "dp2xtp2": ["--dp", "2", "--tp", "2", "--nodes", "2"],
            "dp2xpp2": ["--dp", "2", "--pp", "2", "--nodes", "2"], "dp3": ["--dp", "3", "--nodes", "3"]}
 WORLD = {"dp2": 2, "dp2xtp2": 4, "dp2xpp2": 4, "dp3": 3}
@@ -95,6 +102,7 @@ class Scenario:
     factor: float = 1.0
     steps: int = 80
     jitter_seed: int = 0
+    model: str = "tiny"
 
     def injections(self) -> list[str]:
         out = [f"jitter@pct=10,seed={self.jitter_seed}"]
@@ -119,7 +127,7 @@ class Scenario:
     def argv(self, run_dir: Path) -> list[str]:
         # detection alone is measured: the policy is off, the faults stay as injected
         argv = [sys.executable, "-m", "trainer", "--telemetry", "--policy", "off", "--run-dir", str(run_dir),
-                "--run-id", run_dir.name, *TINY, *LAYOUTS[self.layout], "--steps", str(self.steps if self.kind != "hang" else 1000),
+                "--run-id", run_dir.name, *MODELS[self.model], *LAYOUTS[self.layout], "--steps", str(self.steps if self.kind != "hang" else 1000),
                 "--precision", "fp16" if self.kind == "overflow" else "fp32"]
         if self.kind == "slowio_ckpt":
             argv += ["--ckpt-dir", str(run_dir / "ckpt"), "--ckpt-every", str(CKPT_EVERY)]
@@ -138,12 +146,12 @@ class Scenario:
         return f"#{self.index:<3} {self.layout:<8} {what}"
 
 
-def draw(rng: random.Random, index: int, steps: int, kinds: tuple[str, ...] = KINDS) -> Scenario:
+def draw(rng: random.Random, index: int, steps: int, kinds: tuple[str, ...] = KINDS, model: str = "tiny") -> Scenario:
     kind = rng.choice(kinds)
     layout = rng.choice(KIND_LAYOUTS.get(kind, DEFAULT_LAYOUTS))
     if kind.startswith("devhealth_"):
         steps = max(steps, DEVHEALTH_STEPS)
-    sc = Scenario(index=index, layout=layout, kind=kind, steps=steps, jitter_seed=rng.randrange(1 << 16))
+    sc = Scenario(index=index, layout=layout, kind=kind, steps=steps, jitter_seed=rng.randrange(1 << 16), model=model)
     if kind == "clean":
         return sc
     # a slow checkpoint on a rank that writes a model shard: the others write only their ~5 KB
@@ -237,6 +245,8 @@ def main() -> int:
     p.add_argument("--scenarios", type=int, default=8)
     p.add_argument("--steps", type=int, default=80, help="steps per run (hangs run until interrupted)")
     p.add_argument("--hang-wait-s", type=float, default=60.0, help="how long a hang run waits for its incident")
+    p.add_argument("--model", choices=sorted(MODELS), default="tiny",
+                   help="tiny: ~15-40 ms steps on two cores; small: ~150-250 ms (latency in steps as on a real model)")
     p.add_argument("--kinds", nargs="*", choices=KINDS, default=list(KINDS), help="draw only these kinds")
     p.add_argument("--keep", metavar="DIR", help="keep the run directories under DIR")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
@@ -256,8 +266,9 @@ def main() -> int:
 def _bench(args) -> int:
 
     rng = random.Random(args.seed)
-    scenarios = [draw(rng, i, args.steps, tuple(args.kinds)) for i in range(args.scenarios)]
-    print(f"load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; seed {args.seed}"
+    scenarios = [draw(rng, i, args.steps, tuple(args.kinds), args.model) for i in range(args.scenarios)]
+    print(f"load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; seed {args.seed}; "
+          f"model {args.model}"
           + ("; a CPU hog beside it" if args.hog else ""))
     base = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bench_detection_"))
     base.mkdir(parents=True, exist_ok=True)
