@@ -1,8 +1,8 @@
 """Detection on real runs: precision, recall, latency and culprit accuracy of the live incidents.
 
 Each scenario is a real `trainer --telemetry` run (embedded collector, a tiny model, or a
-small one with `--model small`)
-with one random fault (kind, rank, step, factor) on a random layout among dp2,
+small one with `--model small`) with one random fault (kind, rank, step, factor) on a
+random layout among dp2,
 dp2 x tp2 and dp2 x pp2, or none (a clean run), and background jitter on every
 run (`jitter@pct=10`: every rank's compute stretched by a random 0-10% each
 step, which is noise, not a fault). Some kinds need a layout of their own
