@@ -6,7 +6,7 @@
     --inject slowlink@rank=3,axis=tp,from=30,factor=4[,to=80]
     --inject slowio@rank=2,from=30,factor=3,what=data|ckpt[,to=80]
     --inject hang@rank=1,step=80
-    --inject crash@rank=1,step=80
+    --inject crash@rank=1,step=80[,mode=once|every]
     --inject bitflip@rank=1,step=25[,target=param|optim]
     --inject devhealth@rank=1,from=30,what=ecc|thermal|memory[,to=80]   (no to for ecc)
     --inject overflow@rank=1,from=40,to=46
@@ -77,6 +77,11 @@ samples. `spike` poisons the whole global batch on every rank. A `spike` with
 the batch (an optimizer's instability): the rerun reproduces it, a data verdict
 skips a batch that was never the cause, and it comes back.
 
+A `crash` fires once (`mode=once`, the default: a node that failed), or every time
+its rank reaches its step (`mode=every`: a software bug, or data no skip removes;
+each restart from a checkpoint before it crashes there again, and only a stop ends
+the loop).
+
 Injections name ranks of the *original* layout: after an elastic restart with
 fewer dp replicas the rank numbers change, but a fault belongs to hardware, so
 each injector knows its process's original rank (`hw_rank`) and rank-bound faults
@@ -110,7 +115,7 @@ _KEYS: dict[str, dict[str, type]] = {
     "slowlink": {"rank": int, "axis": str, "from": int, "factor": float, "to": int},
     "slowio": {"rank": int, "from": int, "factor": float, "what": str, "to": int},
     "hang": {"rank": int, "step": int},
-    "crash": {"rank": int, "step": int},
+    "crash": {"rank": int, "step": int, "mode": str},
     "overflow": {"rank": int, "from": int, "to": int},
     "jitter": {"pct": float, "seed": int},
     "bitflip": {"rank": int, "step": int, "target": str},
@@ -118,6 +123,7 @@ _KEYS: dict[str, dict[str, type]] = {
 }
 _NAN_MODES = ("data", "transient", "device")
 _SPIKE_MODES = ("data", "step")  # spike: tied to the samples, or to the step whatever its batch
+_CRASH_MODES = ("once", "every")  # crash: one failure, or at its step in every attempt
 _FLIP_TARGETS = ("param", "optim")  # bitflip: a parameter or an optimizer-state element
 _LINK_AXES = ("dp", "tp", "pp")  # slowlink: the axis whose ops are stretched
 _IO_WHATS = ("data", "ckpt")  # slowio: the data fetch or the checkpoint shard writes
@@ -142,7 +148,7 @@ class Injection:
     kind: str
     step: int = -1  # nan, spike, hang, crash; `from` for straggler
     rank: int = -1  # -1: every rank (spike)
-    mode: str = "data"  # nan: data | transient | device; spike: data | step
+    mode: str = "data"  # nan: data | transient | device; spike: data | step; crash: once | every
     factor: float = 1.0  # straggler, slowlink; jitter: 1 + pct / 100
     to_step: int = 1 << 62  # straggler, slowlink, slowio, overflow, devhealth: last affected step
     seed: int = 0  # jitter
@@ -178,8 +184,8 @@ def parse_injection(spec: str, *, world_size: int | None = None) -> Injection:
     rank = int(values.get("rank", -1))
     if world_size is not None and rank >= world_size:
         raise ConfigError(f"--inject {spec!r}: rank {rank} outside world of {world_size}")
-    mode = str(values.get("mode", "data"))
-    modes = _SPIKE_MODES if kind == "spike" else _NAN_MODES
+    mode = str(values.get("mode", "once" if kind == "crash" else "data"))
+    modes = {"spike": _SPIKE_MODES, "crash": _CRASH_MODES}.get(kind, _NAN_MODES)
     if mode not in modes:
         raise ConfigError(f"--inject {spec!r}: mode must be one of {', '.join(modes)}")
     factor = float(values.get("factor", 1.0))
@@ -518,7 +524,8 @@ class FaultInjector:
         for inj in self.injections:
             if inj.kind not in ("hang", "crash") or inj.step != step or not self._mine(inj):
                 continue
-            if not self._mark_fired(inj.name):
+            every = inj.kind == "crash" and inj.mode == "every"
+            if not self._mark_fired(f"{inj.name}/attempt={attempt}" if every else inj.name):
                 continue
             self._truth(inj, step, attempt, pid=os.getpid())
             if inj.kind == "crash":

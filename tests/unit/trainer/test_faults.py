@@ -13,10 +13,12 @@ def test_parse_all_kinds():
     assert (s.rank, s.step, s.factor) == (3, 30, 1.5)
     assert parse_injection("hang@rank=1,step=80").kind == "hang"
     assert parse_injection("crash@rank=1,step=80").step == 80
+    assert parse_injection("crash@rank=1,step=80").mode == "once"
+    assert parse_injection("crash@rank=1,step=80,mode=every").mode == "every"
 
 
 @pytest.mark.parametrize("spec", ["nan@step=x,rank=1", "straggler@rank=1,from=3,factor=0.5", "nan@step=1,rank=1,mode=odd",
-                                  "spike@when=3", "hang@rank=1"])
+                                  "spike@when=3", "hang@rank=1", "crash@rank=1,step=3,mode=data"])
 def test_parse_errors(spec):
     with pytest.raises(ConfigError):
         parse_injection(spec)
