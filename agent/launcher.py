@@ -75,6 +75,12 @@ class LauncherReporter:
         code, sig = (returncode, None) if returncode >= 0 else (None, signal_name(-returncode))
         self.event("rank_exited", rank=int(rank), exit_code=code, signal=sig, cause=cause)
 
+    def run_ended(self, status: str, reason: str) -> None:
+        """The launcher ended the job after a failure (its ranks are gone and cannot say so):
+        a `run_finished` event with `status` ("stopped": the collector's policy stopped it;
+        "failed": the launcher gave up) and why."""
+        self.event("run_finished", status=str(status), reason=str(reason))
+
     def close(self, timeout_s: float = 3.0) -> None:
         """Send what is queued, within `timeout_s`; then stop. Idempotent."""
         if self._thread.is_alive():

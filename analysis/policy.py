@@ -44,7 +44,13 @@ What calls for what (DESIGN.md section 7, the keys are `[policy]` in rules.toml)
     prices the slowness a throttled GPU causes, and its policy isolates the node
     when that costs enough.
 - `crash`: **restart** (the supervisor's own; recorded), and the
-  `crashes_to_isolate`-th crash on one node **isolates** it.
+  `crashes_to_isolate`-th crash on one node **isolates** it. A crash that comes
+  after `restarts_without_progress` restarts (isolations restart the job too) in a
+  row with no progress, the highest step the run reached (`RunPolicy.reached`) no
+  further than before the first of them, **stops** the run: it crashes where it
+  crashed before, and a restart would loop. Not the known-good watermark: it lags
+  the steps by a detection pass, and the one a first crash saw rose after it (a
+  loop crashing at step 30 every time looked like progress from 18 to 25).
 - `replica_divergence` (silent data corruption): with a majority and caught at
   the first checksum after the last agreeing one (`caught_within_steps` <=
   `checksum_every`, and `replica_repair`): **repair** in place (a healthy
@@ -119,6 +125,10 @@ class RunPolicy:
     skips: deque = field(default_factory=lambda: deque(maxlen=16))
     stopping: bool = False  # a stop was decided (auto): no rollback after it
     slow_since: dict[int, float] = field(default_factory=dict)  # straggler incident -> costly since
+    # the highest step the run reached (the runner's; None: not known), and what it was at each
+    # restart decided (a crash's restart or isolation): progress between them
+    reached: int | None = None
+    restart_marks: deque = field(default_factory=lambda: deque(maxlen=16))
     # the most the run itself allows ("shadow", "off"; None: the policy's mode): a job we did not
     # write (llmwatch-instrument) is acted on in shadow unless it opts in
     mode_cap: str | None = None
@@ -424,14 +434,38 @@ class Policy:
 
     def _crash(self, st: RunPolicy, inc: dict[str, Any], now: float) -> list[Decision]:
         node = inc.get("node")
+        stalled = self._stalled(st)
+        if stalled is not None:
+            stop = self._stop(st, inc, stalled, now, shadow=self.mode_of(RESTART) == "shadow", node=node)
+            return self._decision(st, RESTART, inc, f"crash on {node or 'an unknown node'}", now, node=node,
+                                  refused=stalled, cooldown=False) + stop
         if node is None:
-            return self._decision(st, RESTART, inc, "crash: the job restarts from its last checkpoint", now,
-                                  cooldown=False)
-        st.crashes[node] = st.crashes.get(node, 0) + 1
-        if st.crashes[node] >= self.cfg.crashes_to_isolate:
-            return self._isolate(st, inc, node, now, f"crash #{st.crashes[node]} on {node}")
-        return self._decision(st, RESTART, inc, f"crash on {node}: the job restarts from its last checkpoint",
-                              now, node=node, cooldown=False)
+            out = self._decision(st, RESTART, inc, "crash: the job restarts from its last checkpoint", now,
+                                 cooldown=False)
+        else:
+            st.crashes[node] = st.crashes.get(node, 0) + 1
+            if st.crashes[node] >= self.cfg.crashes_to_isolate:
+                out = self._isolate(st, inc, node, now, f"crash #{st.crashes[node]} on {node}")
+            else:
+                out = self._decision(st, RESTART, inc, f"crash on {node}: the job restarts from its last "
+                                     "checkpoint", now, node=node, cooldown=False)
+        if out and out[0].refused is None:
+            st.restart_marks.append(st.reached)
+        return out
+
+    def _stalled(self, st: RunPolicy) -> str | None:
+        """Why another restart would loop: the last `restarts_without_progress` restarts got the
+        run no further (the highest step it reached is where it was before the first of them);
+        None when they did, when there were fewer, or when the steps reached are not known."""
+        n = self.cfg.restarts_without_progress
+        if n <= 0 or len(st.restart_marks) < n or st.reached is None:
+            return None
+        first = st.restart_marks[-n]
+        if first is None or st.reached > first:
+            return None
+        return (f"{n} restart(s) in a row made no progress: the run got no further than step {st.reached}, as "
+                f"before them (restarts_without_progress {n}); another restart would crash there again: "
+                f"stopping the run")
 
     def _isolate(self, st: RunPolicy, inc: dict[str, Any], node: str | None, now: float,
                  reason: str) -> list[Decision]:

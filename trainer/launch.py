@@ -230,7 +230,7 @@ def _spawn_ranks(cfg: JobConfig, config_path: Path, *, token: str | None, progre
         return procs
 
     supervisor = Supervisor(cfg, run_dir, spawn=spawn, on_exit=reporter.rank_exited if reporter is not None else None,
-                            watch=watch)
+                            watch=watch, on_end=reporter.run_ended if reporter is not None else None)
     return supervisor.run()
 
 

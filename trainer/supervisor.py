@@ -14,7 +14,9 @@ them, and decides what an ending means:
 - a rank failed (a crash): the others are stopped; the job restarts on the same
   nodes from its last checkpoint, up to `--max-restarts`, unless the collector's
   policy isolates the crashed node (its second crash): then without it. The
-  supervisor waits a few seconds for that decision (`CRASH_DECISION_S`).
+  supervisor waits a few seconds for that decision (`CRASH_DECISION_S`). When the
+  policy answers with a `stop` (restarts that made no progress: the job crashes
+  where it crashed before), the job ends with the policy's reason instead.
 
 A restart keeps tp and pp, shrinks dp to the ranks left, and keeps the global
 batch by raising micro-batches per replica where it divides (`shrink`); the
@@ -208,10 +210,34 @@ class NodeWatch:
             rows = self._api.get_json(self._actions_path)
         except ApiError:
             return set()
+        return {int(a["id"]) for a in self._answers(rows, ts, taken) if a.get("kind") in RESTART_ACTIONS}
+
+    def stopped_since(self, ts: float, taken: set[int] | frozenset[int] = frozenset()) -> tuple[int, str] | None:
+        """The policy's `stop` recorded since `ts` (its answer to a crash: another restart would
+        loop), as (id, reason); None when there is none."""
+        try:
+            rows = self._api.get_json(self._actions_path)
+        except ApiError:
+            return None
+        for a in self._answers(rows, ts, taken):
+            if a.get("kind") == "stop":
+                detail = a.get("detail")
+                if isinstance(detail, str):
+                    try:
+                        detail = json.loads(detail)
+                    except ValueError:
+                        detail = {}
+                reason = detail.get("reason") if isinstance(detail, dict) else None
+                return int(a["id"]), str(reason or "stopped by the collector's policy")
+        return None
+
+    @staticmethod
+    def _answers(rows, ts: float, taken) -> list[dict]:
+        """The actions carried out (not refused, not shadow) since `ts` and not in `taken`."""
         if not isinstance(rows, list):
-            return set()
-        return {int(a["id"]) for a in rows if isinstance(a, dict) and a.get("kind") in RESTART_ACTIONS
-                and isinstance(a.get("id"), int) and a["id"] not in taken and (a.get("requested_ts") or 0) >= ts}
+            return []
+        return [a for a in rows if isinstance(a, dict) and isinstance(a.get("id"), int) and a["id"] not in taken
+                and a.get("status") not in ("refused", "shadow") and (a.get("requested_ts") or 0) >= ts]
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -232,12 +258,16 @@ class Ended:
 class Supervisor:
     def __init__(self, cfg: JobConfig, run_dir: Path, *, spawn: Callable[[JobConfig, Layout, int], list],
                  on_exit: ExitHook | None = None, watch: NodeWatch | None = None,
+                 on_end: Callable[[str, str], None] | None = None,
                  log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)) -> None:
-        """`spawn(cfg, layout, round)` starts the round's rank processes (Popen-like)."""
+        """`spawn(cfg, layout, round)` starts the round's rank processes (Popen-like);
+        `on_end(status, reason)` reports a job the supervisor ended after a failure (no rank
+        is left to report its end): "stopped" for the policy's stop, "failed" when it gave up."""
         self.cfg = cfg
         self.run_dir = run_dir
         self.spawn = spawn
         self.on_exit = on_exit
+        self.on_end = on_end
         self.watch = watch
         self.log = log
         # healing is the collector's policy: without telemetry there is none, and a failed
@@ -247,6 +277,7 @@ class Supervisor:
         self.restarts = 0
         self.rounds = 0
         self.answers: set[int] = set()  # the policy's actions already taken as a crash's answer
+        self.stopped: str | None = None  # the policy's reason when it answered a crash with a stop
 
     def run(self) -> int:
         cfg = self.cfg
@@ -264,33 +295,43 @@ class Supervisor:
             clean = bool(drop) and all(c == EXIT_RESTART for c in ended.codes)  # the ranks left by themselves
             if not clean:
                 if self.restarts >= cfg.healing.max_restarts:
-                    self.log(f"trainer: {self.restarts} restart(s) done (--max-restarts {cfg.healing.max_restarts}): "
-                             "giving up")
-                    return 1
+                    return self._end("failed", f"{self.restarts} restart(s) done (--max-restarts "
+                                               f"{cfg.healing.max_restarts}): giving up")
                 self.restarts += 1
                 if not drop:
                     drop = self._crash_decision(ended)
+                if self.stopped is not None:
+                    return self._end("stopped", "the collector's policy stopped the run instead of restarting it: "
+                                                f"{self.stopped}")
             if not cfg.ckpt.dir:
-                self.log("trainer: cannot restart without --ckpt-dir: there is nothing to resume from")
-                return 1
+                return self._end("failed", "cannot restart without --ckpt-dir: there is nothing to resume from")
             if not drop:
                 self.log(f"trainer: restarting on the same {len(self.layout.nodes)} node(s) from the last checkpoint")
                 continue
             try:
                 new = shrink(cfg, self.layout, set(drop))
             except ValueError as e:
-                self.log(f"trainer: cannot restart without {', '.join(sorted(drop))}: {e}")
-                return 1
+                return self._end("failed", f"cannot restart without {', '.join(sorted(drop))}: {e}")
             if len(new.nodes) < cfg.healing.min_nodes:
-                self.log(f"trainer: isolating {', '.join(sorted(drop))} would leave {len(new.nodes)} node(s), "
-                         f"fewer than --min-nodes {cfg.healing.min_nodes}: stopping")
-                return 1
+                return self._end("failed", f"isolating {', '.join(sorted(drop))} would leave {len(new.nodes)} "
+                                           f"node(s), fewer than --min-nodes {cfg.healing.min_nodes}: stopping")
             for node in sorted(drop):
                 self._on_isolate(node, drop[node])
             self.log(f"trainer: restarting without {', '.join(sorted(drop))}: {len(new.nodes)} node(s), "
                      f"dp {self.layout.dp} -> {new.dp}, {new.micro_batches} micro-batches per replica"
                      + (f" ({new.note})" if new.note else ""))
             self.layout = new
+
+    def _end(self, status: str, reason: str) -> int:
+        """The job ends here after a failure, with no rank left to say so: logged, and reported
+        (`on_end`) so that the run is not left `running`."""
+        self.log(f"trainer: {reason}")
+        if self.on_end is not None:
+            try:
+                self.on_end(status, reason)
+            except Exception as e:  # noqa: BLE001 - a report must never stop the supervision
+                self.log(f"trainer: could not report the run's end: {e}")
+        return 1
 
     def rank_env(self, layout: Layout, rank: int, round_: int) -> dict[str, str]:
         """What a rank of this round is told beyond torchrun's variables."""
@@ -376,6 +417,11 @@ class Supervisor:
         deadline = time.monotonic() + CRASH_DECISION_S
         while time.monotonic() < deadline:
             self.watch.poll_once()
+            stop = self.watch.stopped_since(since, self.answers)
+            if stop is not None:
+                self.answers.add(stop[0])
+                self.stopped = stop[1]
+                return {}
             found = {n: r for n, r in self.watch.isolated().items() if n in nodes}
             if found:
                 self.answers |= self.watch.decided_since(since, self.answers)

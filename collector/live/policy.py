@@ -217,6 +217,9 @@ class PolicyRunner:
             st.nodes = sorted(set(self._node_map.get(run_id, {}).values()) | set(nodes["all"]))
             st.isolated = set(nodes["isolated"])
             st.finished = nodes["finished"]
+        reached = self._reached.get(run_id)
+        if reached:  # the highest step the run reached: whether restarts make progress
+            st.reached = max(reached.values())
         return st
 
     def _refresh_layout(self, run_id: str) -> dict[str, Any]:
@@ -295,7 +298,7 @@ class PolicyRunner:
             self._verdict(run_id, data, ev.get("ts"))
         elif kind == "run_finished":
             self.policy.on_finished(self._state(run_id))
-            self._settle_at_end(run_id)
+            self._settle_at_end(run_id, stopped=data.get("status") == "stopped")
         elif kind == "run_started" and int(ev.get("rank", -1)) == 0 and int(data.get("restart") or 0) > 0:
             self._refresh_layout(run_id)  # a restart on fewer nodes: another world size and node map
             # the new round starts above every attempt of the old one (trainer/supervisor.py)
@@ -346,9 +349,10 @@ class PolicyRunner:
             self.storage.update_action(p.action_id, started_ts=ts,
                                        **({"status": "acked"} if p.recovered_ts is None else {}))
 
-    def _settle_at_end(self, run_id: str) -> None:
+    def _settle_at_end(self, run_id: str, *, stopped: bool = False) -> None:
         """The run finished: an action it never carried out failed; one it carried out
-        without a new step after it is done, with no recovery time to show."""
+        without a new step after it is done, with no recovery time to show; a stop is done
+        when the run ended stopped (a crashed job's launcher carries it out: no rank acks)."""
         with self._lock:
             ending = [p for p in self._pending.values() if p.run_id == run_id]
             for p in ending:
@@ -361,7 +365,8 @@ class PolicyRunner:
             if p.recovered_ts is not None:
                 continue  # done; the run ended before it caught up
             # acked by some rank (the others' acks may be a commit behind the end): carried out
-            if p.acked or p.acks or (p.kind in ENDED_BY_RESTART and not p.needs_restart):
+            if p.acked or p.acks or (p.kind in ENDED_BY_RESTART and not p.needs_restart) or (
+                    stopped and p.kind == "stop"):
                 self.storage.update_action(p.action_id, status="done",
                                            detail={"outcome": "the run finished before a new step"})
             else:

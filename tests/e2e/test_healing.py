@@ -189,6 +189,16 @@ def crashes(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def crash_loop(tmp_path_factory):
+    # a crash at step 30 in every attempt (a software bug): no node is ever isolated for it
+    # (crashes_to_isolate 9), and --max-restarts leaves room for more restarts than the policy allows
+    d = tmp_path_factory.mktemp("crashloop") / "run"
+    return run_healing(d, *DP, *rules(d.parent / "rules.toml", "[policy]\ncrashes_to_isolate = 9\n"),
+                       "--steps", "150", *ckpt(d), "--max-restarts", "6",
+                       "--inject", "crash@rank=1,step=30,mode=every")
+
+
+@pytest.fixture(scope="module")
 def hang(tmp_path_factory):
     d = tmp_path_factory.mktemp("hang") / "run"
     return run_healing(d, *DP, *rules(d.parent / "rules.toml"), "--steps", "150", *ckpt(d),
@@ -433,6 +443,31 @@ def test_a_crash_restarts_the_job_and_a_second_one_on_that_node_isolates_it(cras
     assert later == ["node0"], (later, o.report())
     assert not (o.run.run_dir / "config.round3.json").exists(), o.report()
     assert_finished_without(o, "node1", 150)
+
+
+def test_restarts_that_make_no_progress_stop_the_run(crash_loop):
+    """The job crashes at step 30 in every attempt. Restarted from its checkpoint at 25 it crashes
+    there again, never past step 29: after restarts_without_progress (2) restarts in a row that got
+    it no further, the third crash's restart is refused and the run stopped with that reason, well
+    before --max-restarts."""
+    o = crash_loop
+    assert o.run.returncode == 1, o.report()
+    crashes = o.of("crash")
+    assert len(crashes) == 3, o.report()
+    kinds = [(a["kind"], a["status"]) for a in o.actions]
+    assert kinds[-2:] == [("restart", "refused"), ("stop", "done")], o.report()  # the launcher carried it out
+    assert kinds[:-2] == [("restart", "done")] * (len(crashes) - 1), o.report()
+    stop = o.actions[-1]
+    assert stop["incident_id"] == crashes[-1]["id"], o.report()
+    assert "2 restart(s) in a row made no progress: the run got no further than step 29" in stop["detail"]["reason"]
+    assert "the collector's policy stopped the run instead of restarting it" in o.run.stderr, o.report()
+    (run,) = o.query("SELECT status FROM runs")
+    assert run["status"] == "stopped", o.report()  # the launcher's run_finished: no rank was left to send it
+    (end,) = o.events("run_finished")
+    assert end["rank"] == -1 and "made no progress" in end["data"]["reason"], end
+    round_config(o, 2)  # the second restart's round ran; none after the stop
+    assert not (o.run.run_dir / "config.round3.json").exists(), o.report()
+    assert max(r["step"] for r in o.query("SELECT step FROM steps")) < 30, o.report()
 
 
 # -- 7. a hang ---------------------------------------------------------------------------------------------------

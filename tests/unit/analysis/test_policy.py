@@ -336,6 +336,45 @@ def test_a_first_crash_restarts_and_a_second_on_the_node_isolates_it():
     assert d.kind == RESTART and d.node is None
 
 
+def test_restarts_that_make_no_progress_stop_the_run():
+    """A job that crashes where it crashed before (a software bug): two restarts in a row that got
+    it no further than it was before them, and the third crash stops the run. A restart after
+    which it went further resets the count."""
+    p, st = policy(policy={"crashes_to_isolate": 9}), run_state("node0", "node1", "node2")
+    st.reached = 29
+    assert kinds(p.on_incident(st, incident(1, "crash", step=None), now=0.0)) == [(RESTART, "auto", None)]
+    assert kinds(p.on_incident(st, incident(2, "crash", step=None), now=1.0)) == [(RESTART, "auto", None)]
+    out = p.on_incident(st, incident(3, "crash", step=None, node="node2"), now=2.0)
+    assert kinds(out)[0][:2] == (RESTART, "auto") and out[0].refused.startswith("2 restart(s) in a row made no")
+    assert out[1].kind == STOP and out[1].mode == "auto" and "the run got no further than step 29" in out[1].reason
+    assert out[1].node == "node2" and st.stopping
+
+    p, st = policy(policy={"crashes_to_isolate": 9}), run_state("node0", "node1")
+    st.reached = 29
+    p.on_incident(st, incident(1, "crash", step=None), now=0.0)
+    st.reached = 35  # the restart got the job past where it had been
+    p.on_incident(st, incident(2, "crash", step=None), now=1.0)
+    assert kinds(p.on_incident(st, incident(3, "crash", step=None), now=2.0)) == [(RESTART, "auto", None)]
+    assert kinds(p.on_incident(st, incident(4, "crash", step=None), now=3.0))[-1] == (STOP, "auto", None)
+
+
+def test_isolations_count_as_restarts_and_without_a_watermark_nothing_stops():
+    p, st = policy(), run_state("node0", "node1", "node2")  # crashes_to_isolate 2
+    st.reached = 10
+    assert kinds(p.on_incident(st, incident(1, "crash", step=None), now=0.0)) == [(RESTART, "auto", None)]
+    assert kinds(p.on_incident(st, incident(2, "crash", step=None), now=1.0)) == [(ISOLATE, "auto", None)]
+    # the same crash now on the node that took over its rank: two restarts, no progress
+    assert [d.kind for d in p.on_incident(st, incident(3, "crash", step=None, node="node2"), now=2.0)] == [
+        RESTART, STOP]
+    p, st = policy(policy={"crashes_to_isolate": 9}), run_state("node0", "node1")  # reached None
+    for i in range(4):
+        assert kinds(p.on_incident(st, incident(i, "crash", step=None), now=float(i))) == [(RESTART, "auto", None)]
+    p, st = policy(policy={"crashes_to_isolate": 9, "restarts_without_progress": 0}), run_state("node0")
+    st.reached = 5
+    for i in range(4):
+        assert kinds(p.on_incident(st, incident(i, "crash", step=None), now=float(i))) == [(RESTART, "auto", None)]
+
+
 def test_isolation_never_leaves_fewer_than_min_nodes():
     p, st = policy(policy={"min_nodes": 2}), run_state("node0", "node1", "node2")
     assert kinds(p.on_incident(st, incident(1, "hang", node="node1"), now=0.0)) == [(ISOLATE, "auto", None)]

@@ -42,6 +42,9 @@ class FakeWatch:
     def decided_since(self, ts: float, taken=frozenset()) -> set[int]:
         return {1} - set(taken) if self.decided else set()
 
+    def stopped_since(self, ts: float, taken=frozenset()):
+        return None
+
     def isolated(self) -> dict[str, str]:
         return dict(self._isolated)
 
@@ -215,11 +218,13 @@ def test_ranks_that_leave_for_an_isolation_restart_without_the_node(tmp_path):
 def test_a_crash_restarts_on_the_same_nodes_up_to_max_restarts(tmp_path):
     crash = lambda: [FakeProc(None), FakeProc(1), FakeProc(None)]  # noqa: E731
     rounds = Rounds(crash, crash, crash)
-    s, logs = supervise(job(tmp_path, max_restarts=2), tmp_path, rounds)
+    ends = []
+    s, logs = supervise(job(tmp_path, max_restarts=2), tmp_path, rounds, on_end=lambda *a: ends.append(a))
     assert s.run() == 1
     assert len(rounds.seen) == 3 and s.restarts == 2
     assert {layout.nodes for _, layout, _, _ in rounds.seen} == {("node0", "node1", "node2")}
     assert "giving up" in logs[-1]
+    assert ends == [("failed", "2 restart(s) done (--max-restarts 2): giving up")]
 
 
 def test_a_crash_then_a_clean_round_is_a_success(tmp_path):
@@ -430,3 +435,46 @@ def test_the_launcher_imports_no_torch():
                          cwd=Path(__file__).resolve().parents[3])
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_stop_answering_a_crash_ends_the_job_with_the_policys_reason(tmp_path, clock):
+    """Restarts that made no progress: the policy answers the crash with a stop (and a refused
+    restart, which is no answer), and the job ends instead of restarting into the same crash."""
+    class Stopping(FakeWatch):
+        def stopped_since(self, ts, taken=frozenset()):
+            return None if self.num_polls < 3 else (7, "2 restart(s) in a row made no progress")
+
+    logs, ends = [], []
+    rounds = Rounds(lambda: [FakeProc(None), FakeProc(1)], procs(2, 0))
+    s, _ = supervise(job(tmp_path, nodes=2, dp=2), tmp_path, rounds, watch=Stopping(),
+                     on_end=lambda *a: ends.append(a))
+    s.log = logs.append
+    assert s.run() == 1
+    assert len(rounds.seen) == 1  # no second round
+    assert s.stopped == "2 restart(s) in a row made no progress" and 7 in s.answers
+    assert any("stopped the run instead of restarting it: 2 restart(s)" in m for m in logs), logs
+    # reported, as no rank is left to: the run is not left `running`
+    assert ends == [("stopped", "the collector's policy stopped the run instead of restarting it: "
+                                "2 restart(s) in a row made no progress")]
+
+
+def test_the_node_watch_takes_neither_a_refused_nor_a_shadow_action_for_an_answer():
+    from trainer.supervisor import NodeWatch
+
+    rows = [{"id": 1, "kind": "restart", "status": "refused", "requested_ts": 10.0},
+            {"id": 2, "kind": "restart", "status": "shadow", "requested_ts": 10.0},
+            {"id": 3, "kind": "stop", "status": "issued", "requested_ts": 10.0,
+             "detail": '{"reason": "no progress", "args": {}}'},
+            {"id": 4, "kind": "isolate", "status": "issued", "requested_ts": 10.0},
+            {"id": 5, "kind": "restart", "status": "issued", "requested_ts": 5.0}]  # before the crash
+    watch = NodeWatch.__new__(NodeWatch)
+    watch._actions_path = "/actions"
+
+    class Api:
+        def get_json(self, path):
+            return rows
+
+    watch._api = Api()
+    assert watch.decided_since(9.0) == {4}
+    assert watch.stopped_since(9.0) == (3, "no progress")
+    assert watch.stopped_since(9.0, {3}) is None
