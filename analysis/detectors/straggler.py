@@ -616,11 +616,13 @@ class StragglerDetector:
         count: a burst of slow steps well before it (whose sum never came back to zero) is
         not the straggler's onset (a DDP straggler from step 40 was dated 23).
 
-        The climb's start is also where a sum with today's reference would have left zero
-        (the earlier of the two): the reference falls once the drift is measured, and a
-        rank slow under the prior's higher one had its sum reset again and again (a dp2
+        The climb's start is also where a sum with half today's reference would have left
+        zero (the earlier of the two): the reference falls once the drift is measured, and
+        a rank slow under the prior's higher one had its sum reset again and again (a dp2
         straggler from step 42 of a loaded host, whose sum started for good at 60 when the
-        drift was measured at 63, was dated 60)."""
+        drift was measured at 63, was dated 60); and a few of a 1.5x straggler's steps at
+        1.2x on a loaded host reset a sum at the full reference (one from step 50 was
+        dated 68), not one at half of it, which healthy steps still drain."""
         climb = int(st.onset[rank]) if st.onset[rank] >= 0 else step
         steps = np.fromiter(st.hist_steps, np.int64, len(st.hist_steps))[::-1]  # oldest first
         x = np.clip(st.lr_hist[rank, :len(steps)][::-1], -clip, clip)
@@ -629,8 +631,8 @@ class StragglerDetector:
         n = len(x)
         if n < 2:
             return climb
-        total, left = 0.0, 0  # the sum again, with today's reference, over the steps looked at
-        for i, v in enumerate((x - st.kh[0]).tolist()):
+        total, left = 0.0, 0  # the sum again, at half today's reference, over the steps looked at
+        for i, v in enumerate((x - 0.5 * st.kh[0]).tolist()):
             total = max(0.0, total + v)
             if total == 0.0:
                 left = i + 1
