@@ -22,7 +22,12 @@ What calls for what (DESIGN.md section 7, the keys are `[policy]` in rules.toml)
   - `transient`: counted against the node; `transient_limit` of them within
     `transient_window_s` isolate it.
 - `straggler` whose cost stays at or above `straggler_cost_s` seconds per step and
-  `straggler_min_share` of its step for `straggler_persist_s`: **isolate** its node.
+  `straggler_min_share` of its step for `straggler_persist_s` and `persist_steps`
+  steps is weighed by the cost model (analysis/costmodel.py: the seconds to finish
+  the run keeping the node, or without it on the nodes left): **isolate** its node
+  when that saves `min_gain_share` of the time left, else keep it (an alert). The
+  model's inputs are the run's (`RunPolicy`: the steps it has left, its newest
+  checkpoint, its measured restart cost) and the incident's (`step_s`, its cost).
 - `slow_link` the same, with `slow_link_cost_s`, `slow_link_min_share` and
   `slow_link_persist_s`: **isolate** the node of the rank whose link is slow.
 - `data_stall` the same, with `data_stall_cost_s`, `data_stall_min_share` and
@@ -78,7 +83,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from analysis import kinds
+from analysis import costmodel, kinds
 
 MODES = ("auto", "shadow", "off")
 # the action kinds (analysis/kinds.py holds each one's lifecycle)
@@ -98,6 +103,7 @@ class Decision:
     mode: str = "auto"  # auto | shadow
     refused: str | None = None  # a guard rail said no: why
     faults: dict[str, int] = field(default_factory=dict)  # node -> device faults counted within the window
+    predicted: dict[str, Any] = field(default_factory=dict)  # the cost model's candidates and gain (costmodel.py)
 
     def detail(self) -> dict[str, Any]:
         out: dict[str, Any] = {"reason": self.reason, "args": self.args}
@@ -105,6 +111,8 @@ class Decision:
             out["refused"] = self.refused
         if self.faults:
             out["faults"] = self.faults
+        if self.predicted:
+            out["predicted"] = self.predicted
         return out
 
 
@@ -124,14 +132,33 @@ class RunPolicy:
     # the latest data verdicts, (kind, skipped step, when): what a recurrence comes back after
     skips: deque = field(default_factory=lambda: deque(maxlen=16))
     stopping: bool = False  # a stop was decided (auto): no rollback after it
-    slow_since: dict[int, float] = field(default_factory=dict)  # straggler incident -> costly since
+    slow_since: dict[int, tuple] = field(default_factory=dict)  # slow-down incident -> (costly since, at step)
     # the highest step the run reached (the runner's; None: not known), and what it was at each
     # restart decided (a crash's restart or isolation): progress between them
     reached: int | None = None
     restart_marks: deque = field(default_factory=lambda: deque(maxlen=16))
+    # the cost model's inputs from the run: its last step (None: open-ended), its newest
+    # checkpoint's step, the seconds from each restart decided to its first new step, its start-up
+    steps_total: int | None = None
+    ckpt_step: int | None = None
+    restart_costs: list[float] = field(default_factory=list)
+    startup_s: float | None = None
     # the most the run itself allows ("shadow", "off"; None: the policy's mode): a job we did not
     # write (llmwatch-instrument) is acted on in shadow unless it opts in
     mode_cap: str | None = None
+
+
+def apply_cost_inputs(st: RunPolicy, inputs: dict[str, Any], *, reached: int | None = None) -> None:
+    """The run's side of the cost model's inputs (collector/read/queries.py `cost_inputs`) into
+    its policy state; `reached` (default the state's) picks the newest checkpoint at or before it."""
+    if reached is not None:
+        st.reached = reached
+    st.steps_total, st.startup_s = inputs.get("steps_total"), inputs.get("startup_s")
+    st.restart_costs = list(inputs.get("restart_costs") or [])
+    at = st.reached if st.reached is not None else 1 << 62
+    st.ckpt_step = max((s for s in inputs.get("ckpt_steps") or [] if s <= at), default=None)
+    if inputs.get("nodes") and not st.nodes:
+        st.nodes = list(inputs["nodes"])
 
 
 def _number(value: Any) -> float | None:
@@ -422,15 +449,43 @@ class Policy:
         if cost is None or cost < min_cost or (share is not None and share < min_share):
             st.slow_since.pop(iid, None)
             return []
-        since = st.slow_since.setdefault(iid, now)
-        if now - since < persist_s:
+        since, since_step = st.slow_since.setdefault(iid, (now, st.reached))
+        steps = st.reached - since_step if st.reached is not None and since_step is not None else None
+        if now - since < persist_s or (steps is not None and steps < self.cfg.persist_steps):
             return []
-        st.slow_since.pop(iid, None)
         what = {"slow_link": f"slow {evidence.get('axis')} link", "data_stall": "data stall"}.get(kind, "straggler")
-        return self._isolate(st, inc, inc.get("node"), now,
-                             f"{what}: rank {inc.get('rank')} costs {cost:.3g} s/step"
-                             + (f" ({100 * share:.0f}% of its step)" if share is not None else "")
-                             + f" for {now - since:.1f} s")
+        lasted = f" for {now - since:.1f} s" + (f" ({steps} steps)" if steps is not None else "")
+        reason = (f"{what}: rank {inc.get('rank')} costs {cost:.3g} s/step"
+                  + (f" ({100 * share:.0f}% of its step)" if share is not None else "") + lasted)
+        situation = self._situation(st, evidence, cost)
+        predicted = None
+        if situation is not None:
+            p = costmodel.predict(situation, min_gain_share=self.cfg.min_gain_share)
+            if p.best == costmodel.KEEP:
+                return []  # weighed again on its next update: the steps left, the costs measured change
+            predicted = {**p.detail(situation), "at_step": st.reached}
+            reason += f"; the job finishes ~{p.gain_s:.1f} s sooner without its node ({p.best})"
+        st.slow_since.pop(iid, None)
+        out = self._isolate(st, inc, inc.get("node"), now, reason)
+        return [replace(d, predicted=predicted) if predicted and d.kind == ISOLATE else d for d in out]
+
+    def _situation(self, st: RunPolicy, evidence: dict[str, Any], cost: float) -> costmodel.Situation | None:
+        """The cost model's inputs for a slow-down now; None when the run's size or step time
+        is not known (the thresholds alone then decide, as before the model)."""
+        step_s = _number(evidence.get("step_s"))
+        if step_s is None or step_s <= 0 or not st.nodes:
+            return None
+        reached = st.reached if st.reached is not None else 0
+        left = st.steps_total - reached if st.steps_total is not None else self.cfg.horizon_steps
+        if st.restart_costs:
+            restart_s = sum(st.restart_costs) / len(st.restart_costs)
+        else:
+            restart_s = (st.startup_s + self.cfg.restart_overhead_s if st.startup_s is not None
+                         else self.cfg.restart_prior_s)
+        redo = reached - st.ckpt_step if st.ckpt_step is not None else reached
+        return costmodel.Situation(steps_left=max(0, left), step_s=step_s, excess_s=cost,
+                                   nodes=len([n for n in st.nodes if n not in st.isolated]),
+                                   restart_s=restart_s, redo_steps=max(0, redo))
 
     def _crash(self, st: RunPolicy, inc: dict[str, Any], now: float) -> list[Decision]:
         node = inc.get("node")

@@ -57,8 +57,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from analysis.kinds import COSTED, DONE_IN_PLACE, ENDED_BY_RESTART
-from analysis.policy import ISOLATE, REPAIR, RESTART, Decision, Policy, RunPolicy
+from analysis.policy import ISOLATE, REPAIR, RESTART, Decision, Policy, RunPolicy, apply_cost_inputs
 from analysis.rules import Rules, merge_rules
+from collector.read import queries
 from collector.store.commands import FAILED_ACKS
 from collector.store.feed import Subscription
 from collector.store.incidents import IncidentPlan
@@ -137,6 +138,8 @@ class Pending:
     needs_restart: bool = False
     recovered_ts: float | None = None  # done: training went on; pending until it caught up
     incident_id: int | None = None
+    requested_ts: float | None = None
+    predicted: dict[str, Any] | None = None  # the cost model's (an isolation for a slow-down)
 
 
 class PolicyRunner:
@@ -242,6 +245,8 @@ class PolicyRunner:
 
     def _incident(self, row: dict[str, Any]) -> None:
         st = self._state(row["run_id"])
+        if row.get("kind") in COSTED:  # weighed by the cost model: the run's side of its inputs, now
+            apply_cost_inputs(st, self.storage.read(queries.cost_inputs, row["run_id"]))
         now = self.clock()
         decisions = self.policy.on_incident(st, row, now)
         waiting = self.policy.waiting(st, row, now) and now - (row.get("opened_ts") or now) < _DEFER_MAX_S
@@ -432,9 +437,27 @@ class PolicyRunner:
                 return
         at = first["ts"] if first["ts"] is not None else self.clock()
         caught = at - p.incident_opened_ts if p.incident_opened_ts is not None else None
-        self.storage.update_action(p.action_id, detail={"caught_up_step": first["step"], "past_step": past,
-                                                        "caught_up_s": round(caught, 3) if caught is not None
-                                                        else None})
+        detail = {"caught_up_step": first["step"], "past_step": past,
+                  "caught_up_s": round(caught, 3) if caught is not None else None}
+        if p.predicted:
+            detail["realized"] = self._realized(p, first, at)
+        self.storage.update_action(p.action_id, detail=detail)
+
+    def _realized(self, p: Pending, first: dict[str, Any], at: float) -> dict[str, Any]:
+        """What an isolation the cost model chose saved, once the job caught up: its step time
+        before (the model's input) and after (the median of the new attempt's steps so far), and
+        the time to finish projected from them, against keeping the node (the prediction's
+        `keep`): `gain_s` is comparable with the predicted one."""
+        inputs = p.predicted.get("inputs") or {}
+        before, left, at_step = inputs.get("step_s"), inputs.get("steps_left"), p.predicted.get("at_step")
+        after = self.storage.read(_median_step_s, p.run_id, int(first["attempt"]))
+        out: dict[str, Any] = {"step_s_before": before, "step_s_after": round(after, 6) if after else None,
+                               "recovery_s": round(at - p.requested_ts, 3) if p.requested_ts is not None else None}
+        if None not in (before, left, at_step, after, p.requested_ts):
+            done = max(0, int(first["step"]) - int(at_step))  # steps of the run's left made since the decision
+            projected = (at - p.requested_ts) + max(0, left - done) * after
+            out["gain_s"] = round(left * before - projected, 3)
+        return out
 
     # -- carrying out ------------------------------------------------------------
     def _carry_out(self, d: Decision, incident: dict[str, Any]) -> None:
@@ -482,6 +505,8 @@ class PolicyRunner:
 
     def _follow(self, d: Decision, command_id: int | None, opened: float | None,
                 attempt: int) -> Callable[[Any, BaseException | None], None]:
+        requested = self.clock()
+
         def recorded(action_id: Any, error: BaseException | None) -> None:
             if error is not None:
                 log.error("policy: the %s action for run %s was not recorded: %s", d.kind, d.run_id, error)
@@ -490,7 +515,8 @@ class PolicyRunner:
                 self._pending[int(action_id)] = Pending(action_id=int(action_id), run_id=d.run_id, kind=d.kind,
                                                         incident_opened_ts=opened, attempt=attempt,
                                                         command_id=command_id, incident_id=d.incident_id,
-                                                        needs_restart=d.kind in ENDED_BY_RESTART)
+                                                        needs_restart=d.kind in ENDED_BY_RESTART,
+                                                        requested_ts=requested, predicted=d.predicted or None)
         return recorded
 
 
@@ -530,6 +556,13 @@ def _run_layout(cur: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, Any]:
                                [run_id]).fetchall())
     return {"world_size": world, "node_map": nodes, "reached": reached,
             "policy": policy if policy in ("shadow", "off") else None}
+
+
+def _median_step_s(cur: duckdb.DuckDBPyConnection, run_id: str, attempt: int) -> float | None:
+    """The median step time (its slowest rank's) of one attempt's steps so far."""
+    (m,), = cur.execute("SELECT median(s) FROM (SELECT max(step_s) AS s FROM steps WHERE run_id = ? AND attempt = ? "
+                        "GROUP BY step)", [run_id, attempt]).fetchall()
+    return float(m) if m is not None else None
 
 
 def policy_for(rules: Rules, *, mode: str | None = None, min_nodes: int | None = None) -> Policy:

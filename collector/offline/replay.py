@@ -36,7 +36,7 @@ from typing import Any
 from analysis import Analyzer, Finding, Frames, Rules, Score, load_rules, replay_commits, score, truths_from_rows
 from analysis.judging import Judgement, judge, summary
 from analysis.kinds import COSTED
-from analysis.policy import Policy, RunPolicy
+from analysis.policy import Policy, RunPolicy, apply_cost_inputs
 from analysis.scoring import Incident as ScoredIncident
 from analysis.scoring import Truth, cause_of, opened_step_of, suspects_of
 from collector.read import queries
@@ -53,6 +53,7 @@ class RunReplay:
     num_passes: int = 0
     num_findings: int = 0
     num_stored: int = 0  # incidents the file itself holds for the run (what the live collector wrote)
+    cost_inputs: dict[str, Any] = field(default_factory=dict)  # queries.cost_inputs: the policy's cost model
 
 
 class IncidentLedger:
@@ -109,6 +110,7 @@ def replay_run(cur: queries.Cursor, run_id: str, *, rules: Rules | None = None, 
     out.incidents = [ledger.rows[i] for i in sorted(ledger.rows)]
     out.opened_step = ledger.opened_step
     out.num_stored = len(queries.incidents(cur, run_id))
+    out.cost_inputs = queries.cost_inputs(cur, run_id)
     return out
 
 
@@ -148,13 +150,17 @@ def policy_decisions(replays: Iterable[RunReplay], rules: Rules, mode: str | Non
     policy = Policy(rules, mode=mode if mode and mode != "off" else "shadow")
     out: dict[str, list[str]] = {}
     for r in replays:
-        st = RunPolicy(run_id=r.run_id, nodes=sorted({row["node"] for row in r.incidents if row.get("node")}))
+        st = RunPolicy(run_id=r.run_id, nodes=list(r.cost_inputs.get("nodes") or [])
+                       or sorted({row["node"] for row in r.incidents if row.get("node")}))
         for row in sorted(r.incidents, key=lambda x: (x["opened_ts"], x["id"])):
             key = f"{r.run_id}/{row['cause_key']}"
             inc = {**row, "evidence": _evidence(row), "status": "open"}
+            if row["kind"] in COSTED:  # the cost model's inputs as they stood when it opened
+                apply_cost_inputs(st, r.cost_inputs, reached=r.opened_step.get(row["id"]) or row.get("step_from"))
             decided = policy.on_incident(st, inc, row["opened_ts"])
             end = row.get("closed_ts") or row.get("updated_ts")
             if not decided and row["kind"] in COSTED and end is not None:
+                apply_cost_inputs(st, r.cost_inputs, reached=row.get("step_to"))  # and when it last changed
                 decided = policy.on_incident(st, inc, end)
             out[key] = [d.kind for d in decided if d.refused is None]
     return out

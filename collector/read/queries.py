@@ -271,6 +271,32 @@ def goodput_seconds(cur: Cursor, run_id: str) -> dict[str, float]:
         out[row["cause"]] = out.get(row["cause"], 0.0) + float(row["seconds"] or 0.0)
     return out
 
+
+def cost_inputs(cur: Cursor, run_id: str) -> dict[str, Any]:
+    """The run's side of the cost model's inputs (analysis/costmodel.py, analysis/policy.py
+    `RunPolicy`): its last step (its config's `steps`; None for a job whose end is not known),
+    its start-up (its first step's end less its start: a restart's cost before one happened),
+    its checkpoints' steps (a restart resumes from the newest before the step it reached), the
+    time from each of its restarts and isolations to its new round's first step (recovery_s
+    counts from the incident's opening, which for a slow-down was long before the decision),
+    and its nodes."""
+    row = cur.execute(
+        "SELECT TRY_CAST(json_extract(config, '$.steps') AS BIGINT), "
+        "(SELECT min(ts) FROM steps WHERE run_id = $r) - started_ts FROM runs WHERE run_id = $r",
+        {"r": run_id}).fetchone()
+    steps_total, startup = row if row else (None, None)
+    ckpts = [int(s) for (s,) in cur.execute("SELECT DISTINCT step FROM checkpoints WHERE run_id = $r ORDER BY step",
+                                            {"r": run_id}).fetchall()]
+    restarts = [float(x) for (x,) in cur.execute(
+        "SELECT finished_ts - requested_ts FROM actions WHERE run_id = $r AND kind IN ('restart', 'isolate') "
+        "AND status = 'done' AND mode = 'auto' AND finished_ts >= requested_ts ORDER BY id", {"r": run_id}).fetchall()]
+    nodes = [str(n) for (n,) in cur.execute(
+        "SELECT node FROM nodes WHERE run_id = $r UNION SELECT DISTINCT node FROM ranks WHERE run_id = $r "
+        "AND node IS NOT NULL ORDER BY 1", {"r": run_id}).fetchall()]
+    return {"steps_total": int(steps_total) if steps_total is not None and steps_total > 0 else None,
+            "startup_s": float(startup) if startup is not None and startup >= 0 else None,
+            "ckpt_steps": ckpts, "restart_costs": restarts, "nodes": nodes}
+
 def step_window(cur: Cursor, run_id: str, *, step_from: int, step_to: int, max_points: int = 400) -> Rows:
     """loss, grad_norm and loss_scale of the effective curve over [step_from, step_to],
     per step (or per bucket of equal step width past `max_points`): the mean of the

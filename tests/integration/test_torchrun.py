@@ -109,7 +109,10 @@ def test_an_isolated_node_leaves_and_the_job_finishes_on_the_other_two(tmp_path)
                     "--micro-batches", "2", *TINY, "--d-model", "128", "--seq-len", "64", "--steps", str(STEPS),
                     "--ckpt-dir", str(run_dir / "ckpt"), "--ckpt-every", "10", "--telemetry", "--collector", col.url,
                     "--metrics-jsonl", str(run_dir / "metrics.jsonl"),
-                    "--inject", "straggler@rank=2,from=30,factor=2"]  # rank 2 of the first layout: node2's
+                    # rank 2 of the first layout: node2's; 12x, so that the job finishes sooner on two nodes
+                    # than waiting for it on three (the cost model weighs the restart, ~8 s here, and the
+                    # ~100 steps left: at 6x it kept the node, 16 s against 18)
+                    "--inject", "straggler@rank=2,from=30,factor=12"]
     agents, logs = [], []
     try:
         for k in range(3):

@@ -304,6 +304,64 @@ def test_a_costly_straggler_is_isolated_once_it_persists():
     assert p.on_incident(st, straggler(0.05), now=10.0) == []
 
 
+def costed(cost: float, step_s: float, id: int = 7) -> dict:
+    return incident(id, "straggler", step=None, evidence={"cost_s_per_step": cost, "step_s": step_s,
+                                                          "share_of_step": cost / step_s})
+
+
+def weighed(nodes: int, *, cost: float, step_s: float = 1.0, reached: int = 100, total: int | None = 10_100,
+            ckpt: int | None = 90, startup_s: float | None = 30.0, persist_steps: int | None = None):
+    """The decision for a straggler that persisted 4 s and 20 steps on a run of `nodes` nodes."""
+    over = {"persist_steps": persist_steps} if persist_steps is not None else {}
+    p, st = policy(policy=over), run_state(*(f"node{i}" for i in range(nodes)))
+    st.reached, st.steps_total, st.ckpt_step, st.startup_s = reached, total, ckpt, startup_s
+    assert p.on_incident(st, costed(cost, step_s), now=0.0) == []
+    st.reached += 20
+    return p.on_incident(st, costed(cost, step_s), now=4.0), st
+
+
+def test_on_two_nodes_a_straggler_costing_12_percent_is_kept_not_shrunk_to_half():
+    out, _ = weighed(2, cost=0.12, step_s=1.12)
+    assert out == []  # shrinking would double the step: the incident stays an alert
+
+
+def test_on_64_nodes_the_straggler_node_is_isolated_with_the_gain_it_predicts():
+    [d], st = weighed(64, cost=0.12, step_s=1.12)
+    assert (d.kind, d.node, d.refused) == (ISOLATE, "node1", None)
+    assert d.predicted["best"] == "shrink" and d.predicted["gain_s"] > 0
+    assert d.predicted["inputs"] == {"steps_left": 9980, "step_s": 1.12, "excess_s": 0.12, "nodes": 64,
+                                     "restart_s": 35.0, "redo_steps": 30, "spares": 0}  # start-up + overhead
+    assert "the job finishes ~" in d.reason and "sooner without its node (shrink)" in d.reason
+    assert d.detail()["predicted"] == d.predicted
+
+
+def test_a_straggler_near_the_end_of_the_run_is_kept():
+    out, _ = weighed(64, cost=0.12, step_s=1.12, total=123)  # 3 steps left
+    assert out == []
+
+
+def test_a_measured_restart_replaces_the_prior_and_an_open_ended_run_has_a_horizon():
+    p, st = policy(), run_state(*(f"node{i}" for i in range(8)))
+    st.reached, st.ckpt_step, st.startup_s = 100, 100, None  # no start-up known
+    st.steps_total = None  # open-ended: horizon_steps (1000) left
+    assert p._situation(st, {"step_s": 1.0}, 0.5).restart_s == p.cfg.restart_prior_s
+    assert p._situation(st, {"step_s": 1.0}, 0.5).steps_left == 1000
+    st.restart_costs = [4.0, 6.0]
+    assert p._situation(st, {"step_s": 1.0}, 0.5).restart_s == 5.0
+    assert p._situation(st, {}, 0.5) is None  # no step time: the thresholds alone decide
+
+
+def test_persistence_counts_steps_as_well_as_seconds():
+    p, st = policy(), run_state(*(f"node{i}" for i in range(64)))
+    st.reached, st.steps_total, st.ckpt_step, st.startup_s = 100, 10_100, 90, 30.0
+    assert p.on_incident(st, costed(0.5, 1.5), now=0.0) == []
+    st.reached += 3  # 10 s but 3 steps: a slow job's seconds are few steps
+    assert p.on_incident(st, costed(0.5, 1.5), now=10.0) == []
+    st.reached += 5
+    [d] = p.on_incident(st, costed(0.5, 1.5), now=11.0)
+    assert d.kind == ISOLATE and "for 11.0 s (8 steps)" in d.reason
+
+
 def test_a_straggler_that_recovers_starts_over():
     p, st = policy(policy={"straggler_cost_s": 0.02}), run_state()
     assert p.on_incident(st, straggler(0.05), now=0.0) == []

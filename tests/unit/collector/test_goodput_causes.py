@@ -127,3 +127,26 @@ def test_run_goodput_carries_the_causes_and_metrics_sum_them(con):
     assert queries.goodput_seconds(con, "heal") == pytest.approx(
         {"idle": 3.5, "productive": 4.5, "slowdown": 0.5, "checkpoint": 0.5, "skipped": 1.0, "detection": 1.0,
          "redone": 1.0, "recovery": 2.0})
+
+
+def test_the_cost_models_inputs_from_the_tables(con):
+    """queries.cost_inputs: the run's last step (its config), start-up, checkpoints, measured
+    restarts (decision to first new step, auto and done only) and nodes."""
+    from analysis.policy import RunPolicy, apply_cost_inputs
+
+    con.execute("UPDATE runs SET config = '{\"steps\": 500}' WHERE run_id = 'heal'")
+    for step in (2, 4, 6):
+        con.execute("INSERT INTO checkpoints (run_id, step, attempt, ts) VALUES ('heal', ?, 0, 1000)", [step])
+    con.execute("INSERT INTO actions (id, run_id, kind, status, mode, requested_ts, finished_ts) VALUES "
+                "(2, 'heal', 'isolate', 'done', 'auto', 1020, 1024.5), (3, 'heal', 'restart', 'done', 'shadow', 1, 9),"
+                " (4, 'heal', 'restart', 'failed', 'auto', 1, 9)")
+    con.execute("INSERT INTO nodes (run_id, node, status, updated_ts) VALUES ('heal', 'node1', 'isolated', 1000)")
+    con.execute("INSERT INTO ranks (run_id, rank, node, first_seen_ts, last_seen_ts) VALUES "
+                "('heal', 0, 'node0', 1000, 1000)")
+    got = queries.cost_inputs(con, "heal")
+    assert got == {"steps_total": 500, "startup_s": 3.0 - 0.0, "ckpt_steps": [2, 4, 6], "restart_costs": [4.5],
+                   "nodes": ["node0", "node1"]}  # the first step ended at 1003, the run started at 1000
+    st = RunPolicy(run_id="heal")
+    apply_cost_inputs(st, got, reached=5)
+    assert (st.reached, st.ckpt_step, st.steps_total, st.nodes) == (5, 4, 500, ["node0", "node1"])
+    assert queries.cost_inputs(con, "restart")["steps_total"] is None  # no steps in its config: open-ended
