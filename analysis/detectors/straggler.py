@@ -35,7 +35,7 @@ reset.
 A rank fires when its sum is over the threshold, enough recent steps were slow,
 its level stands out of the run's noise (`levels`: the median of its log
 ratios since its climb began, over at least `level_steps` steps (`inferred_level_steps`
-in a job without measured waits), `level_z` sigmas up; the sum climbs on a burst of
+in a job without measured waits), `level_z` sigmas up (`inferred_level_z`); the sum climbs on a burst of
 slow steps, the median only when most are slow), that level is above every healthy
 swing of the run that lasted as long (`above_swings`: the latest `swing_memory` climbs
 that ended with no incident, their length and peak level: host noise measured on the
@@ -559,7 +559,8 @@ class StragglerDetector:
         firing = np.flatnonzero((st.cusum >= h) & (popcount(st.mask & self.full) >= cfg.min_slow_steps)
                                 & (lasted >= cfg.min_persist_s)
                                 & (st.ratio >= cfg.min_ratio) & costly & self._slowed(st)
-                                & (sigmas >= cfg.level_z) & self._witnessed(st)) \
+                                & (sigmas >= (cfg.inferred_level_z if st.waits.inferring else cfg.level_z))
+                                & self._witnessed(st)) \
             if known else np.zeros(0, np.int64)
         firing = firing[self.above_swings(st, firing, level, scale, step)]
         # culprits: the firing ranks and the open incidents' members; a culprit that waits for
