@@ -160,6 +160,8 @@ def draw(rng: random.Random, index: int, steps: int, kinds: tuple[str, ...] = KI
     # after the warm-ups (spike baseline, straggler noise, slow_link's baseline); a slow checkpoint
     # opens at the first or second checkpoint after onset, a bit flip at the next checksum
     sc.step = rng.randrange(30, steps - 25)
+    if kind == "straggler":  # a straggler lasts until someone acts: at least 50 steps of it (a 1.3x one on a
+        sc.step = rng.randrange(30, max(45, steps - 50))  # loaded host needs ~40 at the detector's level_z)
     if kind.startswith("devhealth_"):  # in the first half: a dp2 run does its 400 steps in ~20 s, and its
         sc.step = rng.randrange(30, steps // 2)  # last 57 held less than the thermal window's 3 s
     if kind in FACTORS:
