@@ -132,6 +132,21 @@ _WAITER_FLOOR_S = 1e-4  # net waits below this (s/step) say nothing
 _MAX_HELD_STEPS = 64  # released steps held for their collectives to be final (a job without measured waits)
 
 
+def _left_zero(x: np.ndarray, k: float, steps: np.ndarray, default: int, *, hold: bool = False) -> int:
+    """The step at which a one-sided sum of `x` less `k` last left zero over these steps
+    (`default` when it ends at zero). `hold`: a step slower than its peers (x > 0), even by
+    less than `k`, does not lower the sum; only faster ones do."""
+    inc = x - k
+    if hold:
+        inc = np.where(x > 0, np.maximum(inc, 0.0), inc)
+    total, left = 0.0, 0
+    for i, v in enumerate(inc.tolist()):
+        total = max(0.0, total + v)
+        if total == 0.0:
+            left = i + 1
+    return int(steps[left]) if left < len(x) else default
+
+
 def _change_sigma(changes: deque, min_samples: int) -> float | None:
     """The sigma of a level from |changes| between its consecutive values (a robust MAD: the
     difference of two has sqrt(2) times its sigma), None with fewer than `min_samples`."""
@@ -617,13 +632,16 @@ class StragglerDetector:
         count: a burst of slow steps well before it (whose sum never came back to zero) is
         not the straggler's onset (a DDP straggler from step 40 was dated 23).
 
-        The climb's start is also where a sum with half today's reference would have left
-        zero (the earlier of the two): the reference falls once the drift is measured, and
-        a rank slow under the prior's higher one had its sum reset again and again (a dp2
-        straggler from step 42 of a loaded host, whose sum started for good at 60 when the
-        drift was measured at 63, was dated 60); and a few of a 1.5x straggler's steps at
-        1.2x on a loaded host reset a sum at the full reference (one from step 50 was
-        dated 68), not one at half of it, which healthy steps still drain."""
+        The climb's start is also where a sum with today's reference would have left zero
+        (the earlier of the two): the reference falls once the drift is measured, and a rank
+        slow under the prior's higher one had its sum reset again and again (a dp2 straggler
+        from step 42 of a loaded host, whose sum started for good at 60 when the drift was
+        measured at 63, was dated 60). The split itself may lie before the climb's start as
+        far back as such a sum left zero when only the steps faster than the rank's peers
+        lower it: a few of a 1.5x straggler's steps at 1.2x on a loaded host (slower than its
+        peers, below the reference) reset the plain sum, and one from step 50 was dated 68.
+        (A sum at half the reference instead held up over three noisy steps and a fast one
+        just before the demo's straggler, and dated it 4 steps early.)"""
         climb = int(st.onset[rank]) if st.onset[rank] >= 0 else step
         steps = np.fromiter(st.hist_steps, np.int64, len(st.hist_steps))[::-1]  # oldest first
         x = np.clip(st.lr_hist[rank, :len(steps)][::-1], -clip, clip)
@@ -632,13 +650,8 @@ class StragglerDetector:
         n = len(x)
         if n < 2:
             return climb
-        total, left = 0.0, 0  # the sum again, at half today's reference, over the steps looked at
-        for i, v in enumerate((x - 0.5 * st.kh[0]).tolist()):
-            total = max(0.0, total + v)
-            if total == 0.0:
-                left = i + 1
-        if left < n:
-            climb = min(climb, int(steps[left]))
+        climb = min(climb, _left_zero(x, st.kh[0], steps, climb))
+        floor = min(climb, _left_zero(x, st.kh[0], steps, climb, hold=True))
         t = np.arange(1, n)  # t values before the split
         head = np.cumsum(x)[:-1]
         before = head / t
@@ -647,7 +660,7 @@ class StragglerDetector:
         best = int(np.argmax(score))
         if score[best] <= 0 or float(np.median(x[max(0, best + 1 - near):best + 1])) >= st.kh[0]:
             return climb  # no rise among these steps, or they were slow before it too: the climb's start
-        return max(climb, int(steps[best + 1]))
+        return max(floor, int(steps[best + 1]))
 
     @staticmethod
     def _node(topo, rank: int) -> int:
