@@ -70,6 +70,7 @@ log = logging.getLogger("collector.live.policy")
 _EVENT_KINDS = ("command_ack", "rerun_verdict", "run_finished", "run_started")
 _TICK_S = 0.25  # how often open stragglers and waiting incidents are looked at again without news
 _DEFER_MAX_S = 120.0  # an incident still waiting this long after it opened is dropped (logged)
+_COST_INPUTS_S = 5.0  # a run's inputs to the cost model are read again at most this often
 
 
 class IncidentWatch:
@@ -160,6 +161,7 @@ class PolicyRunner:
         self._world: dict[str, int] = {}
         self._node_map: dict[str, dict[int, str]] = {}
         self._deferred: dict[int, dict[str, Any]] = {}  # incidents the policy will decide on later (waiting)
+        self._costs: dict[str, tuple[float, dict[str, Any]]] = {}  # run -> (read at, queries.cost_inputs)
         # incidents with an action under way: (run_id, cause_key), whose watermark hold the action's end releases
         self._acting_on: dict[int, tuple[str, str | None]] = {}
         self._thread = threading.Thread(target=self._run, name="llmwatch-policy", daemon=True)
@@ -245,8 +247,8 @@ class PolicyRunner:
 
     def _incident(self, row: dict[str, Any]) -> None:
         st = self._state(row["run_id"])
-        if row.get("kind") in COSTED:  # weighed by the cost model: the run's side of its inputs, now
-            apply_cost_inputs(st, self.storage.read(queries.cost_inputs, row["run_id"]))
+        if row.get("kind") in COSTED:  # weighed by the cost model: the run's side of its inputs
+            apply_cost_inputs(st, self._cost_inputs(row["run_id"]))
         now = self.clock()
         decisions = self.policy.on_incident(st, row, now)
         waiting = self.policy.waiting(st, row, now) and now - (row.get("opened_ts") or now) < _DEFER_MAX_S
@@ -262,6 +264,16 @@ class PolicyRunner:
             # closed, decided, and nothing under way (while open, a decision may still come: a
             # spike's rollback waits for the evidence of its complete step)
             self._release(row["run_id"], row.get("cause_key"))
+
+    def _cost_inputs(self, run_id: str) -> dict[str, Any]:
+        """queries.cost_inputs, read again at most every _COST_INPUTS_S: an open straggler is looked
+        at every tick, and the run's checkpoints and restarts change far less often (its first
+        step's time is a scan of its steps)."""
+        now = time.monotonic()
+        had = self._costs.get(run_id)
+        if had is None or now - had[0] >= _COST_INPUTS_S:
+            had = self._costs[run_id] = (now, self.storage.read(queries.cost_inputs, run_id))
+        return had[1]
 
     def _release(self, run_id: str, key: str | None) -> None:
         marks = self.storage.watermarks
