@@ -52,15 +52,20 @@ def describe(inc: dict) -> str:
             f"node {text(inc.get('node'))}  {cause}").rstrip()
 
 
-def describe_action(a: dict) -> str:
-    """`action: <kind> [node] <status>  [recovery]  <reason or outcome>`."""
+def action_detail(a: dict) -> dict:
+    """An actions row's `detail` as a dict (the API may hand it over as JSON text)."""
     detail = a.get("detail")
     if isinstance(detail, str):
         try:
             detail = json.loads(detail)
         except ValueError:
             detail = {}
-    detail = detail if isinstance(detail, dict) else {}
+    return detail if isinstance(detail, dict) else {}
+
+
+def describe_action(a: dict) -> str:
+    """`action: <kind> [node] <status>  [recovery]  <reason or outcome>`."""
+    detail = action_detail(a)
     why = detail.get("refused") or detail.get("reason") or ""
     if a.get("status") == "failed" and (detail.get("failure") or detail.get("outcome")):
         why = f"{why} ({detail.get('failure') or detail.get('outcome')})"

@@ -46,6 +46,7 @@ from typing import Callable
 
 from agent.api import ApiClient, ApiError
 from trainer.config import JobConfig
+from trainer.incident_feed import action_detail
 from trainer.membership import EXIT_RESTART, read_membership
 
 HW_RANK_ENV = "LLMWATCH_HW_RANK"
@@ -221,13 +222,7 @@ class NodeWatch:
             return None
         for a in self._answers(rows, ts, taken):
             if a.get("kind") == "stop":
-                detail = a.get("detail")
-                if isinstance(detail, str):
-                    try:
-                        detail = json.loads(detail)
-                    except ValueError:
-                        detail = {}
-                reason = detail.get("reason") if isinstance(detail, dict) else None
+                reason = action_detail(a).get("reason")
                 return int(a["id"]), str(reason or "stopped by the collector's policy")
         return None
 
