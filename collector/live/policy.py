@@ -71,6 +71,7 @@ _EVENT_KINDS = ("command_ack", "rerun_verdict", "run_finished", "run_started")
 _TICK_S = 0.25  # how often open stragglers and waiting incidents are looked at again without news
 _DEFER_MAX_S = 120.0  # an incident still waiting this long after it opened is dropped (logged)
 _COST_INPUTS_S = 5.0  # a run's inputs to the cost model are read again at most this often
+_REALIZED_STEPS = 20  # an isolation's realized gain: the new lineage's step time over this many steps
 
 
 class IncidentWatch:
@@ -162,6 +163,8 @@ class PolicyRunner:
         self._node_map: dict[str, dict[int, str]] = {}
         self._deferred: dict[int, dict[str, Any]] = {}  # incidents the policy will decide on later (waiting)
         self._costs: dict[str, tuple[float, dict[str, Any]]] = {}  # run -> (read at, queries.cost_inputs)
+        # the cost model's isolations that caught up: action id -> (pending, first step past, when)
+        self._realizing: dict[int, tuple[Pending, dict[str, Any], float]] = {}
         # incidents with an action under way: (run_id, cause_key), whose watermark hold the action's end releases
         self._acting_on: dict[int, tuple[str, str | None]] = {}
         self._thread = threading.Thread(target=self._run, name="llmwatch-policy", daemon=True)
@@ -378,6 +381,7 @@ class PolicyRunner:
                 del self._acting_on[iid]
         if self.storage.watermarks is not None:
             self.storage.watermarks.release_run(run_id)  # nothing more will be done about them
+        self._realize(run_id, {}, final=True)  # over the steps the new lineage ran
         for p in ending:
             if p.recovered_ts is not None:
                 continue  # done; the run ended before it caught up
@@ -418,6 +422,8 @@ class PolicyRunner:
             reached = self._reached.setdefault(run_id, {})
             for g in rows.group_by("attempt").aggregate([("step", "max")]).to_pylist():
                 reached[g["attempt"]] = max(reached.get(g["attempt"], 0), g["step_max"])
+            if self._realizing:
+                self._realize(run_id, reached)
             for p in (p for p in waiting if p.run_id == run_id and not p.needs_restart):
                 if _carried_by_ranks(p) and not p.acks:
                     continue  # a later attempt the command did not make (a restart's): not done yet
@@ -449,17 +455,29 @@ class PolicyRunner:
                 return
         at = first["ts"] if first["ts"] is not None else self.clock()
         caught = at - p.incident_opened_ts if p.incident_opened_ts is not None else None
-        detail = {"caught_up_step": first["step"], "past_step": past,
-                  "caught_up_s": round(caught, 3) if caught is not None else None}
-        if p.predicted:
-            detail["realized"] = self._realized(p, first, at)
-        self.storage.update_action(p.action_id, detail=detail)
+        self.storage.update_action(p.action_id, detail={"caught_up_step": first["step"], "past_step": past,
+                                                        "caught_up_s": round(caught, 3) if caught is not None
+                                                        else None})
+        if p.predicted:  # what it saved is measured once the job has run _REALIZED_STEPS steps past this
+            self._realizing[p.action_id] = (p, first, at)
+
+    def _realize(self, run_id: str, reached: dict[int, int], *, final: bool = False) -> None:
+        """Record `realized` for the cost model's isolations of `run_id` whose new lineage is
+        _REALIZED_STEPS steps past the step it caught up at (or all of them at the run's end)."""
+        for aid, (p, first, at) in list(self._realizing.items()):
+            if p.run_id != run_id:
+                continue
+            if not final and reached.get(int(first["attempt"]), 0) < int(first["step"]) + _REALIZED_STEPS:
+                continue
+            del self._realizing[aid]
+            self.storage.update_action(aid, detail={"realized": self._realized(p, first, at)})
 
     def _realized(self, p: Pending, first: dict[str, Any], at: float) -> dict[str, Any]:
-        """What an isolation the cost model chose saved, once the job caught up: its step time
-        before (the model's input) and after (the median of the new attempt's steps so far), and
-        the time to finish projected from them, against keeping the node (the prediction's
-        `keep`): `gain_s` is comparable with the predicted one."""
+        """What an isolation the cost model chose saved: its step time before (the model's input)
+        and after (the median of the new attempt's steps), and the time to finish projected from
+        them (the seconds from the decision to catching up, then the steps left at the new step
+        time), against keeping the node (`steps_left x step_s`): `gain_s` is comparable with the
+        predicted one."""
         inputs = p.predicted.get("inputs") or {}
         before, left, at_step = inputs.get("step_s"), inputs.get("steps_left"), p.predicted.get("at_step")
         after = self.storage.read(_median_step_s, p.run_id, int(first["attempt"]))
