@@ -641,7 +641,8 @@ class StragglerDetector:
         lower it: a few of a 1.5x straggler's steps at 1.2x on a loaded host (slower than its
         peers, below the reference) reset the plain sum, and one from step 50 was dated 68.
         (A sum at half the reference instead held up over three noisy steps and a fast one
-        just before the demo's straggler, and dated it 4 steps early.)"""
+        just before the demo's straggler, and dated it 4 steps early.) Not in a job without
+        measured waits: its inferred ratios are noisier, and held such a sum up for 25 steps."""
         climb = int(st.onset[rank]) if st.onset[rank] >= 0 else step
         steps = np.fromiter(st.hist_steps, np.int64, len(st.hist_steps))[::-1]  # oldest first
         x = np.clip(st.lr_hist[rank, :len(steps)][::-1], -clip, clip)
@@ -651,7 +652,9 @@ class StragglerDetector:
         if n < 2:
             return climb
         climb = min(climb, _left_zero(x, st.kh[0], steps, climb))
-        floor = min(climb, _left_zero(x, st.kh[0], steps, climb, hold=True))
+        # not from inferred waits: a foreign DDP job's noisy ratios kept such a sum up for 25 steps
+        # before its straggler, and dated it 15 for an onset at 40
+        floor = climb if st.waits.inferring else min(climb, _left_zero(x, st.kh[0], steps, climb, hold=True))
         t = np.arange(1, n)  # t values before the split
         head = np.cumsum(x)[:-1]
         before = head / t
