@@ -29,7 +29,10 @@ a run that ended normally (`run_finished`): an incident opened on silence is
 closed again if the run turns out to have finished. One incident per cause:
 ranks that go silent while a crash is open (peers killed by the launcher or
 failing on the dead rank's connection) are added to it, not opened anew. It
-resolves when its ranks heartbeat again (a restart).
+resolves when its ranks heartbeat again (a restart), or when its culprit fails
+again: a rank exits once a round, so that is the restarted job's crash, a new
+incident (a rank crashing half a second into its round had not beaten yet, and
+its second crash was folded into the first: the policy never saw it).
 """
 
 from __future__ import annotations
@@ -117,13 +120,21 @@ class CrashDetector:
             st.members.add(culprit)
         arrivals = live.arrival_s[list(st.members)] if st.members else np.array([p.now])
         st.first_silent_s = float(np.nanmin(arrivals)) if np.isfinite(arrivals).any() else p.now
-        if exit_info is not None:
-            st.exit = {"exit_code": exit_info.exit_code, "signal": exit_info.signal, "ts": exit_info.ts}
+        st.exit = ({"exit_code": exit_info.exit_code, "signal": exit_info.signal, "ts": exit_info.ts}
+                   if exit_info is not None else None)  # not an earlier incident's
         st.silent_for_s = float(age[culprit]) if culprit is not None and np.isfinite(age[culprit]) else 0.0
         self._report(p, st, age)
 
     def _follow(self, p, st: _State, failed, silent, age) -> None:
         live = p.run.live
+        again = [e for e in failed if st.exit is not None and st.exit.get("ts") is not None
+                 and e.rank == st.culprit and e.ts > st.exit["ts"]]
+        if again:  # a rank exits once a round: the job restarted, and it failed again before it beat
+            p.resolve(st.key, evidence={**p.book.get(st.key).evidence,
+                                        "resolved_because": "the job restarted, and the rank failed again"})
+            st.key, st.exit = None, None
+            self._open(p, st, again[0].rank, source="launcher", silent=silent, age=age, exit_info=again[0])
+            return
         if failed and st.source != "launcher":
             e = failed[0]
             live.ensure(e.rank + 1)

@@ -119,3 +119,24 @@ def test_a_silent_rank_whose_peers_go_on_past_it_is_late_telemetry_not_a_crash()
         out += a.feed(Frames(heartbeats=heartbeats_frame([beats(0, float(t), step=step, seq=9)])), now=float(t))
     assert [(f.kind, f.rank) for f in opened(out).values()] == [("crash", 1)]
     assert next(f for f in out if f.kind == "crash").ts >= 8.0 + 3.0  # silence_s after rank 0's last step
+
+
+def test_the_culprit_failing_again_before_it_beat_is_a_new_crash():
+    """A rank exits once a round: its second failed exit is the restarted job's crash, even when it
+    came before the rank's first heartbeat of that round (half a second in). It was folded into the
+    first incident, and the policy never saw it."""
+    import json
+
+    sim = Sim(layout=LAYOUT, steps=200, seed=7, finish=False, faults=(Crash(rank=2, step=100, launcher=True),))
+    commits = sim.build()
+    t = sim.truth[-1]["ts"] + 2.0
+    again = events_frame([{"run_id": sim.run_id, "rank": -1, "ts": t, "step": -1, "kind": "rank_exited",
+                           "data": json.dumps({"rank": 2, "exit_code": 17, "signal": None, "cause": "exited"})}])
+    a = Analyzer()
+    out = feed(a, commits)
+    out += a.feed(Frames(events=again), now=t + 0.1)
+    crashes = [f for f in opened(out, "crash").values()]
+    assert [f.rank for f in crashes] == [2, 2], [(f.key, f.rank) for f in crashes]
+    first = last_of(out)[crashes[0].key]
+    assert first.status == "resolved" and first.evidence["resolved_because"] == "the job restarted, and the rank failed again"
+    assert crashes[1].evidence["exit"]["ts"] == t
