@@ -146,9 +146,12 @@ class Scenario:
         return f"#{self.index:<3} {self.layout:<8} {what}"
 
 
-def draw(rng: random.Random, index: int, steps: int, kinds: tuple[str, ...] = KINDS, model: str = "tiny") -> Scenario:
+def draw(rng: random.Random, index: int, steps: int, kinds: tuple[str, ...] = KINDS, model: str = "tiny",
+         layouts: tuple[str, ...] = (), factors: tuple[float, ...] = ()) -> Scenario:
+    """One scenario; `layouts` and `factors` (when given) narrow the draw to those the kind allows."""
     kind = rng.choice(kinds)
-    layout = rng.choice(KIND_LAYOUTS.get(kind, DEFAULT_LAYOUTS))
+    allowed = KIND_LAYOUTS.get(kind, DEFAULT_LAYOUTS)
+    layout = rng.choice([x for x in allowed if x in layouts] or allowed if layouts else allowed)
     if kind.startswith("devhealth_"):
         steps = max(steps, DEVHEALTH_STEPS)
     sc = Scenario(index=index, layout=layout, kind=kind, steps=steps, jitter_seed=rng.randrange(1 << 16), model=model)
@@ -165,7 +168,8 @@ def draw(rng: random.Random, index: int, steps: int, kinds: tuple[str, ...] = KI
     if kind.startswith("devhealth_"):  # in the first half: a dp2 run does its 400 steps in ~20 s, and its
         sc.step = rng.randrange(30, steps // 2)  # last 57 held less than the thermal window's 3 s
     if kind in FACTORS:
-        sc.factor = rng.choice(FACTORS[kind])
+        sc.factor = rng.choice([f for f in FACTORS[kind] if f in factors] or FACTORS[kind] if factors
+                               else FACTORS[kind])
     return sc
 
 
@@ -250,6 +254,10 @@ def main() -> int:
     p.add_argument("--model", choices=sorted(MODELS), default="tiny",
                    help="tiny: ~15-40 ms steps on two cores; small: ~150-250 ms (latency in steps as on a real model)")
     p.add_argument("--kinds", nargs="*", choices=KINDS, default=list(KINDS), help="draw only these kinds")
+    p.add_argument("--layouts", nargs="*", choices=sorted(LAYOUTS), default=[],
+                   help="draw only these layouts (where the kind allows one of them)")
+    p.add_argument("--factors", nargs="*", type=float, default=[],
+                   help="draw only these factors (where the kind has one of them: straggler 1.3 1.5 1.75 2)")
     p.add_argument("--keep", metavar="DIR", help="keep the run directories under DIR")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     p.add_argument("--hog", action="store_true",
@@ -268,7 +276,8 @@ def main() -> int:
 def _bench(args) -> int:
 
     rng = random.Random(args.seed)
-    scenarios = [draw(rng, i, args.steps, tuple(args.kinds), args.model) for i in range(args.scenarios)]
+    scenarios = [draw(rng, i, args.steps, tuple(args.kinds), args.model, tuple(args.layouts),
+                       tuple(args.factors)) for i in range(args.scenarios)]
     print(f"load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; seed {args.seed}; "
           f"model {args.model}"
           + ("; a CPU hog beside it" if args.hog else ""))
