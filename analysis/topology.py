@@ -103,6 +103,13 @@ class Topology:
         dp = self.dp[ranks]
         return np.where(dp >= 0, dp, ranks).astype(np.int64)
 
+    def pipeline_of(self, ranks: np.ndarray) -> np.ndarray:
+        """The pipeline each rank is a stage of: a code of its (dp, tp) coordinates, the ranks
+        that pass one another the same micro-batches' activations (-1 - rank when unknown)."""
+        self.ensure(int(ranks.max()) + 1 if len(ranks) else 0)
+        dp, tp = self.dp[ranks].astype(np.int64), self.tp[ranks].astype(np.int64)
+        return np.where((dp >= 0) & (tp >= 0), dp * (1 << 20) + tp, -1 - ranks.astype(np.int64))
+
     # -- updates ---------------------------------------------------------------
     def update(self, f: Frames) -> None:
         if f.runs is not None:

@@ -5,12 +5,21 @@ the time blocked on communication, so the ranks that *wait* for a straggler do
 not look slow) is compared with its peers'. A pipeline whose stages differ in
 speed is not a straggler, so each stage's own level is taken out first: the
 log compute minus the stage's level (the median over the last
-`_STAGE_LEVEL_STEPS` judged steps of the stage's per-step median). The rank's
-ratio is then its normalised compute over the leave-one-out median of every
-other rank's (so a two-rank stage is not judged against one noisy peer, and a
-slow rank does not pull its own reference up). With fewer than three ranks the
-ratio is the plain leave-one-out one within the stage. The cost is the compute's
-excess over the stage peers' median, in seconds.
+`_STAGE_LEVEL_STEPS` judged steps of the stage's per-step median, over its ranks
+whose sum is not climbing when it has any: in a stage of two the median is their
+mean, and half a straggler's own slowness became its stage's level once it had
+lasted half those steps). The rank's ratio is then its normalised compute over
+the leave-one-out median of its own pipeline's other stages (the ranks of its
+data- and tensor-parallel coordinates: they pass one another the same
+micro-batches, and a shared host's contention moves them together), or of every
+other rank's when it has no such partner (a slow rank does not pull its own
+reference up). On two shared cores a dp2 x pp2 run's replicas swung between 0.05
+and 0.1 s of compute from one step to the next, each its own way: a rank's log
+ratio to its pipeline partner had a step-to-step noise of ~0.05, to every other
+rank ~0.25 (and to its stage peer ~0.3), where a 1.3x straggler is 0.26; on quiet
+cores the three were alike. With fewer than three ranks the ratio is the plain
+leave-one-out one within the stage. The cost is the compute's excess over what
+its reference makes it (`c (1 - 1/ratio)`), in seconds.
 
 Persistence is a one-sided CUSUM on the log ratio: `S = max(0, S + min(log r,
 log max_step_ratio) - k)`. Clean ranks drift to 0; a rank that is slow every
@@ -49,7 +58,7 @@ its smoothed ratio is at least `min_ratio`, its smoothed excess compute is at
 least `min_share` of the step time (on an oversubscribed host a slow link's rank
 and its partner compute a little slower too, ~1.2x of a compute that is a sliver
 of a step spent in slow transfers: that costs the job nothing and is the
-`slow_link` detector's), against a single peer (a two-rank stage) its own
+`slow_link` detector's), against a single peer (a two-rank stage, or a pipeline of two stages) its own
 compute is also `min_ratio` above its own past (the median of its judged steps
 before its climb began, or of those `window_steps` and more ago when fewer than
 `window_steps` came before it; or the ratio is `max_step_ratio` or more): two
@@ -430,17 +439,24 @@ class StragglerDetector:
             return False
         r, c, ref = r[ok], c[ok], ref[ok]
         ratio = c / ref
-        if len(r) >= 3:  # against every rank, each stage's own level taken out
+        single = np.ones(len(r), bool) if len(r) < 3 else peers < 2
+        if len(r) >= 3:  # each stage's own level taken out: against its pipeline's other stages, else every rank
             stage = topo.stage_of(r)
             lc = np.log(c)
             stages, at = np.unique(stage, return_inverse=True)
             level = np.empty(len(stages))
+            suspect = st.onset[r] >= 0  # their sum is climbing
             for i, g in enumerate(stages.tolist()):
                 hist = st.stage_levels.setdefault(g, deque(maxlen=_STAGE_LEVEL_STEPS))
-                hist.append(float(np.median(lc[at == i])))
+                mine = at == i
+                healthy = mine & ~suspect
+                hist.append(float(np.median(lc[healthy if healthy.any() else mine])))
                 level[i] = median_of(hist)
             x = lc - level[at]
-            x_ref, _ = loo_median(x, np.zeros(len(x), np.int64))
+            x_pipe, partners = loo_median(x, topo.pipeline_of(r))
+            x_all, _ = loo_median(x, np.zeros(len(x), np.int64))
+            x_ref = np.where(partners >= 1, x_pipe, x_all)
+            single = partners == 1
             ratio = np.exp(x - x_ref)
         raw = np.log(ratio)
         lr = np.clip(raw, -self.clip, self.clip)
@@ -473,11 +489,11 @@ class StragglerDetector:
         st.lr_hist[r, 0] = np.log(ratio)
         st.own_hist[r, 1:] = st.own_hist[r, :-1]
         st.own_hist[r, 0] = np.log(c)
-        st.paired[r] = len(r) < 3
+        st.paired[r] = single
         st.hist_steps.appendleft(step)
         a = self.cfg.ewma_alpha
         st.ratio[r] = a * ratio + (1 - a) * st.ratio[r]
-        st.excess[r] = a * (c - ref) + (1 - a) * st.excess[r]
+        st.excess[r] = a * c * (1.0 - 1.0 / ratio) + (1 - a) * st.excess[r]  # over what its reference makes it
         st.compute[r] = a * c + (1 - a) * st.compute[r]
         st.judged[r] = step
         step_s = rows["step_s"].to_numpy().astype(float)

@@ -148,6 +148,9 @@ class Sim:
     run_id: str = "sim"
     base_s: float = 0.2
     jitter: float = 0.10
+    # each step, each pipeline's (the ranks of one dp x tp coordinate) compute times a common factor within
+    # 1 -/+ this: a shared host's contention, or batches whose cost varies, moves a pipeline's stages together
+    pipeline_jitter: float = 0.0
     flush_s: float = 1.0
     tick_s: float = 0.25
     eval_every: int = 0
@@ -174,6 +177,9 @@ class Sim:
         step_ids = np.arange(1, S + 1)
         speed = np.array([(L.stage_speed[L.coords(r)[2]] if L.stage_speed else 1.0) for r in range(W)])
         compute = self.base_s * speed[None, :] * rng.uniform(1 - self.jitter, 1 + self.jitter, (S, W))
+        if self.pipeline_jitter:
+            pipe = np.array([L.coords(r)[0] * L.tp + L.coords(r)[1] for r in range(W)])
+            compute *= rng.uniform(1 - self.pipeline_jitter, 1 + self.pipeline_jitter, (S, L.dp * L.tp))[:, pipe]
         if self.warmup_slow:
             compute[:3] *= rng.uniform(1.0, 3.0, (3, W))
         if self.ckpt_every and self.ckpt_slow_rank is not None:
