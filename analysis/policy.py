@@ -143,6 +143,7 @@ class RunPolicy:
     ckpt_step: int | None = None
     restart_costs: list[float] = field(default_factory=list)
     startup_s: float | None = None
+    spares: int = 0  # standby nodes the run's launcher has left: one takes an isolated node's place
     # the most the run itself allows ("shadow", "off"; None: the policy's mode): a job we did not
     # write (llmwatch-instrument) is acted on in shadow unless it opts in
     mode_cap: str | None = None
@@ -159,6 +160,7 @@ def apply_cost_inputs(st: RunPolicy, inputs: dict[str, Any], *, reached: int | N
     st.ckpt_step = max((s for s in inputs.get("ckpt_steps") or [] if s <= at), default=None)
     if inputs.get("nodes") and not st.nodes:
         st.nodes = list(inputs["nodes"])
+    st.spares = len(inputs.get("spares") or [])
 
 
 def _number(value: Any) -> float | None:
@@ -457,14 +459,16 @@ class Policy:
         lasted = f" for {now - since:.1f} s" + (f" ({steps} steps)" if steps is not None else "")
         reason = (f"{what}: rank {inc.get('rank')} costs {cost:.3g} s/step"
                   + (f" ({100 * share:.0f}% of its step)" if share is not None else "") + lasted)
-        situation = self._situation(st, evidence, cost)
+        situation = self._situation(st, evidence, cost) if self.cfg.weigh_cost else None
         predicted = None
         if situation is not None:
             p = costmodel.predict(situation, min_gain_share=self.cfg.min_gain_share)
             if p.best == costmodel.KEEP:
                 return []  # weighed again on its next update: the steps left, the costs measured change
             predicted = {**p.detail(situation), "at_step": st.reached}
-            reason += f"; the job finishes ~{p.gain_s:.1f} s sooner without its node ({p.best})"
+            reason += (f"; the job finishes ~{p.gain_s:.1f} s sooner with a spare in its node's place (replace)"
+                       if p.best == costmodel.REPLACE else
+                       f"; the job finishes ~{p.gain_s:.1f} s sooner without its node ({p.best})")
         st.slow_since.pop(iid, None)
         out = self._isolate(st, inc, inc.get("node"), now, reason)
         return [replace(d, predicted=predicted) if predicted and d.kind == ISOLATE else d for d in out]
@@ -485,7 +489,7 @@ class Policy:
         redo = reached - st.ckpt_step if st.ckpt_step is not None else reached
         return costmodel.Situation(steps_left=max(0, left), step_s=step_s, excess_s=cost,
                                    nodes=len([n for n in st.nodes if n not in st.isolated]),
-                                   restart_s=restart_s, redo_steps=max(0, redo))
+                                   restart_s=restart_s, redo_steps=max(0, redo), spares=st.spares)
 
     def _crash(self, st: RunPolicy, inc: dict[str, Any], now: float) -> list[Decision]:
         node = inc.get("node")
@@ -530,11 +534,12 @@ class Policy:
             return []
         healthy = [n for n in st.nodes if n not in st.isolated and n != node] if st.nodes else None
         refused = None
-        if healthy is not None and len(healthy) < self.cfg.min_nodes:
+        if healthy is not None and len(healthy) + min(1, st.spares) < self.cfg.min_nodes:  # a spare takes its place
             refused = (f"min_nodes: isolating {node} would leave {len(healthy)} healthy node(s), fewer than "
                        f"{self.cfg.min_nodes}")
         out = self._decision(st, ISOLATE, inc, reason, now, node=node, cooldown=False, refused=refused,
                              args={"node": node, "reason": reason, "incident_id": inc.get("id")})
         if out and out[0].refused is None and out[0].mode == "auto":
             st.isolated.add(node)
+            st.spares = max(0, st.spares - 1)  # the launcher puts a spare in its place while it has one
         return out

@@ -75,6 +75,8 @@ ENV_VARS: dict[str, tuple[str, str]] = {
                             "against it)."),
     "LLMWATCH_NODE_NAMES": ("launcher", "Comma-separated names of the nodes of the current layout (the "
                             "surviving nodes keep their names after an isolation)."),
+    "LLMWATCH_SPARE_NODES": ("launcher", "Comma-separated names of the standby nodes left (`--spare-nodes`): rank 0 "
+                             "reports them with the run, and the collector lists them as `spare` nodes."),
     "LLMWATCH_ATTEMPT_FLOOR": ("launcher", "The lowest training attempt a restarted job may use (attempts "
                                "never go back after a restart)."),
     "LLMWATCH_RESTART_ROUND": ("launcher", "How many times the embedded supervisor restarted the job."),

@@ -197,12 +197,13 @@ class HealingConfig:
     min_nodes: int = 1  # never isolate below this many nodes
     on_isolate: str | None = None  # a shell command run on each isolation (LLMWATCH_RUN_ID, _NODE, _REASON)
     isolate_grace_s: float = 5.0  # ranks of an isolated node's job that do not leave by themselves are stopped
+    spare_nodes: int = 0  # standby nodes of the embedded launcher: one takes an isolated node's place, dp stays
 
     def validate(self) -> None:
         if self.policy not in POLICY_MODES:
             raise ConfigError(f"--policy {self.policy!r}: one of {', '.join(POLICY_MODES)}")
-        if self.max_restarts < 0 or self.min_nodes < 1 or self.isolate_grace_s < 0:
-            raise ConfigError("--max-restarts must be >= 0, --min-nodes >= 1")
+        if self.max_restarts < 0 or self.min_nodes < 1 or self.isolate_grace_s < 0 or self.spare_nodes < 0:
+            raise ConfigError("--max-restarts and --spare-nodes must be >= 0, --min-nodes >= 1")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -18,13 +18,18 @@ them, and decides what an ending means:
   policy answers with a `stop` (restarts that made no progress: the job crashes
   where it crashed before), the job ends with the policy's reason instead.
 
-A restart keeps tp and pp, shrinks dp to the ranks left, and keeps the global
+A node left out is replaced by a standby node while there is one (`--spare-nodes`:
+`replace_nodes`; the spare takes its ranks, and the layout, dp and batch stay);
+without one, a restart keeps tp and pp, shrinks dp to the ranks left, and keeps the global
 batch by raising micro-batches per replica where it divides (`shrink`); the
 checkpoint is resharded on load (trainer/checkpoint.py maps every rank to its
 (pp, tp) shard). The run id continues; the new processes start at an attempt
 above every earlier one (`ATTEMPT_FLOOR_ENV`). Faults follow their hardware:
 each process is told the rank its node and local slot had in the first layout
-(`HW_RANK_ENV`), which is what an injection names.
+(`HW_RANK_ENV`), which is what an injection names; a spare's hardware is new (its
+index follows the first layout's nodes), and no injection names it. Rank 0 reports
+the spares left with the run (`SPARES_ENV`): the collector lists them as `spare`
+nodes, and its policy weighs replacing a node against shrinking the job.
 
 With `--policy shadow` or `off`, or without `--telemetry` (no collector, no
 policy), nothing is healed: a failed rank ends the job, as it would without this
@@ -52,6 +57,7 @@ from trainer.membership import EXIT_RESTART, read_membership
 HW_RANK_ENV = "LLMWATCH_HW_RANK"
 ORIG_WORLD_ENV = "LLMWATCH_ORIG_WORLD"
 NODE_NAMES_ENV = "LLMWATCH_NODE_NAMES"
+SPARES_ENV = "LLMWATCH_SPARE_NODES"  # the standby nodes left, comma-separated (rank 0 reports them)
 ATTEMPT_FLOOR_ENV = "LLMWATCH_ATTEMPT_FLOOR"
 RESTART_ROUND_ENV = "LLMWATCH_RESTART_ROUND"
 ATTEMPT_FILE = "attempt.json"  # in the run dir: the highest attempt rank 0 has run
@@ -95,6 +101,24 @@ def first_layout(cfg: JobConfig) -> Layout:
     n = p.nodes
     return Layout(nodes=tuple(f"node{i}" for i in range(n)), hw_index=tuple(range(n)), per_node=p.world_size // n,
                   dp=p.dp, micro_batches=p.micro_batches)
+
+
+def spare_nodes(cfg: JobConfig) -> list[tuple[str, int]]:
+    """The standby nodes, (name, hardware index): after the first layout's nodes."""
+    n = cfg.parallel.nodes
+    return [(f"node{n + i}", n + i) for i in range(cfg.healing.spare_nodes)]
+
+
+def replace_nodes(layout: Layout, drop: set[str],
+                  spares: list[tuple[str, int]]) -> tuple[Layout, dict[str, str], list[tuple[str, int]]]:
+    """`layout` with spares in the places of the nodes in `drop`, in rank order while spares
+    last: (the layout, {dropped: its spare}, the spares left). The ranks, dp and batch stay."""
+    nodes, hw, left, took = list(layout.nodes), list(layout.hw_index), list(spares), {}
+    for i, name in enumerate(layout.nodes):
+        if name in drop and left:
+            spare, index = left.pop(0)
+            nodes[i], hw[i], took[name] = spare, index, spare
+    return replace(layout, nodes=tuple(nodes), hw_index=tuple(hw)), took, left
 
 
 def shrink(cfg: JobConfig, layout: Layout, drop: set[str]) -> Layout:
@@ -269,6 +293,7 @@ class Supervisor:
         # rank ends the job as it always did
         self.heal = cfg.healing.policy == "auto" and cfg.telemetry.enabled
         self.layout = first_layout(cfg)
+        self.spares = spare_nodes(cfg)  # standby nodes left: (name, hardware index)
         self.restarts = 0
         self.rounds = 0
         self.answers: set[int] = set()  # the policy's actions already taken as a crash's answer
@@ -303,19 +328,26 @@ class Supervisor:
             if not drop:
                 self.log(f"trainer: restarting on the same {len(self.layout.nodes)} node(s) from the last checkpoint")
                 continue
-            try:
-                new = shrink(cfg, self.layout, set(drop))
-            except ValueError as e:
-                return self._end("failed", f"cannot restart without {', '.join(sorted(drop))}: {e}")
-            if len(new.nodes) < cfg.healing.min_nodes:
-                return self._end("failed", f"isolating {', '.join(sorted(drop))} would leave {len(new.nodes)} "
-                                           f"node(s), fewer than --min-nodes {cfg.healing.min_nodes}: stopping")
+            new, took, spares = replace_nodes(self.layout, set(drop), self.spares)
+            rest = set(drop) - set(took)
+            if rest:
+                try:
+                    new = shrink(cfg, new, rest)
+                except ValueError as e:
+                    return self._end("failed", f"cannot restart without {', '.join(sorted(rest))}: {e}")
+                if len(new.nodes) < cfg.healing.min_nodes:
+                    return self._end("failed", f"isolating {', '.join(sorted(rest))} would leave {len(new.nodes)} "
+                                               f"node(s), fewer than --min-nodes {cfg.healing.min_nodes}: stopping")
             for node in sorted(drop):
                 self._on_isolate(node, drop[node])
-            self.log(f"trainer: restarting without {', '.join(sorted(drop))}: {len(new.nodes)} node(s), "
-                     f"dp {self.layout.dp} -> {new.dp}, {new.micro_batches} micro-batches per replica"
-                     + (f" ({new.note})" if new.note else ""))
-            self.layout = new
+            for old, spare in sorted(took.items()):
+                self.log(f"trainer: spare {spare} takes {old}'s place: {len(new.nodes)} node(s), dp {new.dp} kept "
+                         f"({len(spares)} spare(s) left)")
+            if rest:
+                self.log(f"trainer: restarting without {', '.join(sorted(rest))}: {len(new.nodes)} node(s), "
+                         f"dp {self.layout.dp} -> {new.dp}, {new.micro_batches} micro-batches per replica"
+                         + (f" ({new.note})" if new.note else ""))
+            self.layout, self.spares = new, spares
 
     def _end(self, status: str, reason: str) -> int:
         """The job ends here after a failure, with no rank left to say so: logged, and reported
@@ -332,6 +364,7 @@ class Supervisor:
         """What a rank of this round is told beyond torchrun's variables."""
         return {HW_RANK_ENV: str(layout.hw_rank(rank)), ORIG_WORLD_ENV: str(self.cfg.parallel.world_size),
                 NODE_NAMES_ENV: ",".join(layout.nodes), RESTART_ROUND_ENV: str(round_),
+                SPARES_ENV: ",".join(name for name, _ in self.spares),
                 ATTEMPT_FLOOR_ENV: str(attempt_high_water(self.run_dir) + 1 if round_ else 0)}
 
     # -- one round ---------------------------------------------------------------

@@ -36,6 +36,7 @@ from trainer.supervisor import (
     NODE_NAMES_ENV,
     ORIG_WORLD_ENV,
     RESTART_ROUND_ENV,
+    SPARES_ENV,
     attempt_high_water,
 )
 
@@ -185,6 +186,7 @@ def run_worker(cfg: JobConfig, *, token: str | None = None) -> int:
             "run_id": cfg.run_id, "config": cfg.to_dict(), "world_size": world,
             "mesh": {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "sp": dims.sp, "nodes": dims.nodes},
             "node_map": {str(r): node_names[dims.node_of(r)] for r in range(world)},
+            "spares": [n for n in os.environ.get(SPARES_ENV, "").split(",") if n],  # the launcher's standby nodes
             "code_version": _code_version(), "data_version": corpus.data_version,
             "backend": backend, "device": device.type, "torch": torch.__version__, "started_ts": time.time(),
         }

@@ -71,6 +71,7 @@ class RunInfo(_Strict):
     mesh: dict[str, Any] | None = None
     world_size: Int32 | None = None
     node_map: dict[str, Name] | None = None
+    spares: Annotated[list[Name], Field(max_length=4096)] | None = None  # standby nodes (the launcher's spares)
     code_version: Name | None = None
     data_version: Name | None = None
     started_ts: float | None = None

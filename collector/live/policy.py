@@ -570,7 +570,7 @@ def _incident_row(cur: duckdb.DuckDBPyConnection, incident_id: int) -> dict[str,
 def _nodes_of(cur: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, Any]:
     rows = cur.execute("SELECT node, status FROM nodes WHERE run_id = ?", [run_id]).fetchall()
     (status,) = cur.execute("SELECT status FROM runs WHERE run_id = ?", [run_id]).fetchone() or (None,)
-    return {"all": [n for n, _ in rows], "isolated": [n for n, s in rows if s == "isolated"],
+    return {"all": [n for n, s in rows if s != "spare"], "isolated": [n for n, s in rows if s == "isolated"],
             "finished": status in ("completed", "stopped", "failed")}
 
 

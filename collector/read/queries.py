@@ -291,11 +291,13 @@ def cost_inputs(cur: Cursor, run_id: str) -> dict[str, Any]:
         "SELECT finished_ts - requested_ts FROM actions WHERE run_id = $r AND kind IN ('restart', 'isolate') "
         "AND status = 'done' AND mode = 'auto' AND finished_ts >= requested_ts ORDER BY id", {"r": run_id}).fetchall()]
     nodes = [str(n) for (n,) in cur.execute(
-        "SELECT node FROM nodes WHERE run_id = $r UNION SELECT DISTINCT node FROM ranks WHERE run_id = $r "
-        "AND node IS NOT NULL ORDER BY 1", {"r": run_id}).fetchall()]
+        "SELECT node FROM nodes WHERE run_id = $r AND status <> 'spare' UNION SELECT DISTINCT node FROM ranks "
+        "WHERE run_id = $r AND node IS NOT NULL ORDER BY 1", {"r": run_id}).fetchall()]
+    spares = [str(n) for (n,) in cur.execute(
+        "SELECT node FROM nodes WHERE run_id = $r AND status = 'spare' ORDER BY 1", {"r": run_id}).fetchall()]
     return {"steps_total": int(steps_total) if steps_total is not None and steps_total > 0 else None,
             "startup_s": float(startup) if startup is not None and startup >= 0 else None,
-            "ckpt_steps": ckpts, "restart_costs": restarts, "nodes": nodes}
+            "ckpt_steps": ckpts, "restart_costs": restarts, "nodes": nodes, "spares": spares}
 
 def step_window(cur: Cursor, run_id: str, *, step_from: int, step_to: int, max_points: int = 400) -> Rows:
     """loss, grad_norm and loss_scale of the effective curve over [step_from, step_to],

@@ -2,7 +2,7 @@
 its checkpoints and how it ended.
 
 A batch may carry the run's description (`run`: config, mesh, world size, node
-map) and special events (checkpoint_saved, checkpoint_verified, run_finished).
+map, the launcher's spare nodes) and special events (checkpoint_saved, checkpoint_verified, run_finished).
 Each becomes a statement on `runs`, `nodes` or `checkpoints`. The plan is the
 list of those statements in the order the batches and their events came, so a
 later batch wins exactly as it did when each ran on its own; `write` runs them.
@@ -32,7 +32,13 @@ _RUN_INFO = """
 _NODES = """
     INSERT INTO nodes (run_id, node, ranks, status, updated_ts)
     SELECT ?, node, ranks, 'healthy', ? FROM __nodes
-    ON CONFLICT (run_id, node) DO UPDATE SET ranks = excluded.ranks, updated_ts = excluded.updated_ts"""
+    ON CONFLICT (run_id, node) DO UPDATE SET ranks = excluded.ranks, updated_ts = excluded.updated_ts,
+        status = CASE WHEN nodes.status = 'spare' THEN 'healthy' ELSE nodes.status END"""
+# the launcher's standby nodes: listed as spares until one takes a node's place (it then has ranks)
+_SPARES = """
+    INSERT INTO nodes (run_id, node, ranks, status, updated_ts)
+    SELECT ?, node, NULL, 'spare', ? FROM __nodes
+    ON CONFLICT (run_id, node) DO NOTHING"""
 # every rank reports the shards it wrote: the row adds them up
 _CHECKPOINT_SAVED = """
     INSERT INTO checkpoints (run_id, step, attempt, path, num_shards, bytes, checksums, verified, write_s, ts,
@@ -66,6 +72,8 @@ def statements(b: DecodedBatch, now: float) -> list[Statement]:
                 "node": pa.array(list(by_node), pa.string()),
                 "ranks": pa.array([json_text(sorted(r)) for r in by_node.values()], pa.string())})
             out.append((_NODES, [b.run_id, now], nodes))
+        if r.spares:
+            out.append((_SPARES, [b.run_id, now], pa.table({"node": pa.array(sorted(set(r.spares)), pa.string())})))
     for e in b.events:
         s = e.special
         if isinstance(s, CheckpointSaved):

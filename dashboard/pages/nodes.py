@@ -2,7 +2,8 @@
 every checkpoint it wrote.
 
 The node table says each node's status (healthy, suspect, isolated: an isolated
-node's ranks were taken out of training), its ranks, why and when, and a chart
+node's ranks were taken out of training; spare: a standby node of the launcher's,
+with no ranks until it takes an isolated node's place), its ranks, why and when, and a chart
 shows the ranks per node in the node colours every page uses. The checkpoint
 table and its chart say how long each write took and whether it was verified (an
 unverified or partial checkpoint cannot be restored), with the run's incidents and
@@ -35,7 +36,8 @@ from dashboard.source import Source, SourceError
 
 PAGE = {"path": "/nodes", "name": "Nodes", "order": 4,
         "title": "llmwatch · nodes & checkpoints"}  # registered by dashboard/app.py
-STATUS_HEALTH = {"healthy": "healthy", "suspect": "warning", "isolated": "isolated"}  # node status -> HEALTH_COLORS
+STATUS_HEALTH = {"healthy": "healthy", "suspect": "warning", "isolated": "isolated",
+                 "spare": "healthy"}  # node status -> HEALTH_COLORS
 VERIFIED_COLOR, UNVERIFIED_COLOR = HEALTH_COLORS["healthy"], HEALTH_COLORS["incident"]
 
 NODE_COLUMNS = (("node", "node", "t"), ("status", "status", "t"), ("num_ranks", "ranks", "n"),
@@ -80,11 +82,12 @@ def nodes_figure(nodes: list[dict], *, uirevision: str = "keep") -> go.Figure:
             orientation="h", y=[n["node"]], x=[len(ranks)], name=n["node"], showlegend=False,
             marker={"color": node_color(n["node"], names), "line": {"color": health_color(status), "width": 3},
                     "pattern": {"shape": "/" if status == "isolated" else "", "fgcolor": "#555555"}},
-            text=[f"{status} · ranks {', '.join(map(str, ranks)) or '–'}"], textposition="inside",
+            text=[f"{status} · ranks {', '.join(map(str, ranks)) or '–'}"],
+            textposition="inside" if ranks else "outside",  # a spare has no ranks: its label beside the axis
             insidetextanchor="start", textfont={"size": 12, "color": "#1d2433"},
             hovertemplate=(f"<b>{n['node']}</b> ({status})<br>{len(ranks)} ranks: "
                            f"{', '.join(map(str, ranks)) or '–'}<br>{n.get('reason') or ''}<extra></extra>")))
-    base_layout(fig, title="Ranks per node (hatched: isolated)",
+    base_layout(fig, title="Ranks per node (hatched: isolated; a spare has none until it takes a node's place)",
                 height=120 + 48 * len(nodes), uirevision=uirevision, legend=False)
     fig.update_layout(hovermode="closest", bargap=0.3)
     fig.update_xaxes(title_text="ranks (count)", dtick=1 if max(len(_ranks(n.get("ranks"))) for n in nodes) <= 16

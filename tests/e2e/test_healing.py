@@ -185,6 +185,16 @@ def straggler(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def spare(tmp_path_factory):
+    # the straggler scenario with a standby node: replacing costs the restart and nothing per step, shrinking
+    # 2 nodes to 1 doubles every step after it: the cost model takes the spare
+    d = tmp_path_factory.mktemp("spare") / "run"
+    return run_healing(d, *DP, *BIGGER, *rules(d.parent / "rules.toml", SHORT_PERSIST), "--steps", "220",
+                       *ckpt(d, every=10), "--spare-nodes", "1",
+                       "--inject", "straggler@rank=1,from=52,factor=8")
+
+
+@pytest.fixture(scope="module")
 def crashes(tmp_path_factory):
     d = tmp_path_factory.mktemp("crash") / "run"
     return run_healing(d, *DP, *rules(d.parent / "rules.toml"), "--steps", "150", *ckpt(d),
@@ -433,6 +443,31 @@ def test_a_straggling_node_is_isolated_and_the_job_keeps_its_global_batch(stragg
     tokens = {a: statistics.mean(r["tokens"] for r in o.query(
         "SELECT tokens FROM step_summary WHERE attempt = ?", a)) for a in (0, after[0]["attempt"])}
     assert 0.8 < tokens[after[0]["attempt"]] / tokens[0] < 1.25, tokens
+
+
+def test_a_spare_takes_the_straggling_nodes_place_and_the_job_keeps_its_size(spare):
+    """--spare-nodes 1: node2 stands by (a `spare` node without ranks) until the policy isolates
+    node1 for its straggler; the cost model chose `replace`, node2 takes rank 1, dp stays 2 and
+    the slowness, which was node1's hardware, does not follow."""
+    o = spare
+    (s,) = o.of("straggler")
+    assert (s["rank"], s["node"]) == (1, "node1"), o.report()
+    iso = assert_isolated(o, "node1", s, "straggler")
+    predicted, realized = iso["detail"]["predicted"], iso["detail"].get("realized")
+    assert predicted["best"] == "replace" and predicted["inputs"]["spares"] == 1, o.report()
+    assert predicted["seconds"]["replace"] < predicted["seconds"]["shrink"], o.report()
+    assert "with a spare in its node's place" in iso["detail"]["reason"], o.report()
+    assert realized is not None and realized["step_s_after"] < realized["step_s_before"], o.report()
+    assert o.run.returncode == 0 and o.query("SELECT status, world_size FROM runs") == [
+        {"status": "completed", "world_size": 2}], o.report()
+    assert (o.nodes["node2"]["status"], json.loads(o.nodes["node2"]["ranks"])) == ("healthy", [1]), o.report()
+    after = last_attempt(o)
+    assert max(r["step"] for r in after) == 220 and {(r["rank"], r["node"]) for r in after} == {
+        (0, "node0"), (1, "node2")}, o.report()
+    new = round_config(o, 1)["parallel"]
+    assert (new["dp"], new["nodes"], new["micro_batches"]) == (2, 2, 2), new
+    assert samples_per_step(after) == {GLOBAL_SAMPLES}, o.report()
+    assert "spare node2 takes node1's place" in o.run.stderr + o.run.stdout, o.report()
 
 
 # -- 6. a node that crashes twice --------------------------------------------------------------------------------

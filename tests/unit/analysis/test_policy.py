@@ -7,7 +7,18 @@ import math
 import pytest
 
 from analysis.kinds import DONE_IN_PLACE
-from analysis.policy import CHECKPOINT, ISOLATE, REPAIR, RESTART, ROLLBACK, STOP, Decision, Policy, RunPolicy
+from analysis.policy import (
+    CHECKPOINT,
+    ISOLATE,
+    REPAIR,
+    RESTART,
+    ROLLBACK,
+    STOP,
+    Decision,
+    Policy,
+    RunPolicy,
+    apply_cost_inputs,
+)
 from analysis.rules import rules_from_dict
 
 
@@ -310,11 +321,18 @@ def costed(cost: float, step_s: float, id: int = 7) -> dict:
 
 
 def weighed(nodes: int, *, cost: float, step_s: float = 1.0, reached: int = 100, total: int | None = 10_100,
-            ckpt: int | None = 90, startup_s: float | None = 30.0, persist_steps: int | None = None):
+            ckpt: int | None = 90, startup_s: float | None = 30.0, persist_steps: int | None = None,
+            spares: int = 0, min_nodes: int | None = None, weigh_cost: bool = True):
     """The decision for a straggler that persisted 4 s and 20 steps on a run of `nodes` nodes."""
     over = {"persist_steps": persist_steps} if persist_steps is not None else {}
+    if min_nodes is not None:
+        over["min_nodes"] = min_nodes
+    if not weigh_cost:
+        over["weigh_cost"] = False
     p, st = policy(policy=over), run_state(*(f"node{i}" for i in range(nodes)))
     st.reached, st.steps_total, st.ckpt_step, st.startup_s = reached, total, ckpt, startup_s
+    apply_cost_inputs(st, {"steps_total": total, "startup_s": startup_s, "ckpt_steps": [ckpt] if ckpt else [],
+                           "spares": [f"node{nodes + i}" for i in range(spares)]})
     assert p.on_incident(st, costed(cost, step_s), now=0.0) == []
     st.reached += 20
     return p.on_incident(st, costed(cost, step_s), now=4.0), st
@@ -325,6 +343,11 @@ def test_on_two_nodes_a_straggler_costing_12_percent_is_kept_not_shrunk_to_half(
     assert out == []  # shrinking would double the step: the incident stays an alert
 
 
+def test_without_the_cost_model_a_straggler_that_persisted_always_has_its_node_isolated():
+    [d], _ = weighed(2, cost=0.12, step_s=1.12, weigh_cost=False)  # the rule before the model: no prediction
+    assert (d.kind, d.node, d.refused, d.predicted) == (ISOLATE, "node1", None, {})
+
+
 def test_on_64_nodes_the_straggler_node_is_isolated_with_the_gain_it_predicts():
     [d], st = weighed(64, cost=0.12, step_s=1.12)
     assert (d.kind, d.node, d.refused) == (ISOLATE, "node1", None)
@@ -333,6 +356,19 @@ def test_on_64_nodes_the_straggler_node_is_isolated_with_the_gain_it_predicts():
                                      "restart_s": 35.0, "redo_steps": 30, "spares": 0}  # start-up + overhead
     assert "the job finishes ~" in d.reason and "sooner without its node (shrink)" in d.reason
     assert d.detail()["predicted"] == d.predicted
+
+
+def test_on_two_nodes_with_a_spare_the_straggler_node_is_replaced_and_min_nodes_allows_it():
+    """A spare (the launcher's --spare-nodes, listed by the collector) takes the node's place:
+    the job keeps its size, so a 12% straggler that shrinking would not pay for is worth a
+    restart; min_nodes 2 does not refuse it (two nodes stay). The spare is then spent."""
+    [d], st = weighed(2, cost=0.12, step_s=1.12, spares=1, min_nodes=2)
+    assert (d.kind, d.node, d.refused) == (ISOLATE, "node1", None)
+    assert d.predicted["best"] == "replace" and d.predicted["inputs"]["spares"] == 1
+    assert "with a spare in its node's place (replace)" in d.reason
+    assert st.spares == 0
+    [refused], _ = weighed(2, cost=2.0, step_s=3.0, min_nodes=2)  # no spare: shrinking pays, but leaves one node
+    assert refused.refused.startswith("min_nodes")
 
 
 def test_a_straggler_near_the_end_of_the_run_is_kept():

@@ -140,13 +140,14 @@ def test_the_cost_models_inputs_from_the_tables(con):
     con.execute("INSERT INTO actions (id, run_id, kind, status, mode, requested_ts, finished_ts) VALUES "
                 "(2, 'heal', 'isolate', 'done', 'auto', 1020, 1024.5), (3, 'heal', 'restart', 'done', 'shadow', 1, 9),"
                 " (4, 'heal', 'restart', 'failed', 'auto', 1, 9)")
-    con.execute("INSERT INTO nodes (run_id, node, status, updated_ts) VALUES ('heal', 'node1', 'isolated', 1000)")
+    con.execute("INSERT INTO nodes (run_id, node, status, updated_ts) VALUES ('heal', 'node1', 'isolated', 1000), "
+                "('heal', 'node2', 'spare', 1000)")  # a spare is no node of the job, one to take a place
     con.execute("INSERT INTO ranks (run_id, rank, node, first_seen_ts, last_seen_ts) VALUES "
                 "('heal', 0, 'node0', 1000, 1000)")
     got = queries.cost_inputs(con, "heal")
     assert got == {"steps_total": 500, "startup_s": 3.0 - 0.0, "ckpt_steps": [2, 4, 6], "restart_costs": [4.5],
-                   "nodes": ["node0", "node1"]}  # the first step ended at 1003, the run started at 1000
+                   "nodes": ["node0", "node1"], "spares": ["node2"]}  # the first step ended at 1003, started 1000
     st = RunPolicy(run_id="heal")
     apply_cost_inputs(st, got, reached=5)
-    assert (st.reached, st.ckpt_step, st.steps_total, st.nodes) == (5, 4, 500, ["node0", "node1"])
+    assert (st.reached, st.ckpt_step, st.steps_total, st.nodes, st.spares) == (5, 4, 500, ["node0", "node1"], 1)
     assert queries.cost_inputs(con, "restart")["steps_total"] is None  # no steps in its config: open-ended

@@ -211,3 +211,22 @@ def test_sql_is_read_only_on_storage(storage):
     assert (result.rows, result.truncated, result.types) == ([(1,), (2,)], True, ["BIGINT"])
     assert storage.sql("SELECT count(*) FROM steps", fmt="arrow").table.to_pylist() == [{"count_star()": 3}]
 
+
+
+def test_the_launchers_spares_are_spare_nodes_until_one_takes_a_place(storage):
+    """Rank 0 lists the spares left with the run: each is a `spare` node without ranks, not a node
+    of the job (the cost model's inputs count it apart); once one is in the node map (it took an
+    isolated node's place) it is `healthy` with its ranks, and an isolated node stays isolated."""
+    run = {"run_id": "run1", "world_size": 4, "node_map": {"0": "node0", "1": "node0", "2": "node1", "3": "node1"},
+           "spares": ["node2"]}
+    ingest(storage, make_batch(run=run))
+    assert rows(storage, "SELECT node, ranks, status FROM nodes ORDER BY node") == [
+        ("node0", "[0,1]", "healthy"), ("node1", "[2,3]", "healthy"), ("node2", None, "spare")]
+    inputs = storage.read(queries.cost_inputs, "run1")
+    assert (inputs["nodes"], inputs["spares"]) == (["node0", "node1"], ["node2"])
+    storage.set_node_status("run1", "node1", "isolated", "straggler").result(timeout=10)
+    ingest(storage, make_batch(batch_seq=1, incarnation="inc1", run={
+        **run, "node_map": {"0": "node0", "1": "node0", "2": "node2", "3": "node2"}, "spares": []}))
+    assert rows(storage, "SELECT node, ranks, status FROM nodes ORDER BY node") == [
+        ("node0", "[0,1]", "healthy"), ("node1", "[2,3]", "isolated"), ("node2", "[2,3]", "healthy")]
+    assert storage.read(queries.cost_inputs, "run1")["spares"] == []

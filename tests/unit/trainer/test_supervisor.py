@@ -19,6 +19,7 @@ from trainer.supervisor import (
     NODE_NAMES_ENV,
     ORIG_WORLD_ENV,
     RESTART_ROUND_ENV,
+    SPARES_ENV,
     Layout,
     Supervisor,
     attempt_high_water,
@@ -284,6 +285,29 @@ def test_a_restart_without_a_ckpt_dir_is_refused(tmp_path):
     s, logs = supervise(job(tmp_path, nodes=2, dp=2, ckpt=False), tmp_path, rounds)
     assert s.run() == 1
     assert len(rounds.seen) == 1 and "without --ckpt-dir" in logs[-1]
+
+
+def test_a_spare_takes_the_isolated_nodes_place_and_the_next_isolation_shrinks(tmp_path):
+    """--spare-nodes 1 on 3 nodes: node3 stands by. node1 is isolated: node3 takes its ranks, dp
+    and the batch stay, its hardware is new (hw ranks 3.., which no injection names), and the
+    ranks are told no spare is left. node0 is isolated next: no spare, the job shrinks."""
+    def isolate(node):
+        return lambda: record_isolation(tmp_path, node=node, reason="straggler", incident_id=1, step=5,
+                                        command_id=f"c-{node}")
+
+    rounds = Rounds(procs(3, EXIT_RESTART), procs(3, EXIT_RESTART), procs(2, 0),
+                    before={0: isolate("node1"), 1: isolate("node0")})
+    s, logs = supervise(job(tmp_path, min_nodes=2, spare_nodes=1), tmp_path, rounds)
+    assert s.run() == 0
+    (_, first, _, envs0), (cfg1, second, _, envs1), (_, third, _, _) = rounds.seen
+    assert {e[SPARES_ENV] for e in envs0} == {"node3"}
+    assert (second.nodes, second.dp, second.micro_batches) == (("node0", "node3", "node2"), 3, 2)
+    assert (cfg1.parallel.nodes, cfg1.parallel.dp) == (3, 3)
+    assert [e[HW_RANK_ENV] for e in envs1] == ["0", "3", "2"] and {e[SPARES_ENV] for e in envs1} == {""}
+    assert {e[NODE_NAMES_ENV] for e in envs1} == {"node0,node3,node2"}
+    assert any("spare node3 takes node1's place" in m and "dp 3 kept" in m for m in logs)
+    assert (third.nodes, third.dp) == (("node3", "node2"), 2)  # no spare left: shrunk
+    assert any("restarting without node0" in m for m in logs)
 
 
 def test_an_isolation_below_min_nodes_stops_the_job(tmp_path):
