@@ -42,6 +42,13 @@ writes. Ranks are drawn among those auto has not isolated yet by the faults befo
 pay for it alone); the last one left takes what remains. The gap after each fault
 follows what it ends in (`AFTER_UNITS`), as in the fixed schedule.
 
+`--spare-nodes N` gives the healed runs N standby nodes (a node isolated while one
+is left is replaced, dp stays 4), and `--always` adds a third faulted run, "always
+isolate": auto without the cost model (`weigh_cost = false`), every slow-down that
+persisted costs its node whatever that costs the job. The issue's comparison:
+
+    python bench/bench_goodput.py --mix llama3 --faults 8 --seed 1 --spare-nodes 1 --always
+
 Figures per run: wall s and productive s (collector/offline/postmortem.py's goodput: the
 step time of the final effective lineage, not skipped, over the run's span), the
 final step, and productive steps per wall second relative to the clean run (what
@@ -224,11 +231,11 @@ def _num_lines(path: Path) -> int:
 
 
 def argv_for(run_dir: Path, run_id: str, *, steps: int, policy: str, inject: list[str], rules: Path,
-             metrics: Path, resume: bool = False) -> list[str]:
+             metrics: Path, resume: bool = False, spare_nodes: int = 0) -> list[str]:
     argv = [sys.executable, "-m", "trainer", "--telemetry", "--run-dir", str(run_dir), "--run-id", run_id,
             *MODEL, *LAYOUT, "--steps", str(steps), "--policy", policy, "--rules", str(rules),
             "--ckpt-dir", str(run_dir / "ckpt"), "--ckpt-every", "5", "--ckpt-keep", "40",
-            "--metrics-jsonl", str(metrics)]
+            "--metrics-jsonl", str(metrics), "--spare-nodes", str(spare_nodes)]
     for spec in inject:
         argv += ["--inject", spec]
     return argv + (["--resume"] if resume else [])
@@ -282,11 +289,11 @@ def figures(wall_s: float, steps: dict[int, dict], num_steps: int) -> dict:
 
 
 def single(name: str, base: Path, *, steps: int, policy: str, inject: list[str], rules: Path,
-           timeout_s: float) -> dict:
+           timeout_s: float, spare_nodes: int = 0) -> dict:
     run_dir = base / name
     metrics = run_dir / "metrics.jsonl"
-    job = run_job(argv_for(run_dir, name, steps=steps, policy=policy, inject=inject, rules=rules, metrics=metrics),
-                  timeout_s=timeout_s, metrics=metrics)
+    job = run_job(argv_for(run_dir, name, steps=steps, policy=policy, inject=inject, rules=rules, metrics=metrics,
+                           spare_nodes=spare_nodes), timeout_s=timeout_s, metrics=metrics)
     r = read_run(run_dir / "telemetry.duckdb", name, job)
     g = r["goodput"]
     out = figures(g.wall_s, r["steps"], steps)
@@ -370,7 +377,7 @@ def report(res: dict, steps: int) -> None:
     if any((r["goodput"] or 0) > 1 for r in res["runs"].values()):
         print("  (goodput above 100%: the slowest rank's step_s per step, summed, exceeds the wall time: the ranks' "
               "step windows are not aligned, so their maxima overlap)")
-    for name in ("clean", "auto"):
+    for name in [n for n in ("clean", "auto", "always") if n in res["runs"]]:
         r = res["runs"][name]
         print(f"  {name}: postmortem.goodput {_pct(r['postmortem_goodput'])}; not productive: "
               f"{r['outside_steps_s']:.1f} s outside steps (start-up, checkpoints, restarts), "
@@ -393,13 +400,35 @@ def report(res: dict, steps: int) -> None:
           f"({d['num_productive_steps']} productive steps; ended by {d['ended']})")
 
     auto = res["runs"]["auto"]
-    print(f"\nauto actions ({len(auto['actions'])}):")
+    for name in [n for n in ("auto", "always") if n in res["runs"]]:
+        print(f"\n{name} actions ({len(res['runs'][name]['actions'])}):")
+        _actions(res["runs"][name]["actions"])
+    _recovery(res, auto)
+    ga, go, gc = auto["goodput"], off["goodput"], clean["goodput"]
+    res["ratios"] = {"goodput_auto_vs_clean": _ratio(ga, gc), "goodput_off_vs_clean": _ratio(go, gc),
+                     "goodput_auto_vs_off": _ratio(ga, go),
+                     "steps_per_s_auto_vs_clean": auto["steps_per_s_vs_clean"],
+                     "steps_per_s_off_vs_clean": off["steps_per_s_vs_clean"]}
+    f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    print(f"\ngoodput(auto)/goodput(clean): {f(res['ratios']['goodput_auto_vs_clean'])}")
+    print(f"goodput(off)/goodput(clean):  {f(res['ratios']['goodput_off_vs_clean'])}")
+    print(f"goodput(auto)/goodput(off):   {f(res['ratios']['goodput_auto_vs_off'])}")
+    if "always" in res["runs"]:
+        res["ratios"]["goodput_auto_vs_always"] = _ratio(ga, res["runs"]["always"]["goodput"])
+        print(f"goodput(auto)/goodput(always isolate): {f(res['ratios']['goodput_auto_vs_always'])}")
+    print(f"productive steps/s vs clean: auto {f(auto['steps_per_s_vs_clean'])}, off {f(off['steps_per_s_vs_clean'])}")
+
+
+def _actions(actions: list[dict]) -> None:
     print(f"  {'kind':<10}{'node':<8}{'status':<10}{'recovery_s':>11}  incident")
-    for a in auto["actions"]:
+    for a in actions:
         rec = "-" if a["recovery_s"] is None else f"{a['recovery_s']:.2f}"
         cause = f" ({a['root_cause']})" if a["root_cause"] else ""
         print(f"  {a['kind']:<10}{a['node'] or '-':<8}{a['status']:<10}{rec:>11}  "
               f"{a['incident'] or '-'} step {a['incident_step']}{cause}"[:160])
+
+
+def _recovery(res: dict, auto: dict) -> None:
     summary = {}
     for kind in ("rollback", "isolate", "restart"):
         recs = [a["recovery_s"] for a in auto["actions"] if a["kind"] == kind and a["recovery_s"] is not None]
@@ -411,17 +440,6 @@ def report(res: dict, steps: int) -> None:
             mx = "-" if not recs else f"{summary[kind]['max_s']:.2f}"
             print(f"  {kind}: {n} actions, recovery median {med} s, max {mx} s ({len(recs)} with recovery_s)")
     res["recovery_summary"] = summary
-
-    ga, go, gc = auto["goodput"], off["goodput"], clean["goodput"]
-    res["ratios"] = {"goodput_auto_vs_clean": _ratio(ga, gc), "goodput_off_vs_clean": _ratio(go, gc),
-                     "goodput_auto_vs_off": _ratio(ga, go),
-                     "steps_per_s_auto_vs_clean": auto["steps_per_s_vs_clean"],
-                     "steps_per_s_off_vs_clean": off["steps_per_s_vs_clean"]}
-    f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
-    print(f"\ngoodput(auto)/goodput(clean): {f(res['ratios']['goodput_auto_vs_clean'])}")
-    print(f"goodput(off)/goodput(clean):  {f(res['ratios']['goodput_off_vs_clean'])}")
-    print(f"goodput(auto)/goodput(off):   {f(res['ratios']['goodput_auto_vs_off'])}")
-    print(f"productive steps/s vs clean: auto {f(auto['steps_per_s_vs_clean'])}, off {f(off['steps_per_s_vs_clean'])}")
 
 
 def main() -> int:
@@ -436,6 +454,10 @@ def main() -> int:
                    "of the fixed schedule (llama3: its 419 unexpected interruptions)")
     p.add_argument("--faults", type=int, default=8, help="--mix: how many faults to draw")
     p.add_argument("--seed", type=int, default=0, help="--mix: the draw's seed")
+    p.add_argument("--spare-nodes", type=int, default=0, help="standby nodes for the healed runs (the issue's "
+                   "figure: 1): an isolated node is replaced, not shrunk away, while one is left")
+    p.add_argument("--always", action="store_true", help="a third policy on the same schedule: auto without the "
+                   "cost model (`weigh_cost = false`: every slow-down that persisted has its node isolated)")
     p.add_argument("--keep", action="store_true", help="keep the run directories (the path is printed)")
     p.add_argument("--out-json", metavar="PATH", help="also write the figures as JSON")
     p.add_argument("--timeout-s", type=float, default=1200.0, help="per launcher process")
@@ -469,11 +491,12 @@ def main() -> int:
         print(f"mix {a.mix}, seed {a.seed}: {a.faults} faults: "
               + ", ".join(f"{c} {counts.get(c, 0)} ({w:g}%)" for c, w, _ in MIXES[a.mix]))
         print("  " + "; ".join(f"{cause}: {kind}" for cause, kind, _, _ in drawn))
-    print(f"{steps} steps, dp4 over 4 nodes; schedule: {' '.join(inject)}")
+    print(f"{steps} steps, dp4 over 4 nodes" + (f" and {a.spare_nodes} spare(s)" if a.spare_nodes else "")
+          + f"; schedule: {' '.join(inject)}")
     res = {"steps": steps, "quick": a.quick, "calibrated_step_s": step_s, "schedule": inject,
            "mix": a.mix, "mix_seed": a.seed if a.mix else None,
            "drawn": [{"cause": c, "kind": k} for c, k, _, _ in drawn] if drawn else None,
-           "model": MODEL + LAYOUT, "rules": RULES,
+           "model": MODEL + LAYOUT, "rules": RULES, "spare_nodes": a.spare_nodes,
            "off_model": {"human_delay_s": a.human_delay_s, "hang_timeout_s": a.hang_timeout_s,
                          "stall_s": a.stall_s}, "runs": {}}
     t_all = time.monotonic()
@@ -482,15 +505,21 @@ def main() -> int:
                                       timeout_s=a.timeout_s)
         print(f"clean done ({res['runs']['clean']['elapsed_s']:.0f} s)", flush=True)
         res["runs"]["auto"] = single("auto", base, steps=steps, policy="auto", inject=inject, rules=rules,
-                                     timeout_s=a.timeout_s)
+                                     timeout_s=a.timeout_s, spare_nodes=a.spare_nodes)
         print(f"auto done ({res['runs']['auto']['elapsed_s']:.0f} s)", flush=True)
+        if a.always:
+            always = base / "always.toml"
+            always.write_text(RULES + "weigh_cost = false\n")
+            res["runs"]["always"] = single("always", base, steps=steps, policy="auto", inject=inject, rules=always,
+                                           timeout_s=a.timeout_s, spare_nodes=a.spare_nodes)
+            print(f"always done ({res['runs']['always']['elapsed_s']:.0f} s)", flush=True)
         res["runs"]["off"] = manual(base, steps=steps, inject=inject, rules=rules, timeout_s=a.timeout_s,
                                     stall_s=a.stall_s, human_delay_s=a.human_delay_s,
                                     hang_timeout_s=a.hang_timeout_s)
         print(f"off done ({sum(s['actual_elapsed_s'] for s in res['runs']['off']['segments']):.0f} s, "
               f"{len(res['runs']['off']['segments'])} segments)", flush=True)
         report(res, steps)
-        for name in ("clean", "auto"):
+        for name in [n for n in ("clean", "auto", "always") if n in res["runs"]]:
             if res["runs"][name].get("tail"):
                 print(f"\n{name} ended {res['runs'][name]['ended']} (rc {res['runs'][name]['returncode']}); "
                       f"its output ends:\n{res['runs'][name]['tail']}")
