@@ -144,6 +144,7 @@ class RunPolicy:
     restart_costs: list[float] = field(default_factory=list)
     startup_s: float | None = None
     spares: int = 0  # standby nodes the run's launcher has left: one takes an isolated node's place
+    replaced: dict[tuple[str, int], str] = field(default_factory=dict)  # (slow-down kind, rank) -> node a spare replaced
     # the most the run itself allows ("shadow", "off"; None: the policy's mode): a job we did not
     # write (llmwatch-instrument) is acted on in shadow unless it opts in
     mode_cap: str | None = None
@@ -456,6 +457,14 @@ class Policy:
         if now - since < persist_s or (steps is not None and steps < self.cfg.persist_steps):
             return []
         what = {"slow_link": f"slow {evidence.get('axis')} link", "data_stall": "data stall"}.get(kind, "straggler")
+        rank, node = inc.get("rank"), inc.get("node")
+        was = st.replaced.get((kind, rank)) if rank is not None else None
+        if was is not None and node is not None and node != was:  # the spare in its place is slow there too
+            st.slow_since.pop(iid, None)
+            why = (f"{what} again at rank {rank}: {node} took {was}'s place and is as slow there: the slowness "
+                   f"stays with the place (its data, its stage, its links), not the node, and another "
+                   f"replacement would loop: stopping the run")
+            return self._stop(st, inc, why, now, shadow=self.mode_of(ISOLATE) == "shadow", node=node)
         lasted = f" for {now - since:.1f} s" + (f" ({steps} steps)" if steps is not None else "")
         reason = (f"{what}: rank {inc.get('rank')} costs {cost:.3g} s/step"
                   + (f" ({100 * share:.0f}% of its step)" if share is not None else "") + lasted)
@@ -470,7 +479,11 @@ class Policy:
                        if p.best == costmodel.REPLACE else
                        f"; the job finishes ~{p.gain_s:.1f} s sooner without its node ({p.best})")
         st.slow_since.pop(iid, None)
-        out = self._isolate(st, inc, inc.get("node"), now, reason)
+        spare = st.spares > 0
+        out = self._isolate(st, inc, node, now, reason)
+        if spare and rank is not None and any(d.kind == ISOLATE and d.refused is None and d.mode == "auto"
+                                              for d in out):
+            st.replaced[(kind, rank)] = node  # a spare takes its ranks: the same place
         return [replace(d, predicted=predicted) if predicted and d.kind == ISOLATE else d for d in out]
 
     def _situation(self, st: RunPolicy, evidence: dict[str, Any], cost: float) -> costmodel.Situation | None:

@@ -371,6 +371,28 @@ def test_on_two_nodes_with_a_spare_the_straggler_node_is_replaced_and_min_nodes_
     assert refused.refused.startswith("min_nodes")
 
 
+def test_a_spare_as_slow_in_the_same_place_stops_the_run_instead_of_looping():
+    """node1 (rank 2) was replaced by a spare for its straggler; a straggler at rank 2 again, now
+    on node2, is the place's (its data, stage or links), not the node's: the run stops with the
+    reason rather than spending spares, or shrinking, on it. A straggler elsewhere is weighed."""
+    p = policy()
+    [d], st = weighed(4, cost=0.12, step_s=1.12, spares=1)
+    assert d.predicted["best"] == "replace" and st.replaced == {("straggler", 2): "node1"}
+    again = incident(8, "straggler", step=None, node="node2", evidence={"cost_s_per_step": 0.12, "step_s": 1.12,
+                                                                        "share_of_step": 0.11})
+    assert p.on_incident(st, again, now=10.0) == []  # it must persist first, as any slow-down
+    st.reached += 20
+    [stop] = p.on_incident(st, again, now=14.0)
+    assert (stop.kind, stop.mode, stop.refused, stop.node) == (STOP, "auto", None, "node2")
+    assert "node2 took node1's place and is as slow there" in stop.reason and "stopping the run" in stop.reason
+    elsewhere = incident(9, "straggler", step=None, rank=5, node="node3",  # costly enough to shrink for
+                         evidence={"cost_s_per_step": 2.0, "step_s": 3.0, "share_of_step": 0.67})
+    _, st2 = weighed(4, cost=0.12, step_s=1.12, spares=1)
+    assert p.on_incident(st2, elsewhere, now=10.0) == []
+    st2.reached += 20
+    assert [x.kind for x in p.on_incident(st2, elsewhere, now=20.0)] == [ISOLATE]
+
+
 def test_a_straggler_near_the_end_of_the_run_is_kept():
     out, _ = weighed(64, cost=0.12, step_s=1.12, total=123)  # 3 steps left
     assert out == []
