@@ -19,6 +19,13 @@ on the replayed incident (analysis/policy.py, in the `--policy` mode) and what i
 in the live run (the file's `actions` and the rerun verdict), each against what was
 right for that fault (for a bitflip that depends on what its matched incident found:
 the replayed incident's evidence, else the stored one's).
+
+The cost model's decisions are scored on what came of them, with or without `--truth`:
+each live action the model chose (`detail.predicted`: an isolation to replace or
+shrink) against what it realized (`detail.realized`, measured 20 steps after the job
+caught up): the gain it predicted and the gain it got, in seconds of the run's time
+to finish, and whether it paid (a realized gain above zero). A decision to keep the
+node leaves no action row, and is not scored here.
 """
 
 from __future__ import annotations
@@ -179,6 +186,45 @@ def matched_evidence(truths: Iterable[Truth], replays: Iterable[RunReplay], repl
     return out
 
 
+def cost_decisions(live_actions: Mapping[int, list[dict]]) -> list[dict[str, Any]]:
+    """The live actions the cost model chose, each with its predicted and realized gain
+    (None when it was not measured: the run ended first, or the action failed) and
+    whether it paid, in action order."""
+    out = []
+    for acts in live_actions.values():
+        for a in acts:
+            detail = a.get("detail")
+            if isinstance(detail, str):
+                try:
+                    detail = json.loads(detail)
+                except ValueError:
+                    detail = None
+            predicted = (detail or {}).get("predicted") if isinstance(detail, dict) else None
+            if not isinstance(predicted, dict):
+                continue
+            realized = detail.get("realized") if isinstance(detail.get("realized"), dict) else {}
+            gain = realized.get("gain_s")
+            out.append({"id": a.get("id"), "run_id": a.get("run_id"), "kind": a.get("kind"), "node": a.get("node"),
+                        "status": a.get("status"), "best": predicted.get("best"),
+                        "predicted_gain_s": predicted.get("gain_s"), "realized_gain_s": gain,
+                        "step_s_before": realized.get("step_s_before"), "step_s_after": realized.get("step_s_after"),
+                        "recovery_s": realized.get("recovery_s"), "paid": None if gain is None else gain > 0})
+    return sorted(out, key=lambda x: (str(x["run_id"]), x["id"] or 0))
+
+
+def cost_lines(decisions: list[dict[str, Any]]) -> list[str]:
+    def num(x: Any, unit: str = " s") -> str:
+        return "-" if x is None else f"{x:.3g}{unit}"
+
+    lines = []
+    for d in decisions:
+        paid = "-" if d["paid"] is None else ("paid" if d["paid"] else "DID NOT PAY")
+        lines.append(f"{d['kind']} {d['node'] or '-'} ({d['best']}, {d['status']}): predicted gain "
+                     f"{num(d['predicted_gain_s'])}, realized {num(d['realized_gain_s'])} [{paid}]; step "
+                     f"{num(d['step_s_before'])} -> {num(d['step_s_after'])}, recovery {num(d['recovery_s'])}")
+    return lines
+
+
 def action_lines(judgements: list[Judgement]) -> list[str]:
     def mark(ok: bool | None) -> str:
         return "-" if ok is None else ("right" if ok else "WRONG")
@@ -291,10 +337,14 @@ def main(args: argparse.Namespace) -> int:
                            live_match=live_match, live_actions=live_actions,
                            evidence=matched_evidence(truths, replays, replay_match, live_match),
                            crashes_to_isolate=rules.policy.crashes_to_isolate)
+    costed = cost_decisions(live_actions)
     if args.json:
         print(json.dumps({"runs": {r.run_id: {"incidents": r.incidents, "num_passes": r.num_passes,
                                               "num_findings": r.num_findings, "num_stored": r.num_stored}
                                    for r in replays},
+                          "cost_model": {"decisions": costed,
+                                         "num_paid": sum(1 for d in costed if d["paid"]),
+                                         "num_measured": sum(1 for d in costed if d["paid"] is not None)},
                           "score": score_json(s) if s is not None else None,
                           "actions": {"summary": summary(judgements), "faults": action_lines(judgements)}
                           if judgements else None, "elapsed_s": elapsed_s}, default=str))
@@ -323,5 +373,12 @@ def main(args: argparse.Namespace) -> int:
                   f"in the live run it was right on {m['did_right']} of {m['did_judged']} it acted on")
             for line in action_lines(judgements):
                 print("  " + line)
+    if costed:
+        measured = [d for d in costed if d["paid"] is not None]
+        print()
+        print(f"cost model: {sum(1 for d in measured if d['paid'])} of {len(measured)} measured decisions paid "
+              f"({len(costed) - len(measured)} not measured)")
+        for line in cost_lines(costed):
+            print("  " + line)
     print(f"(replayed in {elapsed_s:.2f} s)")
     return 0

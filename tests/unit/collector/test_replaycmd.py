@@ -129,3 +129,35 @@ def test_rules_change_what_the_replay_finds(simulated, tmp_path, capsys):
     assert {i["kind"] for i in run["incidents"]} == {"nan"}
     rules.write_text("[straggler]\nno_such_key = 1\n")
     assert cli.main(["replay", "--db", str(path), "--rules", str(rules)]) == 2
+
+
+def test_the_cost_models_decisions_are_scored_on_what_they_realized(tmp_path, capsys):
+    """Each live action the cost model chose, its predicted gain against the realized one: one that
+    paid, one that did not (the node's replacement was slow too), one the run ended before measuring;
+    a rollback (no prediction) is not among them."""
+    path = tmp_path / "sim.duckdb"
+    write_sim(path, Sim(layout=Layout(dp=2, nodes=2), steps=40, seed=3))
+    con = duckdb.connect(str(path))
+    run_id = queries.run_ids(con)[0]
+    rows = [(1, "isolate", "node1", {"predicted": {"best": "replace", "gain_s": 14.6},
+                                     "realized": {"gain_s": 19.3, "step_s_before": 0.16, "step_s_after": 0.03,
+                                                  "recovery_s": 1.1}}),
+            (2, "isolate", "node2", {"predicted": {"best": "shrink", "gain_s": 3.0},
+                                     "realized": {"gain_s": -2.5, "step_s_before": 0.2, "step_s_after": 0.21}}),
+            (3, "isolate", "node3", {"predicted": {"best": "shrink", "gain_s": 5.0}}),
+            (4, "rollback", None, {"reason": "nan"})]
+    for id_, kind, node, detail in rows:
+        con.execute("INSERT INTO actions (id, run_id, kind, status, mode, requested_ts, node, incident_id, detail) "
+                    "VALUES (?, ?, ?, 'done', 'auto', ?, ?, ?, ?)", [id_, run_id, kind, float(id_), node, id_,
+                                                                       json.dumps(detail)])
+    con.close()
+    assert cli.main(["replay", "--db", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "cost model: 1 of 2 measured decisions paid (1 not measured)" in out, out
+    assert "isolate node1 (replace, done): predicted gain 14.6 s, realized 19.3 s [paid]" in out, out
+    assert "isolate node2 (shrink, done): predicted gain 3 s, realized -2.5 s [DID NOT PAY]" in out, out
+    assert cli.main(["replay", "--db", str(path), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["cost_model"]
+    assert (got["num_paid"], got["num_measured"]) == (1, 2)
+    assert [(d["node"], d["best"], d["paid"]) for d in got["decisions"]] == [
+        ("node1", "replace", True), ("node2", "shrink", False), ("node3", "shrink", None)]
