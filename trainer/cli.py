@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("batch and schedule")
     g.add_argument("--micro-batch-size", type=int, help="samples per micro-batch, per dp replica")
     g.add_argument("--micro-batches", type=int, help="micro-batches per step, per dp replica")
+    g.add_argument("--dp-shares", type=_shares, metavar="M0,M1,...",
+                   help="micro-batches of each dp replica when they differ (a slower device takes fewer): dp "
+                        "of them, summing to dp x --micro-batches; the global batch and the loss are unchanged")
     g.add_argument("--steps", type=int, help="optimizer steps to train")
     g.add_argument("--lr", type=float, help="peak learning rate (AdamW, cosine after warmup)")
     g.add_argument("--warmup-steps", type=int, help="linear learning-rate warmup")
@@ -118,11 +121,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _shares(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated micro-batch counts, one per replica") from None
+
+
 # flag -> (component, field)
 _MAP = {
     "dp": ("parallel", "dp"), "tp": ("parallel", "tp"), "pp": ("parallel", "pp"), "sp": ("parallel", "sp"),
     "nodes": ("parallel", "nodes"), "backend": ("parallel", "backend"),
     "micro_batch_size": ("parallel", "micro_batch_size"), "micro_batches": ("parallel", "micro_batches"),
+    "dp_shares": ("parallel", "shares"),
     "layers": ("model", "layers"), "d_model": ("model", "d_model"), "heads": ("model", "heads"),
     "seq_len": ("model", "seq_len"),
     "lr": ("optim", "lr"), "warmup_steps": ("optim", "warmup_steps"), "grad_clip": ("optim", "grad_clip"),

@@ -52,6 +52,9 @@ class ParallelConfig:
     nodes: int = 1
     micro_batch_size: int = 4  # per data-parallel replica
     micro_batches: int = 2  # per data-parallel replica, per optimizer step
+    # micro-batches per replica when they differ (None: micro_batches each): dp of them, summing to
+    # dp x micro_batches (the global batch is unchanged; a slower replica takes fewer: trainer/data.py)
+    shares: tuple[int, ...] | None = None
     bucket_mb: float = 1.0  # DP gradient bucket size
     backend: str = "auto"  # auto | gloo | nccl
     timeout_s: float = 300.0  # process-group timeout: a hang turns into an error after this
@@ -69,6 +72,10 @@ class ParallelConfig:
                 f"dp*pp*tp = {self.dp}*{self.pp}*{self.tp} = {self.world_size} "
                 f"does not match the world size {world_size}"
             )
+        if self.shares is not None and (len(self.shares) != self.dp or min(self.shares) < 1
+                                        or sum(self.shares) != self.dp * self.micro_batches):
+            raise ConfigError(f"--dp-shares {','.join(map(str, self.shares))}: one per replica ({self.dp}), each "
+                              f">= 1, summing to dp x micro-batches = {self.dp * self.micro_batches}")
         if model.heads % self.tp:
             raise ConfigError(f"--heads {model.heads} is not divisible by --tp {self.tp}")
         if (model.d_model * model.mlp_ratio) % self.tp:
@@ -282,6 +289,8 @@ class JobConfig:
                                       "--alertmanager")
                 if "domains" in sub:
                     sub["domains"] = tuple(sub["domains"])
+                if sub.get("shares") is not None:
+                    sub["shares"] = tuple(int(x) for x in sub["shares"])
                 kwargs[key] = parts[key](**sub)
             elif key == "inject":
                 kwargs[key] = tuple(value)

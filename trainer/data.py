@@ -27,7 +27,14 @@ agrees without a collective:
 - a replica swap at one step: dp rank d serves replica (d + shift) % dp's
   micro-batches of the same global batch, so the math of the step is unchanged
   but each sample lands on another device: a rerun that separates a data fault
-  (it moves with the samples) from a device fault (it stays on the rank).
+  (it moves with the samples) from a device fault (it stays on the rank);
+- shares: how many of the global batch's `dp * micro_batches` micro-batches each
+  replica takes (`rebalance()`, `balanced_shares()`): a slow replica takes fewer
+  and the others more, replica d the d-th run of them in order. The global batch,
+  its order and the loss's denominator (the global token count) are unchanged, and
+  each micro-batch's loss is already divided by that count, so the summed
+  gradients equal one process's whatever the split (a rebalance in place: no
+  restart, undone by `rebalance(None)`).
 """
 
 from __future__ import annotations
@@ -45,7 +52,27 @@ from trainer.batch import IGNORE_INDEX, DataPosition, MicroBatch, StepBatch
 from trainer.corpus import Corpus, build_corpus
 from trainer.tokenizer import PAD
 
-__all__ = ["Corpus", "DataLoader", "build_corpus", "collate", "epoch_order", "eval_batches", "poison", "step_window"]
+__all__ = ["Corpus", "DataLoader", "balanced_shares", "build_corpus", "collate", "epoch_order", "eval_batches",
+           "poison", "step_window"]
+
+
+def balanced_shares(total: int, slowness: Sequence[float]) -> tuple[int, ...]:
+    """Micro-batches per replica, `total` of them, each replica at least one, so that the
+    slowest replica's time (its share x its slowness, a micro-batch's compute relative to
+    a healthy replica's) is the least it can be: one at a time to the replica that would
+    finish it soonest (ties to the lower index). `slowness` all 1: the even split, the
+    remainder to the first replicas. The policy predicts with the same rule
+    (analysis/costmodel.py `balanced_shares`; tests/unit/test_costmodel.py ties them)."""
+    n = len(slowness)
+    if n < 1 or total < n:
+        raise ValueError(f"{total} micro-batches cannot give each of {n} replicas one")
+    if any(not (f > 0) for f in slowness):
+        raise ValueError(f"slowness must be positive: {list(slowness)}")
+    shares = [1] * n
+    for _ in range(total - n):
+        i = min(range(n), key=lambda d: ((shares[d] + 1) * slowness[d], d))
+        shares[i] += 1
+    return tuple(shares)
 
 
 def epoch_order(corpus: Corpus, *, seed: int, epoch: int, micro_batch_size: int, group_window: int) -> np.ndarray:
@@ -148,7 +175,9 @@ class DataLoader:
 
     Every served StepBatch's meta has `window` (the global batch), `replica_window`
     (the samples this rank got), `skipped_windows` (the bad windows jumped over
-    just before this step, usually empty) and `swap_shift` (0 unless swapped).
+    just before this step, usually empty), `swap_shift` (0 unless swapped) and
+    `shares` (the micro-batches of each replica; `shares` at construction, or
+    `rebalance()`, else `micro_batches` each).
 
     `slow_fetch(step)` (fault injection, trainer/faults.py `slowio` what=data) says
     how many times slower than this rank consumes them the storage serves its steps:
@@ -159,7 +188,8 @@ class DataLoader:
                  dp_rank: int, seed: int, position: DataPosition, group_window: int, prefetch: int,
                  pad_multiple: int = 1, start_step: int = 0,
                  bad_windows: Sequence[tuple[int, int, int]] = (),
-                 slow_fetch: Callable[[int], float] | None = None) -> None:
+                 slow_fetch: Callable[[int], float] | None = None,
+                 shares: Sequence[int] | None = None) -> None:
         if min(micro_batch_size, micro_batches, dp_size, group_window, pad_multiple) < 1 or prefetch < 0:
             raise ValueError("micro_batch_size, micro_batches, dp_size, group_window, pad_multiple must be >= 1, "
                              "prefetch >= 0")
@@ -189,6 +219,7 @@ class DataLoader:
         # change is followed by a restart that drops what the old values prepared.
         self._bad_windows = tuple(_as_window(w) for w in bad_windows)
         self._swap: tuple[int, int] | None = None  # (step, shift), until that step is served
+        self._shares = self._checked_shares(shares)  # micro-batches per replica (immutable, replaced whole)
         self._order_cache: tuple[int, np.ndarray] | None = None
         self._thread: threading.Thread | None = None
         self._queue: queue.Queue | None = None
@@ -261,6 +292,30 @@ class DataLoader:
         self._swap = (int(step), int(shift))
         self.seek(self._position, self._step)
 
+    @property
+    def shares(self) -> tuple[int, ...]:
+        """The micro-batches each replica takes from the next step on."""
+        return self._shares
+
+    def rebalance(self, shares: Sequence[int] | None) -> tuple[int, ...]:
+        """From the next step on, replica d takes `shares[d]` of the global batch's
+        micro-batches (None: `micro_batches` each, the even split). Every rank must
+        call it with the same shares at the same step. Prepared steps are dropped;
+        position and step number stay. Returns the shares now in force."""
+        self._shares = self._checked_shares(shares)
+        self.seek(self._position, self._step)
+        return self._shares
+
+    def _checked_shares(self, shares: Sequence[int] | None) -> tuple[int, ...]:
+        if shares is None:
+            return (self.micro_batches,) * self.dp_size
+        out = tuple(int(x) for x in shares)
+        total = self.dp_size * self.micro_batches
+        if len(out) != self.dp_size or min(out) < 1 or sum(out) != total:
+            raise ValueError(f"shares {list(out)}: one per replica ({self.dp_size}), each >= 1, summing to the "
+                             f"global batch's {total} micro-batches")
+        return out
+
     # -- serving -----------------------------------------------------------
     def next(self) -> StepBatch:
         self._check_open()
@@ -328,9 +383,11 @@ class DataLoader:
         swap = self._swap
         shift = swap[1] if swap is not None and swap[0] == step else 0
         replica = (self.dp_rank + shift) % self.dp_size
-        mine = lo + replica * self.micro_batches * mbs
+        shares = self._shares
+        count = shares[replica]
+        mine = lo + sum(shares[:replica]) * mbs
         micro = [collate(self.corpus, order[mine + k * mbs:mine + (k + 1) * mbs], pad_multiple=self.pad_multiple)
-                 for k in range(self.micro_batches)]
+                 for k in range(count)]
         # Every rank knows every sample's length: the global token count needs no collective.
         global_num_tokens = int((self.corpus.lengths[order[lo:hi]] - 1).sum())
         num_padded = sum(mb.inputs.numel() - mb.num_tokens for mb in micro)
@@ -338,8 +395,8 @@ class DataLoader:
                          next_position=self.normalize(DataPosition(position.epoch, hi)),
                          meta={"window": (position.epoch, lo, hi), "num_pad_tokens": num_padded,
                                # the samples this dp rank got (another replica's under a swap)
-                               "replica_window": (position.epoch, mine, mine + self.micro_batches * mbs),
-                               "skipped_windows": skipped, "swap_shift": shift})
+                               "replica_window": (position.epoch, mine, mine + count * mbs),
+                               "skipped_windows": skipped, "swap_shift": shift, "shares": shares})
 
     def _start(self, position: DataPosition, step: int) -> None:
         self._position, self._step = position, step

@@ -161,7 +161,7 @@ def fit_world(cfg: JobConfig, world: int) -> str:
     dp, micro, note = batch_for(dp=world // model, mbs=p.micro_batch_size,
                                 global_samples=p.dp * p.micro_batches * p.micro_batch_size,
                                 micro_batches=p.micro_batches)
-    p.dp, p.micro_batches = dp, micro
+    p.dp, p.micro_batches, p.shares = dp, micro, None  # another split: the even one
     return note or f"dp {dp}, {micro} micro-batches per replica (the same global batch)"
 
 
@@ -169,7 +169,9 @@ def layout_config(cfg: JobConfig, layout: Layout) -> JobConfig:
     """The job's config for a round on `layout` (a copy)."""
     new = JobConfig.from_dict(cfg.to_dict())
     new.telemetry.alerts = cfg.telemetry.alerts
-    new.parallel = replace(cfg.parallel, dp=layout.dp, nodes=len(layout.nodes), micro_batches=layout.micro_batches)
+    same = (layout.dp, layout.micro_batches) == (cfg.parallel.dp, cfg.parallel.micro_batches)
+    new.parallel = replace(cfg.parallel, dp=layout.dp, nodes=len(layout.nodes), micro_batches=layout.micro_batches,
+                           shares=cfg.parallel.shares if same else None)  # another split: the even one
     return new
 
 

@@ -204,6 +204,7 @@ def run_worker(cfg: JobConfig, *, token: str | None = None) -> int:
                 position=position, group_window=cfg.data.group_window, prefetch=cfg.data.prefetch,
                 pad_multiple=pad_multiple, start_step=start_step, bad_windows=bad_windows,
                 slow_fetch=lambda step: injector.slowio_factor("data", step),  # injected slowio (what=data)
+                shares=cfg.parallel.shares,
             )
 
         eval_sets = {}

@@ -2,7 +2,10 @@
 
 Batch semantics are a contract: --micro-batch-size and --micro-batches are per
 data-parallel replica, so a dp=N run with M micro-batches sees the same global
-batch as a single process with N*M micro-batches, and reports the same loss.
+batch as a single process with N*M micro-batches, and reports the same loss;
+so does one whose replicas split those N*M unevenly (--dp-shares, a rebalance):
+each micro-batch's loss is divided by the global token count and the DP
+all-reduce is a sum, so the gradients are weighted by samples.
 """
 
 import pytest
@@ -29,7 +32,10 @@ def single(tmp_path_factory):
     (["--pp", "2", "--tp", "2", "--micro-batches", "2"], 2),
     (["--dp", "2", "--micro-batches", "2"], 4),
     (["--tp", "2", "--sp", "--micro-batches", "2"], 2),
-], ids=["dp2xpp2xtp2", "pp2xtp2", "dp2", "tp2-sp"])
+    # a rebalance's split (trainer/control.py): the global batch's 4 micro-batches 1/3 and 3/1 over the replicas
+    (["--dp", "2", "--micro-batches", "2", "--dp-shares", "1,3"], 4),
+    (["--dp", "2", "--pp", "2", "--micro-batches", "2", "--dp-shares", "3,1"], 4),
+], ids=["dp2xpp2xtp2", "pp2xtp2", "dp2", "tp2-sp", "dp2-shares-1-3", "dp2xpp2-shares-3-1"])
 def test_layout_matches_single_process(tmp_path, single, layout, ref_m):
     r = run_trainer(tmp_path / "run", *STEPS, *layout)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -9,7 +9,7 @@ import torch
 from trainer.batch import IGNORE_INDEX, DataPosition
 from trainer.config import DataConfig
 from trainer.corpus import Corpus, _build, _cache_key, build_corpus, stdlib_sources
-from trainer.data import DataLoader, epoch_order, eval_batches, poison, step_window
+from trainer.data import DataLoader, balanced_shares, epoch_order, eval_batches, poison, step_window
 from trainer.tokenizer import BOS, EOS, PAD, decode
 
 SEQ_LEN = 64
@@ -486,3 +486,64 @@ def test_swap_after_a_seek_back_applies_to_the_replay():
         replay = take(dl, 3)
     assert [ids_of(b) for b in replay] == [ids_of(mine[0]), ids_of(mine[1]), ids_of(theirs[2])]
     assert replay[2].meta["replica_window"] == theirs[2].meta["replica_window"] == (0, 40, 48)
+
+
+# -- shares (a rebalance) ---------------------------------------------------------------
+
+
+def test_balanced_shares_give_the_slow_replica_fewer_and_each_at_least_one():
+    assert balanced_shares(4, [1.0, 1.0]) == (2, 2) and balanced_shares(5, [1.0, 1.0]) == (3, 2)
+    assert balanced_shares(4, [3.0, 1.0]) == (1, 3)  # 3 x 1 = 3 healthy micro-batches' time, the others 3
+    assert balanced_shares(8, [1.0, 1.5, 1.0]) == (3, 2, 3)
+    assert balanced_shares(2, [100.0, 1.0]) == (1, 1)  # nothing left to move
+    with pytest.raises(ValueError, match="cannot give each"):
+        balanced_shares(1, [1.0, 1.0])
+    with pytest.raises(ValueError, match="positive"):
+        balanced_shares(4, [0.0, 1.0])
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_rebalance_moves_micro_batches_between_replicas_and_keeps_the_global_batch(prefetch):
+    """From the step after `rebalance((1, 3))`, replica 0 takes 1 micro-batch of the global batch's 4
+    and replica 1 the other 3, in order: the same samples, the same window and token count as the even
+    split; `rebalance(None)` goes back to it."""
+    c = synthetic_corpus()
+    even = [loader(c, dp_size=2, dp_rank=d, prefetch=0) for d in range(2)]
+    expected = [take(dl, 4) for dl in even]
+    ranks = [loader(c, dp_size=2, dp_rank=d, prefetch=prefetch) for d in range(2)]
+    for dl in ranks:
+        dl.next()  # step 1, even
+        assert dl.rebalance((1, 3)) == (1, 3) == dl.shares
+    got = [take(dl, 2) for dl in ranks]  # steps 2 and 3
+    for i in range(2):
+        a, b = got[0][i], got[1][i]
+        assert (len(a.micro_batches), len(b.micro_batches)) == (1, 3) and a.meta["shares"] == (1, 3)
+        together = ids_of(expected[0][i + 1]) + ids_of(expected[1][i + 1])
+        assert ids_of(a) + ids_of(b) == together  # the global batch, in its order
+        assert a.global_num_tokens == b.global_num_tokens == expected[0][i + 1].global_num_tokens
+        lo, hi = a.meta["window"][1:]
+        assert a.meta["replica_window"] == (0, lo, lo + 4) and b.meta["replica_window"] == (0, lo + 4, hi)
+        assert a.next_position == expected[0][i + 1].next_position
+    for dl in ranks:
+        dl.rebalance(None)
+    assert [ids_of(dl.next()) for dl in ranks] == [ids_of(e[3]) for e in expected]
+    for dl in even + ranks:
+        dl.close()
+
+
+def test_a_swap_under_a_rebalance_serves_the_other_replicas_share():
+    c = synthetic_corpus()
+    ranks = [loader(c, dp_size=2, dp_rank=d, prefetch=0, shares=(3, 1)) for d in range(2)]
+    plain = [take(dl, 1)[0] for dl in ranks]
+    for dl in ranks:
+        dl.seek(DataPosition(), 1)
+        dl.swap_at(1, 1)
+    swapped = [dl.next() for dl in ranks]
+    assert ids_of(swapped[0]) == ids_of(plain[1]) and ids_of(swapped[1]) == ids_of(plain[0])
+
+
+@pytest.mark.parametrize("shares", [(2, 1), (0, 4), (1, 1, 2), (1, 2)])
+def test_shares_that_do_not_split_the_global_batch_are_refused(shares):
+    c = synthetic_corpus()
+    with pytest.raises(ValueError, match="one per replica"):
+        loader(c, dp_size=2, prefetch=0, shares=shares)
