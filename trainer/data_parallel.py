@@ -19,12 +19,20 @@ left and waits for all of them.
 bucket is checked on the device right before its all-reduce (one isfinite
 reduction per bucket, no sync), so a NaN a peer contributed does not count.
 
+`sync_s` counts the host seconds (the compute thread's CPU time on a CPU device)
+spent in that bookkeeping inside backward: the engine books it as grad sync
+(`opt_s`), not backward compute. It is a fixed cost per step, and in `bwd_s` it
+made a replica of one micro-batch look 1.3x slower per micro-batch than one of
+five (a rebalance's split, judged per micro-batch: analysis/frames.py).
+
 The reduction is a SUM: each micro-batch loss is already divided by the global
 token count. With dp == 1 no hook is registered and nothing is launched: the
 buffers cost only the memory the grads take anyway.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 from torch import nn
@@ -68,6 +76,8 @@ class GradBuckets:
         self._next_launch = 0
         self._handles: list[Handle] = []
         self._finite: list[torch.Tensor] = []  # per launched bucket: isfinite(...).all() before the reduction
+        self._clock = time.thread_time if device.type == "cpu" else time.perf_counter
+        self.sync_s = 0.0  # seconds in the bookkeeping of the armed backward (the module doc), all steps
         if self.overlap:
             for param, _ in self._views:
                 param.register_post_accumulate_grad_hook(self._on_grad)
@@ -97,9 +107,11 @@ class GradBuckets:
     def _on_grad(self, param: nn.Parameter) -> None:
         if not self._armed or id(param) in self._seen:
             return
+        t0 = self._clock()
         self._seen.add(id(param))
         self._pending[self._bucket_of[id(param)]] -= 1
         self._launch_ready()
+        self.sync_s += self._clock() - t0
 
     def _launch_ready(self, force: bool = False) -> None:
         while self._next_launch < len(self.buffers) and (force or self._pending[self._next_launch] == 0):

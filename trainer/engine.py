@@ -62,7 +62,7 @@ class StepResult:
     # the comm layer). A straggler's extra time shows here; its peers' waiting does not.
     fwd_s: float
     bwd_s: float
-    opt_s: float  # grad sync bookkeeping, norm, clipping, optimizer
+    opt_s: float  # grad sync bookkeeping (the DP buckets' checks and launches in backward too), norm, clipping, optimizer
     bwd_end_ts: float  # unix time at which this rank's last backward finished
     num_micro_batches: int
     # This rank's local signals (analysis/frames.py), read at the same host sync:
@@ -194,7 +194,7 @@ class TrainEngine:
         scale = self.scaler.scale
         inv_tokens = 1.0 / max(1, global_num_tokens)
         loss_sum = torch.zeros((), device=self.device)
-        timing = {"fwd_s": 0.0, "bwd_s": 0.0, "bwd_end_ts": 0.0}
+        timing = {"fwd_s": 0.0, "bwd_s": 0.0, "bwd_end_ts": 0.0, "sync_s": 0.0}
         self.grads.zero_grad()
         cks = shard_checksum(self.model.parameters()) if checksum else None  # device ops: no sync
         self._fwd_ok = torch.ones((), dtype=torch.bool, device=self.device)
@@ -221,11 +221,14 @@ class TrainEngine:
             if i == num_mb - 1:
                 self.grads.arm()
             m = self._mark()
+            synced = self.grads.sync_s
             if faults.overflow and i == num_mb - 1:  # injected overflow: this rank's gradients go infinite
                 y, dy = (y * math.inf, None) if dy is None else (y, dy * math.inf)
             torch.autograd.backward(y, grad_tensors=dy)
             self._stall(faults, m)
-            timing["bwd_s"] += self._compute_s(m)
+            sync = self.grads.sync_s - synced  # the DP buckets' bookkeeping in it: grad sync, booked in opt_s
+            timing["bwd_s"] += max(0.0, self._compute_s(m) - sync)
+            timing["sync_s"] += sync
             timing["bwd_end_ts"] = time.time()
 
         self.pipeline.train_1f1b(num_mb, lambda i: self._act_shape(batches[i][0]), forward_step, backward_step)
@@ -237,7 +240,8 @@ class TrainEngine:
         loss, grad_norm, skipped, lr, local_sum, finite_fwd, finite_bwd = self._update(step, loss_sum, scale, fwd_ok,
                                                                                        veto, cks)
         return StepResult(loss=loss, grad_norm=grad_norm, loss_scale=self.scaler.scale, lr=lr, skipped=skipped,
-                          fwd_s=timing["fwd_s"], bwd_s=timing["bwd_s"], opt_s=self._compute_s(m_opt),
+                          fwd_s=timing["fwd_s"], bwd_s=timing["bwd_s"],
+                          opt_s=self._compute_s(m_opt) + timing["sync_s"],
                           bwd_end_ts=timing["bwd_end_ts"], num_micro_batches=num_mb,
                           local_loss=local_sum * to_local, finite_fwd=finite_fwd, finite_bwd=finite_bwd,
                           checksum=self._checksum)
