@@ -21,7 +21,7 @@ Action kinds are the `kind` of an `actions` row and of the command it sends. The
 lifecycle says who ends one, and when:
 
 - `IN_PLACE`: the ranks carry it out and go on in the same attempt; done once every
-  rank acked it (repair, checkpoint);
+  rank acked it (repair, checkpoint, rebalance);
 - `NEW_ATTEMPT`: the ranks go back to a checkpoint and go on as a new attempt; done
   once every rank acked it (rollback);
 - `BY_RESTART`: the job's restart completes it, not its ranks (isolate: a new round
@@ -95,6 +95,8 @@ ACTIONS = _index([
     ActionKind("repair", "copy a healthy replica's parameters and optimizer state over a corrupted one",
                IN_PLACE),
     ActionKind("checkpoint", "checkpoint now", IN_PLACE),
+    ActionKind("rebalance", "move micro-batches from a slow data-parallel replica to the others (or back), in place",
+               IN_PLACE),
 ])
 
 INCIDENT_KINDS = tuple(INCIDENTS)

@@ -34,7 +34,9 @@ checkpoint before the incident, continue as attempt + 1, and plan the rerun that
 diagnoses it: trainer/diagnosis.py) and `isolate` (checkpoint, record the node in
 the run's membership file, trainer/membership.py, exit with `EXIT_RESTART` so that the supervisor
 restarts the job without that node) and `repair` (copy a healthy dp replica's
-parameters and optimizer state over a corrupted one, in place: trainer/integrity.py).
+parameters and optimizer state over a corrupted one, in place: trainer/integrity.py) and
+`rebalance` (move micro-batches from a slow dp replica to the others, in place, the
+global batch unchanged: trainer/data.py `DataLoader.rebalance`).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from trainer.data import balanced_shares
 from trainer.diagnosis import ProbePlan
 from trainer.membership import EXIT_RESTART, record_isolation, under_elastic_agent
 from trainer.parallel_dims import Axis
@@ -339,9 +342,61 @@ class IsolateHandler(Handler):
         return Outcome(f"{node} isolated at step {step}; restarting without it", stop=True, exit_code=EXIT_RESTART)
 
 
+MAX_SLOWNESS = 1000.0  # a rebalance's ratio above this is refused: a rank that slow is the isolation's
+
+
+class RebalanceHandler(Handler):
+    """Move micro-batches from a slow data-parallel replica to the others, from the next
+    step on, with no restart: replica d takes `shares[d]` of the global batch's
+    `dp x micro_batches` micro-batches, chosen so that the slowest replica finishes
+    soonest (trainer/data.py `balanced_shares`, each replica at least one). The global
+    batch, its order and the loss are unchanged (each micro-batch's loss is divided by
+    the global token count, and the DP all-reduce is a sum), so the run trains as before;
+    only its step time changes. Every rank computes the same shares from the same
+    arguments.
+
+    Arguments: `rank` (the slow rank: its replica takes fewer), `ratio` (its compute over
+    a healthy replica's, per micro-batch; 1 or none: undo, back to the job's own split),
+    `incident_id`."""
+
+    kind = "rebalance"
+
+    def check(self, ctx: RunContext, cmd: AgreedCommand) -> None:
+        ratio = _float_arg(cmd.args, "ratio")
+        if ratio is not None and not 1.0 <= ratio <= MAX_SLOWNESS:
+            raise Refused(f"argument 'ratio' must lie in [1, {MAX_SLOWNESS:g}]")
+        _int_arg(cmd.args, "incident_id", minimum=0)
+        if ratio is None or ratio == 1.0:
+            return  # an undo: whatever the layout now, back to its own split
+        if ctx.dims.dp < 2:
+            raise Refused("a rebalance needs dp >= 2: there is no other replica to take micro-batches")
+        rank = _int_arg(cmd.args, "rank", minimum=0)
+        if rank is None or rank >= ctx.dims.world_size:
+            raise Refused(f"argument 'rank' must name a rank of this job (0..{ctx.dims.world_size - 1})")
+
+    def act(self, ctx: RunContext, cmd: AgreedCommand, step: int) -> Outcome:
+        d, loader = ctx.dims, ctx.loader
+        ratio = _float_arg(cmd.args, "ratio") or 1.0
+        before = loader.shares
+        if ratio == 1.0:
+            shares, slow_dp = ctx.cfg.parallel.shares, None  # None: micro_batches each
+        else:
+            slow_dp = (int(cmd.args["rank"]) // d.tp) % d.dp  # the replica of that rank (its dp coordinate)
+            slowness = [ratio if i == slow_dp else 1.0 for i in range(d.dp)]
+            shares = balanced_shares(sum(before), slowness)
+        after = loader.rebalance(shares)
+        ctx.agent.event("rebalanced", step=step, command_id=cmd.id, incident_id=cmd.args.get("incident_id"),
+                        rank=cmd.args.get("rank"), dp=slow_dp, ratio=ratio, shares=list(after),
+                        previous=list(before))
+        split = "/".join(map(str, after))
+        ctx.log(f"rebalance at step {step}: micro-batches per replica {'/'.join(map(str, before))} -> {split}"
+                + (f" (replica dp {slow_dp} {ratio:.2f}x slower)" if slow_dp is not None else " (undone)"))
+        return Outcome(f"micro-batches per replica {split} from step {step + 1}")
+
+
 def default_handlers() -> dict[str, Handler]:
     return {h.kind: h for h in (CheckpointHandler(), StopHandler(), RollbackHandler(), IsolateHandler(),
-                                RepairHandler())}
+                                RepairHandler(), RebalanceHandler())}
 
 
 def encode_command(cmd: AgreedCommand | None) -> bytes:

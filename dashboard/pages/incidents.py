@@ -48,7 +48,7 @@ PAGE = {"path": "/incidents", "name": "Incidents", "order": 3,
 NO_INCIDENTS = "no incidents: nothing was detected in this run"
 # a marker per action kind (analysis/kinds.py ACTIONS; tests/unit/test_kinds.py keeps them in step)
 ACTION_SYMBOLS = {"rollback": "triangle-left", "isolate": "x", "restart": "circle", "stop": "square",
-                  "repair": "cross", "checkpoint": "hexagon"}
+                  "repair": "cross", "checkpoint": "hexagon", "rebalance": "star"}
 OPEN_BG = "#fdecec"  # an open incident's row
 CAUSE_COLORS = {"productive": "#2ca02c", "slowdown": "#f0a30a", "skipped": "#d62728", "detection": "#e377c2",
                 "redone": "#ff7f0e", "recovery": "#6f42c1", "checkpoint": "#1f77b4", "idle": "#b3b3b3"}

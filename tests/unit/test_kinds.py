@@ -6,7 +6,7 @@ rest fails here, naming what is missing."""
 from __future__ import annotations
 
 from analysis import kinds, load_rules
-from analysis.policy import CHECKPOINT, ISOLATE, REPAIR, RESTART, ROLLBACK, STOP, Policy
+from analysis.policy import CHECKPOINT, ISOLATE, REBALANCE, REPAIR, RESTART, ROLLBACK, STOP, Policy
 from analysis.registry import build_detectors
 
 
@@ -24,7 +24,7 @@ def test_every_incident_kind_has_a_policy_rule_and_every_rule_a_method():
 
 
 def test_the_policy_decides_only_registered_actions():
-    assert {ROLLBACK, ISOLATE, STOP, RESTART, REPAIR, CHECKPOINT} == set(kinds.ACTION_KINDS)
+    assert {ROLLBACK, ISOLATE, STOP, RESTART, REPAIR, CHECKPOINT, REBALANCE} == set(kinds.ACTION_KINDS)
 
 
 def test_the_ranks_handle_exactly_the_actions_carried_by_the_ranks():
@@ -41,7 +41,7 @@ def test_the_supervisor_restarts_for_exactly_the_actions_a_restart_ends():
 
 
 def test_the_lifecycles_that_decide_when_an_action_is_done():
-    assert kinds.DONE_IN_PLACE == {REPAIR, CHECKPOINT}
+    assert kinds.DONE_IN_PLACE == {REPAIR, CHECKPOINT, REBALANCE}
     assert kinds.ENDED_BY_RESTART == {ISOLATE, RESTART}
     assert kinds.ACTIONS[ROLLBACK].lifecycle == kinds.NEW_ATTEMPT and kinds.ACTIONS[STOP].lifecycle == kinds.ENDS_RUN
 

@@ -154,7 +154,7 @@ def test_an_unknown_kind_is_rejected_on_every_rank():
     for a in agents:
         [(cid, status, detail)] = a.acks
         assert (cid, status) == ("c9", "rejected")
-        assert "no 'frobnicate' handler" in detail and "checkpoint, isolate, repair, rollback, stop" in detail
+        assert "no 'frobnicate' handler" in detail and "checkpoint, isolate, rebalance, repair, rollback, stop" in detail
 
 
 def test_only_rank_0_picks_and_a_second_command_waits_for_the_next_boundary():
@@ -299,6 +299,13 @@ class FakeLoader:
 
     def swap_at(self, step, shift):
         self.calls.append(("swap_at", step, shift))
+
+    shares = (2, 2)
+
+    def rebalance(self, shares):
+        self.calls.append(("rebalance", shares))
+        self.shares = tuple(shares) if shares is not None else (2, 2)
+        return self.shares
 
 
 @dataclass
@@ -607,3 +614,51 @@ def test_a_handler_runs_against_the_real_agent_signature():
     h = make_ctx(None, agent=NoopAgent())
     out = run(default_handlers()["checkpoint"], h, "checkpoint", {}, step=3)
     assert out.detail == "checkpoint of step 3 queued" and h.calls == [("save", 3)]
+
+
+# -- rebalance ---------------------------------------------------------------------------
+
+
+def rebalance_ctx(*, dp: int = 2, tp: int = 1, pp: int = 1, agent=None, shares=None) -> Harness:
+    h = make_ctx(None, dp=dp, agent=agent)
+    h.ctx.dims = SimpleNamespace(dp=dp, tp=tp, pp=pp, rank=0, world_size=dp * tp * pp)
+    h.ctx.cfg = SimpleNamespace(parallel=SimpleNamespace(shares=shares))
+    return h
+
+
+def test_a_rebalance_gives_the_slow_rank_replica_fewer_micro_batches_and_an_undo_the_jobs_own_split():
+    """dp 2 x tp 2: rank 3 is in replica dp 1; 3x slower per micro-batch, it takes 1 of the 4 and its
+    peer 3. Every rank derives the same split from the same arguments; ratio 1 undoes it."""
+    agent = FakeAgent()
+    h = rebalance_ctx(tp=2, agent=agent)
+    out = run(default_handlers()["rebalance"], h, "rebalance", {"rank": 3, "ratio": 3.0, "incident_id": 4}, step=20)
+    assert out.detail == "micro-batches per replica 3/1 from step 21" and not (out.stop or out.exit_code)
+    assert h.calls == [("rebalance", (3, 1))]
+    assert agent.acks == [("c1", "done", out.detail)]
+    (ev,) = [e for e in agent.events if e[0] == "rebalanced"]
+    assert (ev[1]["shares"], ev[1]["previous"], ev[1]["dp"], ev[1]["step"]) == ([3, 1], [2, 2], 1, 20)
+    undo = run(default_handlers()["rebalance"], h, "rebalance", {"rank": 3, "ratio": 1.0}, step=40, cid="c2")
+    assert h.calls[-1] == ("rebalance", None) and undo.detail == "micro-batches per replica 2/2 from step 41"
+
+
+@pytest.mark.parametrize("args, dp, reason", [
+    ({"rank": 1, "ratio": 2.0}, 1, "needs dp >= 2"),
+    ({"rank": 9, "ratio": 2.0}, 2, "must name a rank"),
+    ({"ratio": 2.0}, 2, "must name a rank"),
+    ({"rank": 1, "ratio": 0.5}, 2, "must lie in"),
+    ({"rank": 1, "ratio": "fast"}, 2, "finite number"),
+])
+def test_rebalance_arguments_are_checked(args, dp, reason):
+    agent = FakeAgent()
+    h = rebalance_ctx(dp=dp, agent=agent)
+    assert run(default_handlers()["rebalance"], h, "rebalance", args) == Outcome()
+    (ack,) = agent.acks
+    assert ack[1] == "rejected" and reason in ack[2], ack
+    assert h.calls == []
+
+
+def test_an_undo_on_one_replica_is_carried_out_not_refused():
+    """After a shrink to dp 1 the undo of an earlier rebalance still arrives: nothing to split, done."""
+    h = rebalance_ctx(dp=1)
+    out = run(default_handlers()["rebalance"], h, "rebalance", {"rank": 3, "ratio": 1.0})
+    assert h.calls == [("rebalance", None)] and "from step 11" in out.detail
