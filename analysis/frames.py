@@ -24,9 +24,11 @@ column of nulls counts as absent) and fall back to what exists today:
   Fallback: non-finite `loss`/`grad_norm`, global, so the origin stays unknown.
 - steps `sample_epoch`, `sample_from`, `sample_to` (BIGINT): this rank's
   replica's samples of the step, positions `[sample_from, sample_to)` in the
-  epoch's order (trainer/data.py: `lo + dp_rank * micro_batches * mbs`, that
-  many). A spike finding carries them; the healing skips them. Fallback: the
-  finding names the step only.
+  epoch's order (trainer/data.py: the replica's run of the global batch's
+  micro-batches, `micro_batches` of them, or its share after a rebalance). A spike
+  finding carries them; the healing skips them; the compute detectors judge a
+  rank's compute at an even share of them (`compute_at_even_share`). Fallback: the
+  finding names the step only, and compute is taken as it is.
 - heartbeats `last_op`, `last_axis`, `last_group_id`, `last_group_seq`: the
   collective `last_seq` names (the one the rank entered last). Makes a hang's
   waited-on collective exact. Fallback: predicted from the culprit's previous
@@ -183,6 +185,27 @@ def iter_steps(df: pl.DataFrame):
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         attempt, step = split_key(keys[lo])
         yield attempt, step, df.slice(int(lo), int(hi - lo))
+
+
+def compute_at_even_share(rows: pl.DataFrame) -> np.ndarray:
+    """Each row's compute (`fwd_s + bwd_s + opt_s`) as it would be on an even share of the
+    step's samples: a rebalance (trainer/control.py) gives a slow replica fewer micro-batches
+    and the others more, and a straggler must stay one per micro-batch (else the split that
+    hides its cost would close its incident, and the undo would open it again). Forward and
+    backward scale with the samples (`sample_to - sample_from`) against the mean over the
+    step's rows (every replica has as many ranks, so that is the even share); the optimizer's
+    does not. Rows without samples, and a step where every row has the same, are as they
+    are."""
+    fb = floats(rows["fwd_s"]) + floats(rows["bwd_s"])
+    c = fb + floats(rows["opt_s"])
+    if not (has(rows, "sample_from") and has(rows, "sample_to")):
+        return c
+    n = (ints(rows["sample_to"]) - ints(rows["sample_from"])).astype(float)
+    known = (ints(rows["sample_from"]) >= 0) & (n > 0)
+    if known.sum() < 2 or np.all(n[known] == n[known][0]):
+        return c
+    scale = np.where(known, n[known].mean() / np.where(known, n, 1.0), 1.0)
+    return fb * scale + floats(rows["opt_s"])
 
 
 def finite_or_null(s: pl.Series) -> np.ndarray:

@@ -72,7 +72,7 @@ import numpy as np
 import polars as pl
 
 from analysis.findings import Finding, json_number
-from analysis.frames import has, iter_steps, split_key, step_keys
+from analysis.frames import compute_at_even_share, has, iter_steps, split_key, step_keys
 from analysis.registry import register
 from analysis.robust import loo_median, median_of
 from analysis.topology import _grow
@@ -233,7 +233,7 @@ class SlowLinkDetector:
     # -- compute, net of communication ------------------------------------------
     def _compute(self, st: _State, rows: pl.DataFrame) -> None:
         r = rows["rank"].to_numpy().astype(np.int64)
-        c = sum(rows[col].to_numpy().astype(float) for col in ("fwd_s", "bwd_s", "opt_s"))
+        c = compute_at_even_share(rows)  # a rebalanced straggler is still one (analysis/frames.py)
         ok = np.isfinite(c) & (c > 0) & (r >= 0)
         step_s = rows["step_s"].to_numpy().astype(float)
         step_s = step_s[np.isfinite(step_s)]

@@ -2,7 +2,8 @@
 
 Per complete step, each rank's compute (`fwd_s + bwd_s + opt_s`, already net of
 the time blocked on communication, so the ranks that *wait* for a straggler do
-not look slow) is compared with its peers'. A pipeline whose stages differ in
+not look slow; at an even share of the step's samples, `frames.compute_at_even_share`:
+a rebalanced straggler stays one) is compared with its peers'. A pipeline whose stages differ in
 speed is not a straggler, so each stage's own level is taken out first: the
 log compute minus the stage's level (the median over the last
 `_STAGE_LEVEL_STEPS` judged steps of the stage's per-step median, over its ranks
@@ -123,7 +124,7 @@ import polars as pl
 
 from analysis.attribution import WaitBook
 from analysis.findings import Finding, json_number
-from analysis.frames import iter_steps, split_key, step_keys
+from analysis.frames import compute_at_even_share, iter_steps, split_key, step_keys
 from analysis.registry import register
 from analysis.robust import MAD_TO_SIGMA, loo_median, median_of, popcount
 from analysis.topology import _grow
@@ -435,8 +436,7 @@ class StragglerDetector:
         """Judge one step; `compute` (s, per row) when the caller netted it, else the
         rows' `fwd_s + bwd_s + opt_s` (our trainer's, already net of communication)."""
         r = rows["rank"].to_numpy().astype(np.int64)
-        c = compute if compute is not None else \
-            sum(rows[col].to_numpy().astype(float) for col in ("fwd_s", "bwd_s", "opt_s"))
+        c = compute if compute is not None else compute_at_even_share(rows)
         ok = np.isfinite(c) & (c > 0) & (r >= 0)
         if ok.sum() < 2:
             return False

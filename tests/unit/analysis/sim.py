@@ -57,6 +57,15 @@ class Contention:
 
 
 @dataclass(frozen=True)
+class Rebalance:
+    """From step `start` on, dp replica d takes `shares[d]` micro-batches of the global batch
+    (trainer/control.py's rebalance): its samples and its forward and backward compute scale with
+    its share over the even one. Needs `local_signals` (the sample windows)."""
+    start: int
+    shares: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Spike:
     step: int
     factor: float = 3.0
@@ -199,6 +208,13 @@ class Sim:
         for s in step_ids:
             if (self.eval_every and s % self.eval_every == 0) or (self.ckpt_every and s % self.ckpt_every == 0):
                 pause[s - 1] = self.pause_s
+        dp_of = np.array([L.coords(r)[0] for r in range(W)])
+        rebalance = next((f for f in self.faults if isinstance(f, Rebalance)), None)
+        share = np.ones((S, W))  # each rank's micro-batches over the even share, per step
+        if rebalance is not None:
+            even = sum(rebalance.shares) / L.dp
+            share[rebalance.start - 1:] = np.array(rebalance.shares, float)[dp_of] / even
+            compute = compute * (0.9 * share + 0.1)  # forward and backward scale (0.9 of it), the optimizer not
         step_dur = compute.max(axis=1) + 0.01 + rng.uniform(0, 0.005, S)
         starts = self.start_ts + np.concatenate([[0.0], np.cumsum(step_dur + pause)[:-1]])
         ends = starts + step_dur
@@ -228,13 +244,15 @@ class Sim:
         s_idx = np.repeat(np.arange(S), W)
         keep = s_idx < last_step
         c = compute[s_idx, r_idx]
-        dp_of = np.array([L.coords(r)[0] for r in range(W)])
+        sh = share[s_idx, r_idx]
+        u = c / (0.9 * sh + 0.1)  # the compute at an even share
         steps = {
             "run_id": [self.run_id] * len(r_idx), "attempt": np.zeros(len(r_idx), np.int32),
             "step": step_ids[s_idx], "rank": r_idx.astype(np.int32),
             "ts": ends[s_idx] + 0.0005 * r_idx, "loss": loss[s_idx], "grad_norm": grad[s_idx],
             "loss_scale": scale[s_idx], "lr": np.full(len(r_idx), 1e-3), "tokens": np.full(len(r_idx), 4096),
-            "step_s": step_dur[s_idx], "fwd_s": 0.3 * c, "bwd_s": 0.6 * c, "opt_s": 0.1 * c,
+            # a rebalanced rank's forward and backward scale with its share, its optimizer's does not
+            "step_s": step_dur[s_idx], "fwd_s": 0.3 * u * sh, "bwd_s": 0.6 * u * sh, "opt_s": 0.1 * u,
             "data_s": np.full(len(r_idx), 0.001), "comm_exposed_s": step_dur[s_idx] - c,
             "mem_bytes": np.full(len(r_idx), 1 << 30), "skipped": np.zeros(len(r_idx), bool),
             "node": [L.node(r) for r in r_idx],
@@ -247,9 +265,13 @@ class Sim:
             steps["finite_bwd"] = np.ones(len(r_idx), np.int8)
         if self.local_signals:
             per_replica = 64
+            n = np.rint(per_replica * share).astype(np.int64)  # samples per rank and step
+            before = np.zeros((S, W), np.int64)  # the samples of the replicas before each rank's
+            for r in range(W):
+                before[:, r] = n[:, [q for q in range(W) if dp_of[q] < dp_of[r] and L.coords(q)[1:] == (0, 0)]].sum(1)
             steps["sample_epoch"] = np.zeros(len(r_idx), np.int64)
-            steps["sample_from"] = (s_idx * replicas + dp_of[r_idx]) * per_replica
-            steps["sample_to"] = steps["sample_from"] + per_replica
+            steps["sample_from"] = s_idx * replicas * per_replica + before[s_idx, r_idx]
+            steps["sample_to"] = steps["sample_from"] + n[s_idx, r_idx]
         for f in self.faults:  # each NaN fault poisons its step
             if isinstance(f, Nan):
                 self._poison(steps, s_idx, r_idx, f, local_cols)

@@ -9,7 +9,7 @@ import pytest
 
 from analysis import Analyzer, score, truths_from_rows
 from analysis.rules import load_rules, rules_from_dict
-from tests.unit.analysis.sim import Contention, Layout, Sim, Straggler, feed, last_of, opened
+from tests.unit.analysis.sim import Contention, Layout, Rebalance, Sim, Straggler, feed, last_of, opened
 
 CASES = [  # layout, rank, factor, goal (steps from onset)
     ("dp2xtp2", Layout(dp=2, tp=2, nodes=2), 3, 1.5, 5),
@@ -380,3 +380,26 @@ def test_a_pipelines_stages_moving_together_leave_a_13x_straggler_clear(rank):
     last = last_of(findings)[f.key]
     assert last.status == "open" and last.step_to >= steps - 2  # still slow at the end
     assert 1.2 < last.evidence["compute_ratio"] < 1.4, last.evidence["compute_ratio"]
+
+
+def test_a_rebalanced_straggler_stays_one_until_it_recovers_and_its_peers_are_not_blamed():
+    """A 2x straggler's replica hands micro-batches to the other (shares 1/3 of 4, trainer/control.py's
+    rebalance): its compute per step drops to ~0.55 of its peer's, the peer's rises by half. Judged at
+    an even share of the samples (frames.compute_at_even_share) it is still 2x slower per micro-batch:
+    its incident stays open, nobody else is named, and it closes once the rank recovers (the policy's
+    cue to undo the split)."""
+    layout, onset, rebalanced, recovered, steps = Layout(dp=2, nodes=2), 60, 100, 170, 260
+    sim = Sim(layout=layout, steps=steps, seed=5, local_signals=True,
+              faults=(Straggler(rank=1, start=onset, factor=2.0, end=recovered),
+                      Rebalance(start=rebalanced, shares=(3, 1))))
+    findings = feed(Analyzer(), sim.build())
+    first = opened(findings)
+    assert [(f.kind, f.rank) for f in first.values()] == [("straggler", 1)], [f.summary() for f in first.values()]
+    f = next(iter(first.values()))
+    assert f.evidence["fired_at_step"] < rebalanced
+    last = last_of(findings)[f.key]
+    assert last.status == "resolved" and recovered <= last.step_to < recovered + 40, last.summary()
+    before_recovery = [x for x in findings if x.key == f.key and rebalanced + 10 <= (x.step_to or 0) < recovered]
+    assert before_recovery and all(x.status == "open" for x in before_recovery)
+    assert all(1.7 < x.evidence["compute_ratio"] < 2.3 for x in before_recovery), \
+        [x.evidence["compute_ratio"] for x in before_recovery]
