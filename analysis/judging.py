@@ -17,7 +17,8 @@ Expected outcomes:
 | nan mode=data, spike | rollback | data |
 | nan mode=transient | rollback | transient |
 | nan mode=device | rollback, then isolate its node | device |
-| straggler, hang, slowlink, slowio what=data | isolate its node | - |
+| straggler | isolate its node, or rebalance its replica in place (naming its node) | - |
+| hang, slowlink, slowio what=data | isolate its node | - |
 | bitflip, a majority holds the healthy bits and caught within `checksum_every` steps | repair in place | - |
 | bitflip, otherwise (dp = 2, no majority, a late catch, or no incident) | rollback | - |
 | crash | restart; isolate its node from the `crashes_to_isolate`-th on it | - |
@@ -54,6 +55,9 @@ class Expected:
     actions: tuple[str, ...]  # action kinds, in order
     verdict: str | None = None
     isolate_node: str | None = None  # the node an isolate must name
+    # action kinds that may stand in for the first expected one, on the same node (a straggler's
+    # rebalance in place for its isolation: the cost model chooses between them)
+    instead: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
@@ -70,7 +74,8 @@ class Judgement:
         if not self.matched:
             return False
         first = self.expected.actions[0] if self.expected.actions else None
-        return (self.would[:1] == [first]) if first else not self.would
+        return (self.would[:1] == [first] or self.would[:1] in ([k] for k in self.expected.instead)) if first \
+            else not self.would
 
     @property
     def did_right(self) -> bool | None:
@@ -84,6 +89,10 @@ class Judgement:
             return not kinds
         if any(a.get("mode") == "shadow" for a in self.did):
             kinds = [a["kind"] for a in self.did]  # shadow: judged as decisions
+        node = _node(self.expected.isolate_node)
+        if any(k in kinds and any(a["kind"] == k and _node(a.get("node")) == node for a in self.did)
+               for k in self.expected.instead):
+            return True  # the stand-in, on the fault's node
         ok = all(k in kinds for k in self.expected.actions)
         if self.expected.isolate_node is not None:
             ok = ok and any(a["kind"] == "isolate" and _node(a.get("node")) == _node(self.expected.isolate_node)
@@ -104,7 +113,9 @@ def expected(t: Truth, *, mode: str | None, evidence: Mapping[str, Any] | None =
         return Expected(("rollback",), mode)
     if t.kind == "spike":
         return Expected(("rollback",), "data")
-    if t.kind in ("straggler", "hang", "slowlink") or (t.kind == "slowio" and t.what == "data"):
+    if t.kind == "straggler":
+        return Expected(("isolate",), None, t.node, instead=("rebalance",))
+    if t.kind in ("hang", "slowlink") or (t.kind == "slowio" and t.what == "data"):
         return Expected(("isolate",), None, t.node)
     if t.kind == "bitflip":
         return Expected(("repair",) if repairable(evidence) else ("rollback",))

@@ -27,7 +27,13 @@ What calls for what (DESIGN.md section 7, the keys are `[policy]` in rules.toml)
   the run keeping the node, or without it on the nodes left): **isolate** its node
   when that saves `min_gain_share` of the time left, else keep it (an alert). The
   model's inputs are the run's (`RunPolicy`: the steps it has left, its newest
-  checkpoint, its measured restart cost) and the incident's (`step_s`, its cost).
+  checkpoint, its measured restart cost, its replicas and micro-batches) and the
+  incident's (`step_s`, its cost, the rank's `compute_ratio`). When moving micro-batches
+  from the straggler's replica to the others is the best candidate (`rebalance`), it
+  is a **rebalance** in place (trainer/control.py), and when its incident closes (the
+  rank recovered, or its node left) a rebalance back to the job's own split undoes it.
+  One rebalance is in force in a run at a time: while it is, a rebalance is not a
+  candidate for another straggler (its split names one slow replica).
 - `slow_link` the same, with `slow_link_cost_s`, `slow_link_min_share` and
   `slow_link_persist_s`: **isolate** the node of the rank whose link is slow.
 - `data_stall` the same, with `data_stall_cost_s`, `data_stall_min_share` and
@@ -88,12 +94,12 @@ from analysis import costmodel, kinds
 MODES = ("auto", "shadow", "off")
 # the action kinds (analysis/kinds.py holds each one's lifecycle)
 ROLLBACK, ISOLATE, STOP, RESTART = "rollback", "isolate", "stop", "restart"
-REPAIR, CHECKPOINT = "repair", "checkpoint"
+REPAIR, CHECKPOINT, REBALANCE = "repair", "checkpoint", "rebalance"
 
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    kind: str  # rollback | isolate | stop | restart | repair | checkpoint
+    kind: str  # rollback | isolate | stop | restart | repair | checkpoint | rebalance
     run_id: str
     reason: str
     incident_id: int | None = None
@@ -144,6 +150,9 @@ class RunPolicy:
     restart_costs: list[float] = field(default_factory=list)
     startup_s: float | None = None
     spares: int = 0  # standby nodes the run's launcher has left: one takes an isolated node's place
+    dp: int = 0  # data-parallel replicas now (0: not known, or not our trainer: no rebalance)
+    micro_batches: int = 0  # the global batch's micro-batches, every replica's
+    rebalanced: dict[int, int] = field(default_factory=dict)  # incident -> rank, while its rebalance holds
     replaced: dict[tuple[str, int], str] = field(default_factory=dict)  # (slow-down kind, rank) -> node a spare replaced
     # the most the run itself allows ("shadow", "off"; None: the policy's mode): a job we did not
     # write (llmwatch-instrument) is acted on in shadow unless it opts in
@@ -162,6 +171,7 @@ def apply_cost_inputs(st: RunPolicy, inputs: dict[str, Any], *, reached: int | N
     if inputs.get("nodes") and not st.nodes:
         st.nodes = list(inputs["nodes"])
     st.spares = len(inputs.get("spares") or [])
+    st.dp, st.micro_batches = int(inputs.get("dp") or 0), int(inputs.get("micro_batches") or 0)
 
 
 def _number(value: Any) -> float | None:
@@ -193,6 +203,8 @@ class Policy:
         """An incident opened or changed (the row as it is now). A spike or a NaN is acted
         on even when its incident closed in the pass that opened it (the damage is done
         all the same); a straggler or a hang only while it is open."""
+        if inc.get("id") in st.rebalanced and inc.get("status", "open") != "open" and not st.finished:
+            return self._undo_rebalance(st, inc, now)
         if st.finished or inc.get("id") in st.acted:
             return []
         kind = inc.get("kind")
@@ -468,13 +480,16 @@ class Policy:
         lasted = f" for {now - since:.1f} s" + (f" ({steps} steps)" if steps is not None else "")
         reason = (f"{what}: rank {inc.get('rank')} costs {cost:.3g} s/step"
                   + (f" ({100 * share:.0f}% of its step)" if share is not None else "") + lasted)
-        situation = self._situation(st, evidence, cost) if self.cfg.weigh_cost else None
+        situation = self._situation(st, evidence, cost, kind=kind, rank=rank) if self.cfg.weigh_cost else None
         predicted = None
         if situation is not None:
             p = costmodel.predict(situation, min_gain_share=self.cfg.min_gain_share)
             if p.best == costmodel.KEEP:
                 return []  # weighed again on its next update: the steps left, the costs measured change
             predicted = {**p.detail(situation), "at_step": st.reached}
+            if p.best == costmodel.REBALANCE:
+                st.slow_since.pop(iid, None)
+                return self._rebalance(st, inc, now, reason, situation, predicted)
             reason += (f"; the job finishes ~{p.gain_s:.1f} s sooner with a spare in its node's place (replace)"
                        if p.best == costmodel.REPLACE else
                        f"; the job finishes ~{p.gain_s:.1f} s sooner without its node ({p.best})")
@@ -486,9 +501,33 @@ class Policy:
             st.replaced[(kind, rank)] = node  # a spare takes its ranks: the same place
         return [replace(d, predicted=predicted) if predicted and d.kind == ISOLATE else d for d in out]
 
-    def _situation(self, st: RunPolicy, evidence: dict[str, Any], cost: float) -> costmodel.Situation | None:
+    def _rebalance(self, st: RunPolicy, inc: dict[str, Any], now: float, reason: str,
+                   situation: costmodel.Situation, predicted: dict[str, Any]) -> list[Decision]:
+        """Move micro-batches from the straggler's replica to the others, in place."""
+        rank = inc.get("rank")
+        reason += (f"; the job finishes ~{predicted['gain_s']:.1f} s sooner with its replica's micro-batches "
+                   f"moved to the others (rebalance, {situation.ratio:.2f}x slower per micro-batch)")
+        out = self._decision(st, REBALANCE, inc, reason, now, node=inc.get("node"), cooldown=False,
+                             args={"rank": int(rank), "ratio": round(situation.ratio, 4),
+                                   "incident_id": inc.get("id")})
+        if out and out[0].refused is None and out[0].mode == "auto":
+            st.rebalanced[inc["id"]] = int(rank)
+        return [replace(d, predicted=predicted) for d in out]
+
+    def _undo_rebalance(self, st: RunPolicy, inc: dict[str, Any], now: float) -> list[Decision]:
+        """The rebalanced straggler's incident closed: back to the job's own split."""
+        rank = st.rebalanced.pop(inc["id"])
+        reason = (f"{inc.get('kind', 'straggler')} on rank {rank} is over: its replica takes its own share of the "
+                  f"micro-batches again (the rebalance undone)")
+        return self._decision(st, REBALANCE, inc, reason, now, node=inc.get("node"), cooldown=False,
+                              args={"rank": rank, "ratio": 1.0, "incident_id": inc.get("id"), "undo": True})
+
+    def _situation(self, st: RunPolicy, evidence: dict[str, Any], cost: float, *, kind: str = "straggler",
+                   rank: int | None = None) -> costmodel.Situation | None:
         """The cost model's inputs for a slow-down now; None when the run's size or step time
-        is not known (the thresholds alone then decide, as before the model)."""
+        is not known (the thresholds alone then decide, as before the model). A rebalance is a
+        candidate for a compute straggler whose rank is known, with `rebalance` on, the run's
+        replicas and micro-batches known, and no other rebalance in force."""
         step_s = _number(evidence.get("step_s"))
         if step_s is None or step_s <= 0 or not st.nodes:
             return None
@@ -500,9 +539,14 @@ class Policy:
             restart_s = (st.startup_s + self.cfg.restart_overhead_s if st.startup_s is not None
                          else self.cfg.restart_prior_s)
         redo = reached - st.ckpt_step if st.ckpt_step is not None else reached
+        ratio = 1.0
+        if kind == "straggler" and rank is not None and self.cfg.rebalance and not st.rebalanced:
+            mine = ((evidence.get("per_rank") or {}).get(str(rank)) or {}).get("compute_ratio")
+            ratio = _number(mine if mine is not None else evidence.get("compute_ratio")) or 1.0
         return costmodel.Situation(steps_left=max(0, left), step_s=step_s, excess_s=cost,
                                    nodes=len([n for n in st.nodes if n not in st.isolated]),
-                                   restart_s=restart_s, redo_steps=max(0, redo), spares=st.spares)
+                                   restart_s=restart_s, redo_steps=max(0, redo), spares=st.spares,
+                                   dp=st.dp, micro_batches=st.micro_batches, ratio=ratio)
 
     def _crash(self, st: RunPolicy, inc: dict[str, Any], now: float) -> list[Decision]:
         node = inc.get("node")

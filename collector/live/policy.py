@@ -71,7 +71,7 @@ _EVENT_KINDS = ("command_ack", "rerun_verdict", "run_finished", "run_started")
 _TICK_S = 0.25  # how often open stragglers and waiting incidents are looked at again without news
 _DEFER_MAX_S = 120.0  # an incident still waiting this long after it opened is dropped (logged)
 _COST_INPUTS_S = 5.0  # a run's inputs to the cost model are read again at most this often
-_REALIZED_STEPS = 20  # an isolation's realized gain: the new lineage's step time over this many steps
+_REALIZED_STEPS = 20  # a costed action's realized gain: the step time over this many steps after it
 
 
 class IncidentWatch:
@@ -362,6 +362,10 @@ class PolicyRunner:
             self.storage.update_action(p.action_id, status="done", started_ts=ts, finished_ts=ts,
                                        detail={"outcome": outcome})
             self._action_ended(p.incident_id)
+            if p.predicted:  # a rebalance the cost model chose: its gain is measured on the steps after it
+                attempt, step = max((self._reached.get(run_id) or {0: 0}).items())
+                at = float(ts) if isinstance(ts, (int, float)) else self.clock()
+                self._realizing[p.action_id] = (p, {"attempt": attempt, "step": step + 1}, at)
             return
         if world and len(p.acks) >= world:
             p.acked = True
@@ -462,8 +466,9 @@ class PolicyRunner:
             self._realizing[p.action_id] = (p, first, at)
 
     def _realize(self, run_id: str, reached: dict[int, int], *, final: bool = False) -> None:
-        """Record `realized` for the cost model's isolations of `run_id` whose new lineage is
-        _REALIZED_STEPS steps past the step it caught up at (or all of them at the run's end)."""
+        """Record `realized` for the cost model's actions of `run_id` whose lineage is
+        _REALIZED_STEPS steps past the step it caught up at (an isolation's new round) or past
+        the step every rank carried it out (a rebalance, in place), or all of them at the run's end."""
         for aid, (p, first, at) in list(self._realizing.items()):
             if p.run_id != run_id:
                 continue
@@ -473,14 +478,15 @@ class PolicyRunner:
             self.storage.update_action(aid, detail={"realized": self._realized(p, first, at)})
 
     def _realized(self, p: Pending, first: dict[str, Any], at: float) -> dict[str, Any]:
-        """What an isolation the cost model chose saved: its step time before (the model's input)
-        and after (the median of the new attempt's steps), and the time to finish projected from
+        """What an action the cost model chose saved: its step time before (the model's input)
+        and after (the median of the steps from `first` on: the new attempt's, or the attempt's
+        after a rebalance), and the time to finish projected from
         them (the seconds from the decision to catching up, then the steps left at the new step
         time), against keeping the node (`steps_left x step_s`): `gain_s` is comparable with the
         predicted one."""
         inputs = p.predicted.get("inputs") or {}
         before, left, at_step = inputs.get("step_s"), inputs.get("steps_left"), p.predicted.get("at_step")
-        after = self.storage.read(_median_step_s, p.run_id, int(first["attempt"]))
+        after = self.storage.read(_median_step_s, p.run_id, int(first["attempt"]), int(first["step"]))
         out: dict[str, Any] = {"step_s_before": before, "step_s_after": round(after, 6) if after else None,
                                "recovery_s": round(at - p.requested_ts, 3) if p.requested_ts is not None else None}
         if None not in (before, left, at_step, after, p.requested_ts):
@@ -588,10 +594,10 @@ def _run_layout(cur: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, Any]:
             "policy": policy if policy in ("shadow", "off") else None}
 
 
-def _median_step_s(cur: duckdb.DuckDBPyConnection, run_id: str, attempt: int) -> float | None:
-    """The median step time (its slowest rank's) of one attempt's steps so far."""
+def _median_step_s(cur: duckdb.DuckDBPyConnection, run_id: str, attempt: int, from_step: int = 0) -> float | None:
+    """The median step time (its slowest rank's) of one attempt's steps so far, from `from_step` on."""
     (m,), = cur.execute("SELECT median(s) FROM (SELECT max(step_s) AS s FROM steps WHERE run_id = ? AND attempt = ? "
-                        "GROUP BY step)", [run_id, attempt]).fetchall()
+                        "AND step >= ? GROUP BY step)", [run_id, attempt, from_step]).fetchall()
     return float(m) if m is not None else None
 
 

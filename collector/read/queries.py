@@ -279,12 +279,20 @@ def cost_inputs(cur: Cursor, run_id: str) -> dict[str, Any]:
     its checkpoints' steps (a restart resumes from the newest before the step it reached), the
     time from each of its restarts and isolations to its new round's first step (recovery_s
     counts from the incident's opening, which for a slow-down was long before the decision),
-    and its nodes."""
+    its nodes, and for our trainer (a config with `parallel`) its data-parallel replicas now
+    (world size over tp x pp) and the global batch's micro-batches (dp x micro_batches: a
+    restart on fewer replicas keeps the global batch), a rebalance's inputs."""
     row = cur.execute(
         "SELECT TRY_CAST(json_extract(config, '$.steps') AS BIGINT), "
-        "(SELECT min(ts) FROM steps WHERE run_id = $r) - started_ts FROM runs WHERE run_id = $r",
+        "(SELECT min(ts) FROM steps WHERE run_id = $r) - started_ts, world_size, "
+        "TRY_CAST(json_extract(config, '$.parallel.dp') AS BIGINT), "
+        "TRY_CAST(json_extract(config, '$.parallel.tp') AS BIGINT) * "
+        "TRY_CAST(json_extract(config, '$.parallel.pp') AS BIGINT), "
+        "TRY_CAST(json_extract(config, '$.parallel.micro_batches') AS BIGINT) FROM runs WHERE run_id = $r",
         {"r": run_id}).fetchone()
-    steps_total, startup = row if row else (None, None)
+    steps_total, startup, world, dp0, model, micro = row if row else (None,) * 6
+    dp = world // model if world and model and world % model == 0 else None
+    global_micro = dp0 * micro if dp0 and micro else None
     ckpts = [int(s) for (s,) in cur.execute("SELECT DISTINCT step FROM checkpoints WHERE run_id = $r ORDER BY step",
                                             {"r": run_id}).fetchall()]
     restarts = [float(x) for (x,) in cur.execute(
@@ -297,7 +305,8 @@ def cost_inputs(cur: Cursor, run_id: str) -> dict[str, Any]:
         "SELECT node FROM nodes WHERE run_id = $r AND status = 'spare' ORDER BY 1", {"r": run_id}).fetchall()]
     return {"steps_total": int(steps_total) if steps_total is not None and steps_total > 0 else None,
             "startup_s": float(startup) if startup is not None and startup >= 0 else None,
-            "ckpt_steps": ckpts, "restart_costs": restarts, "nodes": nodes, "spares": spares}
+            "ckpt_steps": ckpts, "restart_costs": restarts, "nodes": nodes, "spares": spares,
+            "dp": dp, "micro_batches": global_micro}
 
 def step_window(cur: Cursor, run_id: str, *, step_from: int, step_to: int, max_points: int = 400) -> Rows:
     """loss, grad_norm and loss_scale of the effective curve over [step_from, step_to],

@@ -195,6 +195,17 @@ def spare(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def rebalance(tmp_path_factory):
+    # a 3x straggler from step 40 to 150 on 2 nodes of dp 2 with 3 micro-batches each: shrinking would put all 6
+    # on one node (6 healthy micro-batches' time a step, and a restart), keeping it costs 9; moving micro-batches
+    # off its replica (1 to it, 5 to the other) costs 5, in place. Then it recovers and the split is undone
+    d = tmp_path_factory.mktemp("rebalance") / "run"
+    return run_healing(d, "--dp", "2", "--nodes", "2", "--micro-batches", "3", *BIGGER,
+                       *rules(d.parent / "rules.toml", SHORT_PERSIST), "--steps", "260", *ckpt(d, every=10),
+                       "--inject", "straggler@rank=1,from=40,factor=3,to=150")
+
+
+@pytest.fixture(scope="module")
 def crashes(tmp_path_factory):
     d = tmp_path_factory.mktemp("crash") / "run"
     return run_healing(d, *DP, *rules(d.parent / "rules.toml"), "--steps", "150", *ckpt(d),
@@ -468,6 +479,40 @@ def test_a_spare_takes_the_straggling_nodes_place_and_the_job_keeps_its_size(spa
     assert (new["dp"], new["nodes"], new["micro_batches"]) == (2, 2, 2), new
     assert samples_per_step(after) == {GLOBAL_SAMPLES}, o.report()
     assert "spare node2 takes node1's place" in o.run.stderr + o.run.stdout, o.report()
+
+
+def test_a_straggling_replica_hands_micro_batches_to_the_other_in_place_until_it_recovers(rebalance):
+    """No node is worth taking out of a 2-node job for a 3x straggler, but its replica's micro-batches are
+    worth moving: the cost model chose `rebalance`, every rank carried it out at one step boundary, no
+    restart; the global batch stayed whole at every step while rank 1 took fewer of its samples; the step
+    got faster; and once the straggler was over the split was undone. The incident stayed one incident:
+    judged per micro-batch, the rebalanced rank was still the straggler, and rank 0 (more micro-batches
+    a step) was never named."""
+    o = rebalance
+    (s,) = o.of("straggler")
+    assert (s["rank"], s["node"], s["status"]) == (1, "node1", "closed"), o.report()
+    assert o.actions_of("isolate") == [] and o.query("SELECT max(attempt) AS a FROM steps") == [{"a": 0}], o.report()
+    moved, undone = o.actions_of("rebalance")
+    assert [(a["status"], a["mode"], a["incident_id"]) for a in (moved, undone)] == [("done", "auto", s["id"])] * 2
+    predicted, realized = moved["detail"]["predicted"], moved["detail"].get("realized")
+    assert predicted["best"] == "rebalance" and predicted["seconds"]["rebalance"] < predicted["seconds"]["shrink"]
+    assert (predicted["inputs"]["dp"], predicted["inputs"]["micro_batches"]) == (2, 6), o.report()
+    assert moved["detail"]["args"]["rank"] == 1 and moved["detail"]["args"]["ratio"] > 1.5, o.report()
+    assert realized is not None and realized["step_s_after"] < realized["step_s_before"], o.report()
+    assert undone["detail"]["args"]["ratio"] == 1.0 and "the rebalance undone" in undone["detail"]["reason"]
+
+    (ev_moved, ev_undone) = [e for e in o.events("rebalanced") if e["rank"] == 0]
+    shares, at, back = ev_moved["data"]["shares"], ev_moved["step"], ev_undone["step"]
+    assert shares[1] < shares[0] and sum(shares) == 6 and ev_undone["data"]["shares"] == [3, 3], o.report()
+    assert 40 < at < back and back > 150, o.report()
+    rows = o.query("SELECT * FROM steps ORDER BY step, rank")
+    assert samples_per_step(rows) == {2 * 3 * 2}, o.report()  # the global batch, whole at every step
+    share_of = {(r["step"], r["rank"]): (r["sample_to"] - r["sample_from"]) // 2 for r in rows}
+    assert share_of[(at + 1, 1)] == shares[1] and share_of[(at + 1, 0)] == shares[0], o.report()
+    assert share_of[(at, 1)] == share_of[(back + 1, 1)] == 3, o.report()
+    assert o.run.returncode == 0 and o.query("SELECT status, world_size FROM runs") == [
+        {"status": "completed", "world_size": 2}], o.report()
+    assert "rebalance at step" in o.run.stderr + o.run.stdout, o.report()
 
 
 # -- 6. a node that crashes twice --------------------------------------------------------------------------------

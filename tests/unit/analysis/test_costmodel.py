@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from analysis.costmodel import KEEP, REPLACE, SHRINK, Situation, predict
+from analysis.costmodel import KEEP, REBALANCE, REPLACE, SHRINK, Situation, balanced_shares, predict, rebalanced_step_s
 
 
 def situation(**kw) -> Situation:
@@ -55,3 +55,48 @@ def test_one_node_has_nothing_to_shrink_to_and_the_detail_says_what_was_weighed(
     assert set(p.seconds) == {KEEP} and p.best == KEEP
     d = predict(situation(nodes=64)).detail(situation(nodes=64))
     assert d["best"] == SHRINK and set(d["seconds"]) == {KEEP, SHRINK} and d["inputs"]["nodes"] == 64
+
+
+# -- rebalance in place ------------------------------------------------------------------------------------------
+
+
+def test_a_15x_straggler_on_two_nodes_is_rebalanced_not_kept_and_not_shrunk():
+    """dp 2, 8 micro-batches in the global batch (4 each), the slow replica 1.5x per micro-batch: a
+    healthy micro-batch takes 0.12 / (4 x 0.5) = 0.06 s; 3 to the slow one and 5 to the other end
+    together at 5 healthy micro-batches' time instead of 6: 0.06 s a step saved, no restart."""
+    s = situation(dp=2, micro_batches=8, ratio=1.5)
+    assert balanced_shares(8, [1.5, 1.0]) == (3, 5)
+    assert rebalanced_step_s(s) == pytest.approx(1.12 - 0.06)
+    p = predict(s)
+    assert p.best == REBALANCE and p.seconds[REBALANCE] == pytest.approx(10_000 * 1.06)
+    assert p.gain_s == pytest.approx(600.0) and p.seconds[SHRINK] > p.seconds[KEEP]
+
+
+def test_a_rebalance_needs_micro_batches_to_move_and_a_compute_ratio():
+    assert rebalanced_step_s(situation(dp=2, micro_batches=2, ratio=1.5)) is None  # 1 each: nothing to move
+    assert rebalanced_step_s(situation(dp=1, micro_batches=8, ratio=1.5)) is None  # one replica
+    assert rebalanced_step_s(situation(dp=2, micro_batches=8)) is None  # ratio 1: not a compute straggler
+    assert REBALANCE not in predict(situation()).seconds
+
+
+def test_an_8x_straggler_on_two_replicas_of_two_micro_batches_shrinks_rather_than_rebalances():
+    """The grain is too coarse: the slow replica keeps one micro-batch (8 healthy ones' time) while
+    one node doing all 4 takes 4: shrinking wins (the e2e straggler scenario's choice)."""
+    s = situation(step_s=0.9, excess_s=0.7, dp=2, micro_batches=4, ratio=8.0, restart_s=10.0)
+    assert balanced_shares(4, [8.0, 1.0]) == (1, 3)
+    p = predict(s)
+    assert REBALANCE in p.seconds and p.best == SHRINK
+
+
+def test_the_policy_splits_the_micro_batches_as_the_trainer_does():
+    """analysis and trainer share no code (DESIGN.md's import rules): the two copies of the rule
+    must agree, or the policy would predict one split and the trainer carry out another."""
+    from trainer.data import balanced_shares as trainer_shares
+
+    for total in range(2, 17):
+        for dp in range(1, min(total, 5) + 1):
+            for slow in (1.0, 1.1, 1.3, 1.5, 2.0, 3.0, 8.0):
+                for at in range(dp):
+                    slowness = [slow if i == at else 1.0 for i in range(dp)]
+                    assert balanced_shares(total, slowness) == trainer_shares(total, slowness), (total, slowness)
+    assert balanced_shares(8, [1.0, 1.0]) == (4, 4) and balanced_shares(5, [1.0, 1.0]) == (3, 2)

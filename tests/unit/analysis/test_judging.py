@@ -42,6 +42,21 @@ def test_would_and_did_are_judged_separately():
     assert summary(js) == {"faults": 4, "would_right": 3, "would_judged": 4, "did_right": 1, "did_judged": 2}
 
 
+def test_a_stragglers_rebalance_on_its_node_stands_in_for_its_isolation():
+    """The cost model chooses between moving micro-batches off the straggler's replica and taking
+    its node out: either is right when it names the straggler's node; a rebalance elsewhere is not."""
+    s = truth("straggler", node="node1")
+    assert expected(s, mode=None).instead == ("rebalance",)
+    right, wrong = (judge([s], {}, replay_match={s: "k"}, replay_decisions={"k": ["rebalance"]},
+                          live_match={s: {"id": 3}},
+                          live_actions={3: [{"kind": "rebalance", "status": "done", "node": node},
+                                            {"kind": "rebalance", "status": "done", "node": node}]})[0]
+                    for node in ("node1", "node0"))
+    assert right.would_right and right.did_right
+    assert wrong.did_right is False
+    assert expected(truth("hang"), mode=None).instead == ()  # a hang's node must go
+
+
 def test_a_wrong_verdict_makes_the_action_wrong():
     t = truth("nan", mode="data")
     [j] = judge([t], {t: "data"}, replay_match={}, replay_decisions={}, live_match={t: {"id": 1, "root_cause":

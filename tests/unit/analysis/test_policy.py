@@ -10,6 +10,7 @@ from analysis.kinds import DONE_IN_PLACE
 from analysis.policy import (
     CHECKPOINT,
     ISOLATE,
+    REBALANCE,
     REPAIR,
     RESTART,
     ROLLBACK,
@@ -315,16 +316,22 @@ def test_a_costly_straggler_is_isolated_once_it_persists():
     assert p.on_incident(st, straggler(0.05), now=10.0) == []
 
 
-def costed(cost: float, step_s: float, id: int = 7) -> dict:
-    return incident(id, "straggler", step=None, evidence={"cost_s_per_step": cost, "step_s": step_s,
-                                                          "share_of_step": cost / step_s})
+def costed(cost: float, step_s: float, id: int = 7, ratio: float | None = None) -> dict:
+    evidence = {"cost_s_per_step": cost, "step_s": step_s, "share_of_step": cost / step_s}
+    if ratio is not None:  # the straggler's own (its rank 2's) and the incident's
+        evidence.update(compute_ratio=ratio, per_rank={"2": {"compute_ratio": ratio}})
+    return incident(id, "straggler", step=None, evidence=evidence)
 
 
 def weighed(nodes: int, *, cost: float, step_s: float = 1.0, reached: int = 100, total: int | None = 10_100,
             ckpt: int | None = 90, startup_s: float | None = 30.0, persist_steps: int | None = None,
-            spares: int = 0, min_nodes: int | None = None, weigh_cost: bool = True):
-    """The decision for a straggler that persisted 4 s and 20 steps on a run of `nodes` nodes."""
+            spares: int = 0, min_nodes: int | None = None, weigh_cost: bool = True, dp: int = 0,
+            micro_batches: int = 0, ratio: float | None = None, rebalance: bool = True):
+    """The decision for a straggler that persisted 4 s and 20 steps on a run of `nodes` nodes
+    (`dp` replicas of the global batch's `micro_batches`, the rank `ratio` x slower per micro-batch)."""
     over = {"persist_steps": persist_steps} if persist_steps is not None else {}
+    if not rebalance:
+        over["rebalance"] = False
     if min_nodes is not None:
         over["min_nodes"] = min_nodes
     if not weigh_cost:
@@ -332,10 +339,11 @@ def weighed(nodes: int, *, cost: float, step_s: float = 1.0, reached: int = 100,
     p, st = policy(policy=over), run_state(*(f"node{i}" for i in range(nodes)))
     st.reached, st.steps_total, st.ckpt_step, st.startup_s = reached, total, ckpt, startup_s
     apply_cost_inputs(st, {"steps_total": total, "startup_s": startup_s, "ckpt_steps": [ckpt] if ckpt else [],
-                           "spares": [f"node{nodes + i}" for i in range(spares)]})
-    assert p.on_incident(st, costed(cost, step_s), now=0.0) == []
+                           "spares": [f"node{nodes + i}" for i in range(spares)], "dp": dp,
+                           "micro_batches": micro_batches})
+    assert p.on_incident(st, costed(cost, step_s, ratio=ratio), now=0.0) == []
     st.reached += 20
-    return p.on_incident(st, costed(cost, step_s), now=4.0), st
+    return p.on_incident(st, costed(cost, step_s, ratio=ratio), now=4.0), st
 
 
 def test_on_two_nodes_a_straggler_costing_12_percent_is_kept_not_shrunk_to_half():
@@ -353,7 +361,8 @@ def test_on_64_nodes_the_straggler_node_is_isolated_with_the_gain_it_predicts():
     assert (d.kind, d.node, d.refused) == (ISOLATE, "node1", None)
     assert d.predicted["best"] == "shrink" and d.predicted["gain_s"] > 0
     assert d.predicted["inputs"] == {"steps_left": 9980, "step_s": 1.12, "excess_s": 0.12, "nodes": 64,
-                                     "restart_s": 35.0, "redo_steps": 30, "spares": 0}  # start-up + overhead
+                                     "restart_s": 35.0, "redo_steps": 30, "spares": 0,  # start-up + overhead
+                                     "dp": 0, "micro_batches": 0, "ratio": 1.0}  # not known: no rebalance
     assert "the job finishes ~" in d.reason and "sooner without its node (shrink)" in d.reason
     assert d.detail()["predicted"] == d.predicted
 
@@ -391,6 +400,46 @@ def test_a_spare_as_slow_in_the_same_place_stops_the_run_instead_of_looping():
     assert p.on_incident(st2, elsewhere, now=10.0) == []
     st2.reached += 20
     assert [x.kind for x in p.on_incident(st2, elsewhere, now=20.0)] == [ISOLATE]
+
+
+def test_on_two_nodes_a_15x_straggler_has_its_replica_rebalanced_and_undone_when_it_recovers():
+    """dp 2 with 8 micro-batches in the global batch: a 1.5x straggler costing 12% is not worth halving
+    the job for, but moving micro-batches off its replica is (no restart): a `rebalance` with its rank
+    and ratio. While it holds, the open incident is not weighed again; once it closes, a rebalance back
+    to the job's own split (ratio 1) undoes it."""
+    p = policy()
+    [d], st = weighed(2, cost=0.12, step_s=1.12, dp=2, micro_batches=8, ratio=1.5)
+    assert (d.kind, d.mode, d.refused, d.node, d.rank) == (REBALANCE, "auto", None, "node1", 2)
+    assert d.args == {"rank": 2, "ratio": 1.5, "incident_id": 7}
+    assert d.predicted["best"] == "rebalance" and d.predicted["gain_s"] > 0
+    assert (d.predicted["inputs"]["dp"], d.predicted["inputs"]["micro_batches"]) == (2, 8)
+    assert "moved to the others (rebalance, 1.50x slower per micro-batch)" in d.reason
+    assert st.rebalanced == {7: 2}
+    st.reached += 40
+    assert p.on_incident(st, costed(0.12, 1.06, ratio=1.5), now=30.0) == []  # open, rebalanced: nothing more
+    closed = {**costed(0.12, 1.06, ratio=1.5), "status": "resolved"}
+    [undo] = p.on_incident(st, closed, now=40.0)
+    assert (undo.kind, undo.args) == (REBALANCE, {"rank": 2, "ratio": 1.0, "incident_id": 7, "undo": True})
+    assert "the rebalance undone" in undo.reason and st.rebalanced == {}
+    assert p.on_incident(st, closed, now=41.0) == []  # once
+
+
+def test_one_rebalance_at_a_time_and_none_without_the_rules_key_or_in_shadow():
+    p = policy()
+    [d], st = weighed(2, cost=0.12, step_s=1.12, dp=2, micro_batches=8, ratio=1.5)
+    assert d.kind == REBALANCE
+    other = costed(0.12, 1.12, id=8, ratio=1.5)  # another straggler while the first's split holds
+    assert p.on_incident(st, other, now=10.0) == []
+    st.reached += 20
+    assert p.on_incident(st, other, now=20.0) == []  # kept: the split names one slow replica
+    assert weighed(2, cost=0.12, step_s=1.12, dp=2, micro_batches=8, ratio=1.5, rebalance=False)[0] == []
+    shadow = policy(mode="shadow")
+    st2 = run_state("node0", "node1")
+    st2.reached, st2.steps_total, st2.ckpt_step, st2.startup_s, st2.dp, st2.micro_batches = 100, 10_100, 90, 30.0, 2, 8
+    assert shadow.on_incident(st2, costed(0.12, 1.12, ratio=1.5), now=0.0) == []
+    st2.reached += 20
+    [s] = shadow.on_incident(st2, costed(0.12, 1.12, ratio=1.5), now=4.0)
+    assert (s.kind, s.mode) == (REBALANCE, "shadow") and st2.rebalanced == {}  # nothing to undo later
 
 
 def test_a_straggler_near_the_end_of_the_run_is_kept():

@@ -131,10 +131,13 @@ def test_run_goodput_carries_the_causes_and_metrics_sum_them(con):
 
 def test_the_cost_models_inputs_from_the_tables(con):
     """queries.cost_inputs: the run's last step (its config), start-up, checkpoints, measured
-    restarts (decision to first new step, auto and done only) and nodes."""
+    restarts (decision to first new step, auto and done only), nodes, and a rebalance's replicas
+    (the world size now over tp x pp: a restart left 2 of the 4 ranks of a pp2 job) and micro-batches
+    (the global batch's: dp x micro_batches of the config)."""
     from analysis.policy import RunPolicy, apply_cost_inputs
 
-    con.execute("UPDATE runs SET config = '{\"steps\": 500}' WHERE run_id = 'heal'")
+    con.execute("""UPDATE runs SET world_size = 2, config = '{"steps": 500, "parallel": {"dp": 2, "tp": 1, "pp": 2,
+                   "micro_batches": 3}}' WHERE run_id = 'heal'""")
     for step in (2, 4, 6):
         con.execute("INSERT INTO checkpoints (run_id, step, attempt, ts) VALUES ('heal', ?, 0, 1000)", [step])
     con.execute("INSERT INTO actions (id, run_id, kind, status, mode, requested_ts, finished_ts) VALUES "
@@ -146,8 +149,12 @@ def test_the_cost_models_inputs_from_the_tables(con):
                 "('heal', 0, 'node0', 1000, 1000)")
     got = queries.cost_inputs(con, "heal")
     assert got == {"steps_total": 500, "startup_s": 3.0 - 0.0, "ckpt_steps": [2, 4, 6], "restart_costs": [4.5],
-                   "nodes": ["node0", "node1"], "spares": ["node2"]}  # the first step ended at 1003, started 1000
+                   "nodes": ["node0", "node1"], "spares": ["node2"], "dp": 1,
+                   "micro_batches": 6}  # the first step ended at 1003, started 1000
     st = RunPolicy(run_id="heal")
     apply_cost_inputs(st, got, reached=5)
     assert (st.reached, st.ckpt_step, st.steps_total, st.nodes, st.spares) == (5, 4, 500, ["node0", "node1"], 1)
-    assert queries.cost_inputs(con, "restart")["steps_total"] is None  # no steps in its config: open-ended
+    assert (st.dp, st.micro_batches) == (1, 6)
+    open_ended = queries.cost_inputs(con, "restart")
+    assert open_ended["steps_total"] is None  # no steps in its config: open-ended
+    assert (open_ended["dp"], open_ended["micro_batches"]) == (None, None)  # not our trainer: no rebalance
