@@ -80,12 +80,16 @@ def test_a_rebalance_needs_micro_batches_to_move_and_a_compute_ratio():
 
 
 def test_an_8x_straggler_on_two_replicas_of_two_micro_batches_shrinks_rather_than_rebalances():
-    """The grain is too coarse: the slow replica keeps one micro-batch (8 healthy ones' time) while
-    one node doing all 4 takes 4: shrinking wins (the e2e straggler scenario's choice)."""
+    """Over a long run the grain is too coarse: the slow replica keeps one micro-batch (8 healthy ones'
+    time) while one node doing all 4 takes 4, and the restart is paid once: shrinking wins. With 145
+    steps left and a 5 s restart (the e2e straggler scenario's) the restart outweighs it: rebalance."""
     s = situation(step_s=0.9, excess_s=0.7, dp=2, micro_batches=4, ratio=8.0, restart_s=10.0)
     assert balanced_shares(4, [8.0, 1.0]) == (1, 3)
     p = predict(s)
     assert REBALANCE in p.seconds and p.best == SHRINK
+    short = predict(situation(steps_left=145, step_s=0.136, excess_s=0.113, dp=2, micro_batches=4, ratio=7.0,
+                              restart_s=5.1, redo_steps=15))
+    assert short.best == REBALANCE and short.seconds[REBALANCE] < short.seconds[SHRINK]
 
 
 def test_the_policy_splits_the_micro_batches_as_the_trainer_does():
