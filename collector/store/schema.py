@@ -433,7 +433,9 @@ _KNOWN_GOOD_V11 = ["ALTER TABLE checkpoints ADD COLUMN known_good BOOLEAN DEFAUL
 #   detection   steps a rollback replaced that ran after the incident's first step and before it
 #               was opened: what waiting for the detector cost
 #   redone      the other steps a rollback or a restart replaced
-#   recovery    gaps in which the attempt changed or a rank exited, (re)started or rolled back
+#   recovery    gaps in which the attempt changed or a rank exited (not cleanly: a rank's exit 0 is the
+#               end of the run), restarted or rolled back (a round's run_started with restart > 0;
+#               the first round's start-up is idle: before schema v13 both were counted as recovery)
 #   checkpoint  the rest of a gap after a checkpoint, up to the save's stall (checkpoint_queued)
 #   idle        the rest: start-up, evaluation, the end of the run
 # The view's query, with `{runs}` the filter on every table it reads (DuckDB does not push a
@@ -469,7 +471,10 @@ GOODPUT_SQL = """WITH per_step AS (
         FROM events WHERE {runs} AND kind = 'checkpoint_queued' GROUP BY run_id, step, attempt),
     marks AS (
         SELECT run_id, ts FROM events
-        WHERE {runs} AND kind IN ('run_started', 'run_restarting', 'rank_exited', 'rollback_started', 'checkpoint_loaded')),
+        WHERE {runs} AND (kind IN ('run_restarting', 'rollback_started', 'checkpoint_loaded')
+              OR (kind = 'run_started' AND coalesce(TRY_CAST(json_extract_string(data, '$.restart') AS INTEGER), 0) > 0)
+              OR (kind = 'rank_exited' AND NOT (TRY_CAST(json_extract_string(data, '$.exit_code') AS INTEGER) = 0
+                                                AND coalesce(json_extract_string(data, '$.cause'), 'exited') = 'exited')))),
     judged AS (
         SELECT g.run_id, g.gap_to - g.gap_from AS gap_s,
                g.new_attempt OR EXISTS (SELECT 1 FROM marks m WHERE m.run_id = g.run_id AND m.ts > g.gap_from
@@ -518,6 +523,8 @@ GOODPUT_SQL = """WITH per_step AS (
            seconds / nullif(sum(seconds) OVER (PARTITION BY run_id), 0) AS share
     FROM parts WHERE seconds > 0 OR cause = 'productive'"""
 _GOODPUT_V12 = ["CREATE OR REPLACE VIEW goodput AS " + GOODPUT_SQL.format(runs="true")]
+# v13: the first round's start and the ranks' clean exits at the end are not recovery (the same view again)
+_GOODPUT_V13 = list(_GOODPUT_V12)
 
 MIGRATIONS: list[tuple[int, list[str]]] = [
     (1, _TABLES_V1 + _VIEWS_V1),
@@ -532,6 +539,7 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
     (10, _STEP_SUMMARY_V10),
     (11, _KNOWN_GOOD_V11),
     (12, _GOODPUT_V12),
+    (13, _GOODPUT_V13),
 ]
 
 

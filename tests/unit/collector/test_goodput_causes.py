@@ -98,6 +98,21 @@ def test_a_restart_in_the_same_attempt_is_recovery(con):
     assert _by_cause(queries.goodput_causes(con, "restart")) == {"productive": 5.0, "recovery": 4.0}
 
 
+def test_the_first_start_and_the_clean_exits_at_the_end_are_idle_not_recovery(con):
+    """The launcher reports the first round's `run_started` and every rank's exit: at the start and
+    at the end of a run that ends well (its last seconds: the wait for the verdict on its last steps)
+    neither is a recovery. A rank that exits with an error, or is stopped, is."""
+    con.execute("INSERT INTO runs (run_id, created_ts, updated_ts, status, world_size, started_ts) "
+                "VALUES ('ends', 1000, 1000, 'completed', 1, 1000)")
+    _event(con, "ends", 1000.5, "run_started", restart=0)
+    for step, end in ((1, 1002.0), (2, 1003.0), (3, 1004.0)):
+        _step(con, "ends", 0, step, end)
+    _event(con, "ends", 1005.5, "rank_exited", rank=0, exit_code=0, signal=None, cause="exited")
+    assert _by_cause(queries.goodput_causes(con, "ends")) == {"idle": 2.5, "productive": 3.0}
+    _event(con, "ends", 1005.6, "rank_exited", rank=1, exit_code=0, signal=None, cause="stopped")
+    assert _by_cause(queries.goodput_causes(con, "ends")) == {"idle": 1.0, "productive": 3.0, "recovery": 1.6}
+
+
 def test_the_view_holds_every_run_and_the_read_one_run(con):
     everything = con.execute("SELECT run_id, cause, incident_id, seconds FROM goodput").fetchall()
     assert {r for r, *_ in everything} == {"heal", "restart"}
