@@ -200,8 +200,9 @@ def compute_at_even_share(rows: pl.DataFrame) -> np.ndarray:
     c = fb + floats(rows["opt_s"])
     if not (has(rows, "sample_from") and has(rows, "sample_to")):
         return c
-    n = (ints(rows["sample_to"]) - ints(rows["sample_from"])).astype(float)
-    known = (ints(rows["sample_from"]) >= 0) & (n > 0)
+    lo = ints(rows["sample_from"])
+    n = (ints(rows["sample_to"]) - lo).astype(float)
+    known = (lo >= 0) & (n > 0)
     if known.sum() < 2 or np.all(n[known] == n[known][0]):
         return c
     scale = np.where(known, n[known].mean() / np.where(known, n, 1.0), 1.0)

@@ -107,17 +107,19 @@ class GradBuckets:
     def _on_grad(self, param: nn.Parameter) -> None:
         if not self._armed or id(param) in self._seen:
             return
-        t0 = self._clock()
         self._seen.add(id(param))
         self._pending[self._bucket_of[id(param)]] -= 1
         self._launch_ready()
-        self.sync_s += self._clock() - t0
 
     def _launch_ready(self, force: bool = False) -> None:
+        t0 = None  # the clock is read only around launches: this runs for every parameter's grad
         while self._next_launch < len(self.buffers) and (force or self._pending[self._next_launch] == 0):
+            t0 = self._clock() if t0 is None else t0
             self._finite.append(torch.isfinite(self.buffers[self._next_launch]).all())
             self._handles.append(self.comm.all_reduce(self.buffers[self._next_launch], Axis.DP, async_op=True))
             self._next_launch += 1
+        if t0 is not None:
+            self.sync_s += self._clock() - t0
 
     def finish(self) -> None:
         """Launch the buckets whose params got no grad in the last backward, then wait for all."""
