@@ -25,7 +25,7 @@ from trainer.comm import Comm
 from trainer.config import JobConfig
 from trainer.faults import FaultInjector, parse_injections
 from trainer.lifeline import exit_now, watch_lifeline
-from trainer.membership import under_elastic_agent
+from trainer.membership import read_membership, under_elastic_agent
 from trainer.parallel_dims import ParallelDims
 from trainer.private import TOKEN_ENV
 from trainer.rundir import agree_run_id, prepare_run
@@ -112,6 +112,35 @@ def node_names_from(environ, nodes: int) -> list[str]:
     return names if len(names) == nodes else [f"node{i}" for i in range(nodes)]
 
 
+def agree_restart(store, *, rank: int, world: int, own: int) -> int:
+    """The job's restart round under torchrun, the same on every rank. Each elastic agent
+    counts its own restarts (TORCHELASTIC_RESTART_COUNT), and a standby agent that joins
+    a later round has restarted nothing: its ranks would take the first round's key space
+    and start from scratch beside ranks that resume. When the workers' store is new this
+    round (agents started with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which standby agents
+    need: rank 0's worker serves it), every rank publishes its count and all take the
+    highest. In the agents' shared store, which outlives rounds, the agents restart
+    together and their counts agree already."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "false":
+        return own
+    store.set(f"llmwatch/restart_count/{rank}", str(own))
+    return max(int(store.get(f"llmwatch/restart_count/{r}")) for r in range(world))
+
+
+def spares_left(environ, node_names: list[str], run_dir) -> list[str]:
+    """The standby nodes this round leaves waiting: LLMWATCH_SPARE_NODES less the nodes
+    that hold ranks now and those isolated. The embedded supervisor sets the variable to
+    the spares it has left; under torchrun every agent is given the names of the standby
+    agents (one that waits in the rendezvous's redundancy list takes an isolated node's
+    place at the next round), and a spare that joined, or was isolated since, is no
+    longer one."""
+    declared = [n for n in environ.get(SPARES_ENV, "").split(",") if n]
+    if not declared:
+        return []
+    gone = {x["node"] for x in read_membership(Path(run_dir))["isolated"]} if run_dir else set()
+    return [n for n in dict.fromkeys(declared) if n not in node_names and n not in gone]
+
+
 def gather_node_names(store, *, rank: int, world: int, per_node: int, round_: int) -> list[str]:
     """Under torchrun each agent names its own node (LLMWATCH_NODE_NAME) and the ranks
     are numbered by rendezvous order: every rank publishes its node's name in the job's
@@ -160,6 +189,8 @@ def run_worker(cfg: JobConfig, *, token: str | None = None) -> int:
         prepare_run(cfg)
     # torchrun's restart round, or the embedded supervisor's (trainer/supervisor.py)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get(RESTART_ROUND_ENV) or "0")
+    if under_elastic_agent():
+        restart = agree_restart(store, rank=rank, world=world, own=restart)
     if restart > 0 and cfg.ckpt.dir:
         cfg.ckpt.resume = True  # a restarted round goes on from the newest verified checkpoint
     # One key space per restart round. Under torchrun the store outlives the workers
@@ -186,7 +217,7 @@ def run_worker(cfg: JobConfig, *, token: str | None = None) -> int:
             "run_id": cfg.run_id, "config": cfg.to_dict(), "world_size": world,
             "mesh": {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "sp": dims.sp, "nodes": dims.nodes},
             "node_map": {str(r): node_names[dims.node_of(r)] for r in range(world)},
-            "spares": [n for n in os.environ.get(SPARES_ENV, "").split(",") if n],  # the launcher's standby nodes
+            "spares": spares_left(os.environ, node_names, cfg.run_dir),  # the standby nodes
             "code_version": _code_version(), "data_version": corpus.data_version,
             "backend": backend, "device": device.type, "torch": torch.__version__, "started_ts": time.time(),
         }

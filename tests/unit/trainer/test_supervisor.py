@@ -395,6 +395,40 @@ def test_the_hardware_rank_comes_from_the_supervisor_or_the_node_index():
     assert hardware_rank({}, 3, 2) == 3
 
 
+def test_the_spares_reported_are_the_standbys_that_hold_no_ranks_and_were_not_isolated(tmp_path):
+    from trainer.worker import spares_left
+
+    env = {"LLMWATCH_SPARE_NODES": "node2,node3,node2"}
+    assert spares_left(env, ["node0", "node1"], tmp_path) == ["node2", "node3"]
+    # node2 took node1's place (torchrun's standby joined the round), then was isolated in turn
+    assert spares_left(env, ["node0", "node2"], tmp_path) == ["node3"]
+    record_isolation(tmp_path, node="node2", reason="straggler", incident_id=4, step=90, command_id="c4")
+    assert spares_left(env, ["node0", "node3"], tmp_path) == []
+    assert spares_left({}, ["node0"], tmp_path) == [] and spares_left(env, ["node0"], None) == ["node2", "node3"]
+
+
+class DictStore:
+    def __init__(self):
+        self.kv = {}
+
+    def set(self, key, value):
+        self.kv[key] = value.encode()
+
+    def get(self, key):
+        return self.kv[key]
+
+
+def test_ranks_agree_on_the_restart_round_through_a_fresh_store(monkeypatch):
+    from trainer.worker import agree_restart
+
+    store = DictStore()
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    store.set("llmwatch/restart_count/1", "0")  # the standby agent's rank: its agent never restarted
+    assert agree_restart(store, rank=0, world=2, own=1) == 1
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # the agents' shared store: counts agree already
+    assert agree_restart(DictStore(), rank=0, world=2, own=3) == 3
+
+
 def test_a_run_that_finishes_during_the_isolation_grace_is_done(tmp_path):
     watch = FakeWatch({"node1": "straggler"})
     rounds = Rounds(procs(3, 0, polls=3))  # every rank exits 0 while the grace runs
