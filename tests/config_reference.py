@@ -75,8 +75,10 @@ ENV_VARS: dict[str, tuple[str, str]] = {
                             "against it)."),
     "LLMWATCH_NODE_NAMES": ("launcher", "Comma-separated names of the nodes of the current layout (the "
                             "surviving nodes keep their names after an isolation)."),
-    "LLMWATCH_SPARE_NODES": ("launcher", "Comma-separated names of the standby nodes left (`--spare-nodes`): rank 0 "
-                             "reports them with the run, and the collector lists them as `spare` nodes."),
+    "LLMWATCH_SPARE_NODES": ("launcher", "Comma-separated names of the standby nodes (`--spare-nodes`; under "
+                             "`torchrun` you set it on every agent to the standby agents' node names): rank 0 "
+                             "reports those that hold no ranks and were not isolated, and the collector lists "
+                             "them as `spare` nodes."),
     "LLMWATCH_ATTEMPT_FLOOR": ("launcher", "The lowest training attempt a restarted job may use (attempts "
                                "never go back after a restart)."),
     "LLMWATCH_RESTART_ROUND": ("launcher", "How many times the embedded supervisor restarted the job."),
@@ -110,6 +112,10 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "LOCAL_WORLD_SIZE": ("torchrun", "Ranks per node."),
     "TORCHELASTIC_RUN_ID": ("torchrun", "torchrun's `--rdzv-id`: the run id when `--run-id` is not given."),
     "TORCHELASTIC_RESTART_COUNT": ("torchrun", "The elastic agent's restart count (the rank's incarnation)."),
+    "TORCHELASTIC_USE_AGENT_STORE": ("torchrun", "`False` when the agents were started with "
+                                     "`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (what standby agents need): the "
+                                     "workers' store is new each round, and the ranks agree on the restart "
+                                     "round through it (a standby agent has restarted nothing)."),
     "TORCH_NCCL_TRACE_BUFFER_SIZE": ("you", "torch's older name of `TORCH_FR_BUFFER_SIZE`, the Flight Recorder's "
                                             "entries per process: `llmwatch-instrument` sets the newer one only "
                                             "when neither is set (agent/flight.py)."),
