@@ -72,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "devhealth@rank=R,from=S,what=ecc|thermal|memory[,to=E] (a simulated device: that rank's "
                         "device-health samples show ECC errors, thermal throttling or its node's memory nearly gone; "
                         "no to for ecc) | "
-                        "jitter@pct=P[,seed=S] (background noise on every rank; not a fault)")
+                        "jitter@pct=P[,seed=S] (background noise on every rank; not a fault). A rank names the "
+                        "job's first layout (the hardware); straggler, slowlink and slowio take on=place to follow "
+                        "the current rank instead (its data, stage, links: a spare in its place is as slow)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g = p.add_argument_group("telemetry")
     g.add_argument("--telemetry", action="store_true", help="record telemetry in every rank")

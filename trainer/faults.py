@@ -2,9 +2,9 @@
 
     --inject nan@step=40,rank=2[,mode=data|transient|device]
     --inject spike@step=60[,mode=data|step]
-    --inject straggler@rank=3,from=30,factor=1.5[,to=80]
-    --inject slowlink@rank=3,axis=tp,from=30,factor=4[,to=80]
-    --inject slowio@rank=2,from=30,factor=3,what=data|ckpt[,to=80]
+    --inject straggler@rank=3,from=30,factor=1.5[,to=80][,on=hardware|place]
+    --inject slowlink@rank=3,axis=tp,from=30,factor=4[,to=80][,on=hardware|place]
+    --inject slowio@rank=2,from=30,factor=3,what=data|ckpt[,to=80][,on=hardware|place]
     --inject hang@rank=1,step=80
     --inject crash@rank=1,step=80[,mode=once|every]
     --inject bitflip@rank=1,step=25[,target=param|optim]
@@ -88,6 +88,14 @@ each injector knows its process's original rank (`hw_rank`) and rank-bound fault
 follow it. Ground-truth rows say `rank` = that original rank (and `current_rank`
 when the two differ).
 
+A slow-down (`straggler`, `slowlink`, `slowio`) with `on=place` is the place's,
+not the hardware's: it follows the rank of the *current* layout (its data
+shard, its stage, its links), so whatever node holds that rank after a restart,
+a spare that took the isolated node's place included, is as slow there. That is
+the fault a replacement cannot fix, and the policy must stop rather than loop
+(docs/healing.md). Its ground-truth row says `rank` = the current rank and
+`on` = `place`; the node that holds it writes its own row.
+
 The ground truth goes to `<run dir>/injections.jsonl`. Nothing in the product
 reads it; only tests and offline scoring do. Each rank's injector keeps its own
 state (which windows are poisoned, which one-shot faults fired) in
@@ -111,9 +119,9 @@ from trainer.config import ConfigError
 _KEYS: dict[str, dict[str, type]] = {
     "nan": {"step": int, "rank": int, "mode": str},
     "spike": {"step": int, "mode": str},
-    "straggler": {"rank": int, "from": int, "factor": float, "to": int},
-    "slowlink": {"rank": int, "axis": str, "from": int, "factor": float, "to": int},
-    "slowio": {"rank": int, "from": int, "factor": float, "what": str, "to": int},
+    "straggler": {"rank": int, "from": int, "factor": float, "to": int, "on": str},
+    "slowlink": {"rank": int, "axis": str, "from": int, "factor": float, "to": int, "on": str},
+    "slowio": {"rank": int, "from": int, "factor": float, "what": str, "to": int, "on": str},
     "hang": {"rank": int, "step": int},
     "crash": {"rank": int, "step": int, "mode": str},
     "overflow": {"rank": int, "from": int, "to": int},
@@ -128,6 +136,7 @@ _FLIP_TARGETS = ("param", "optim")  # bitflip: a parameter or an optimizer-state
 _LINK_AXES = ("dp", "tp", "pp")  # slowlink: the axis whose ops are stretched
 _IO_WHATS = ("data", "ckpt")  # slowio: the data fetch or the checkpoint shard writes
 _HEALTH_WHATS = ("ecc", "thermal", "memory")  # devhealth: what the device-health samples show
+_ONS = ("hardware", "place")  # a slow-down follows the original rank's hardware, or the current rank's place
 _REQUIRED = {
     "nan": ("step", "rank"),
     "spike": ("step",),
@@ -155,6 +164,7 @@ class Injection:
     axis: str = ""  # slowlink: dp | tp | pp
     what: str = ""  # slowio: data | ckpt; devhealth: ecc | thermal | memory
     target: str = ""  # bitflip: param | optim
+    on: str = "hardware"  # straggler, slowlink, slowio: the original rank's hardware, or the current rank's place
 
     @property
     def name(self) -> str:
@@ -212,11 +222,14 @@ def parse_injection(spec: str, *, world_size: int | None = None) -> Injection:
     to_step = int(values.get("to", 1 << 62))
     if kind in ("overflow", "slowlink", "slowio", "devhealth") and to_step < step:
         raise ConfigError(f"--inject {spec!r}: to must be >= from")
+    on = str(values.get("on", "hardware"))
+    if on not in _ONS:
+        raise ConfigError(f"--inject {spec!r}: on must be one of {', '.join(_ONS)}")
     target = str(values.get("target", "param" if kind == "bitflip" else ""))
     if kind == "bitflip" and target not in _FLIP_TARGETS:
         raise ConfigError(f"--inject {spec!r}: target must be one of {', '.join(_FLIP_TARGETS)}")
     return Injection(kind=kind, step=step, rank=rank, mode=mode, factor=factor, to_step=to_step,
-                     seed=int(values.get("seed", 0)), axis=axis, what=what, target=target)
+                     seed=int(values.get("seed", 0)), axis=axis, what=what, target=target, on=on)
 
 
 def parse_injections(specs, *, world_size: int | None = None) -> list[Injection]:
@@ -311,11 +324,14 @@ class FaultInjector:
     def _truth(self, inj: Injection, step: int, attempt: int, **extra) -> None:
         if self.run_dir is None:
             return
-        row = {"kind": inj.kind, "rank": self.hw_rank if inj.rank >= 0 else -1, "node": self.node, "step": step,
-               "attempt": attempt, "ts": self.clock(), "spec": inj.name, **extra}
+        place = inj.on == "place"
+        row = {"kind": inj.kind, "rank": (self.rank if place else self.hw_rank) if inj.rank >= 0 else -1,
+               "node": self.node, "step": step, "attempt": attempt, "ts": self.clock(), "spec": inj.name, **extra}
         if self.probing:
             row["probe"] = True
-        if self.rank != self.hw_rank:
+        if place:
+            row["on"] = "place"
+        elif self.rank != self.hw_rank:
             row["current_rank"] = self.rank
         if inj.kind == "nan":
             row["mode"] = inj.mode
@@ -331,7 +347,7 @@ class FaultInjector:
             os.fsync(f.fileno())
 
     def _mine(self, inj: Injection) -> bool:
-        return inj.rank < 0 or inj.rank == self.hw_rank
+        return inj.rank < 0 or inj.rank == (self.rank if inj.on == "place" else self.hw_rank)
 
     # -- layout ------------------------------------------------------------
     def _stage(self) -> tuple[int, int]:

@@ -198,6 +198,16 @@ def spare(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def place_loop(tmp_path_factory):
+    # the spare scenario, but the slowness is rank 1's place (its data, its stage), not node1's hardware:
+    # the spare that takes rank 1 is as slow there
+    d = tmp_path_factory.mktemp("placeloop") / "run"
+    return run_healing(d, *DP, *BIGGER, *rules(d.parent / "rules.toml", ISOLATION_ONLY), "--steps", "220",
+                       *ckpt(d, every=10), "--spare-nodes", "1",
+                       "--inject", "straggler@rank=1,from=52,factor=8,on=place")
+
+
+@pytest.fixture(scope="module")
 def rebalance(tmp_path_factory):
     # a 3x straggler from step 40 to 150 on 2 nodes of dp 2 with 3 micro-batches each: shrinking would put all 6
     # on one node (6 healthy micro-batches' time a step, and a restart), keeping it costs 9; moving micro-batches
@@ -486,6 +496,28 @@ def test_a_spare_takes_the_straggling_nodes_place_and_the_job_keeps_its_size(spa
     assert (new["dp"], new["nodes"], new["micro_batches"]) == (2, 2, 2), new
     assert samples_per_step(after) == {GLOBAL_SAMPLES}, o.report()
     assert "spare node2 takes node1's place" in o.run.stderr + o.run.stdout, o.report()
+
+
+def test_a_spare_as_slow_in_the_same_place_stops_the_run_instead_of_replacing_again(place_loop):
+    """The straggler belongs to rank 1's place: the policy replaces node1 with the spare, node2 takes rank
+    1 and is as slow there. The second straggler incident names the same rank on the node that replaced
+    it: another replacement (or a shrink) would chase the place around the job, so the run is stopped,
+    with the reason, and pages; nothing else is isolated."""
+    o = place_loop
+    first, second = o.of("straggler")
+    assert (first["rank"], first["node"], second["rank"], second["node"]) == (1, "node1", 1, "node2"), o.report()
+    iso = assert_isolated(o, "node1", first, "straggler")
+    assert iso["detail"]["predicted"]["best"] == "replace", o.report()
+    stop = o.actions[-1]
+    assert (stop["kind"], stop["status"], stop["incident_id"]) == ("stop", "done", second["id"]), o.report()
+    assert "node2 took node1's place and is as slow there" in stop["detail"]["reason"], o.report()
+    assert "another replacement would loop" in stop["detail"]["reason"], o.report()
+    (run,) = o.query("SELECT status FROM runs")
+    assert run["status"] == "stopped", o.report()
+    assert o.nodes["node2"]["status"] == "healthy", o.report()  # not isolated in its turn
+    assert max(r["step"] for r in o.query("SELECT step FROM steps")) < 220, o.report()  # it did not run on
+    # the ground truth: one row per node that held the slow place
+    assert [(t["rank"], t["node"]) for t in o.truths("straggler")] == [(1, 1), (1, 2)], o.report()
 
 
 def test_a_straggling_replica_hands_micro_batches_to_the_other_in_place_until_it_recovers(rebalance):

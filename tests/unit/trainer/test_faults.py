@@ -97,6 +97,22 @@ def test_faults_stay_with_the_hardware_after_ranks_are_renumbered(tmp_path):
     assert [r["mode"] for r in rows_of(tmp_path)[4:] if r["kind"] == "nan"] == ["device"]  # no transient row
 
 
+def test_a_slowdown_on_the_place_stays_with_the_rank_whatever_node_holds_it(tmp_path):
+    spec = [parse_injection("straggler@rank=1,from=3,factor=4,on=place"),
+            parse_injection("slowlink@rank=1,axis=dp,from=3,factor=2,on=place")]
+    first = FaultInjector(spec, rank=1, node=1, run_dir=tmp_path)
+    assert (first.step_faults(3, 0, (0, 0, 8)).slowdown, first.step_faults(3, 0, (0, 0, 8)).slow_links) == (
+        4.0, (("dp", 2.0),))
+    # a spare took node1's place: new hardware (hw rank 2) at the same rank; the old hardware elsewhere is fine
+    spare = FaultInjector(spec, rank=1, hw_rank=2, node=2, run_dir=tmp_path)
+    assert spare.step_faults(40, 1, (0, 0, 8)).slowdown == 4.0
+    assert FaultInjector(spec, rank=0, hw_rank=1, node=0, run_dir=tmp_path).step_faults(40, 1, (0, 0, 8)) is NO_FAULTS
+    rows = [r for r in rows_of(tmp_path) if r["kind"] == "straggler"]
+    assert [(r["rank"], r["node"], r["step"], r.get("on")) for r in rows] == [(1, 1, 3, "place"), (1, 2, 40, "place")]
+    with pytest.raises(ConfigError, match="on must be one of"):
+        parse_injection("straggler@rank=1,from=3,factor=4,on=node")
+
+
 def test_rows_have_no_current_rank_when_the_layout_is_original(tmp_path):
     inj = FaultInjector([parse_injection("straggler@rank=1,from=1,factor=2")], rank=1, node=0, run_dir=tmp_path)
     inj.step_faults(1, 0, (0, 0, 8))
