@@ -18,6 +18,7 @@ Expected outcomes:
 | nan mode=transient | rollback | transient |
 | nan mode=device | rollback, then isolate its node | device |
 | straggler | isolate its node, or rebalance its replica in place (naming its node) | - |
+| straggler, slowlink, slowio what=data with `on=place`, again on the node that replaced the first | stop the run | - |
 | hang, slowlink, slowio what=data | isolate its node | - |
 | bitflip, a majority holds the healthy bits and caught within `checksum_every` steps | repair in place | - |
 | bitflip, otherwise (dp = 2, no majority, a late catch, or no incident) | rollback | - |
@@ -103,9 +104,13 @@ class Judgement:
 
 
 def expected(t: Truth, *, mode: str | None, evidence: Mapping[str, Any] | None = None, crash_number: int = 1,
-             crashes_to_isolate: int = 2) -> Expected:
+             crashes_to_isolate: int = 2, place_number: int = 1) -> Expected:
     """What should come of fault `t` (`mode`: a nan's data|transient|device;
-    `evidence`: the matched incident's, None when nothing matched)."""
+    `evidence`: the matched incident's, None when nothing matched; `place_number`: the
+    how-manieth node the same place-bound slow-down (`on=place`) shows on: from the
+    second, a replacement was already tried and the slowness followed the rank)."""
+    if t.on == "place" and place_number >= 2 and t.kind in ("straggler", "slowlink", "slowio"):
+        return Expected(("stop",))
     if t.kind == "nan":
         mode = mode or "data"
         if mode == "device":
@@ -163,12 +168,16 @@ def judge(truths: Sequence[Truth], modes: Mapping[Truth, str | None], *,
     evidence = evidence or {}
     out = []
     crashes: dict[str | None, int] = {}
+    places: dict[tuple, int] = {}  # (kind, rank, what) of a place-bound slow-down -> the nodes it showed on
     for t in sorted(truths, key=lambda t: (t.ts or 0.0, t.step)):
         n = 1
         if t.kind == "crash":
             n = crashes[t.node] = crashes.get(t.node, 0) + 1
+        place = 1
+        if t.on == "place":
+            place = places[(t.kind, t.rank, t.what)] = places.get((t.kind, t.rank, t.what), 0) + 1
         exp = expected(t, mode=modes.get(t), evidence=evidence.get(t), crash_number=n,
-                       crashes_to_isolate=crashes_to_isolate)
+                       crashes_to_isolate=crashes_to_isolate, place_number=place)
         key = replay_match.get(t)
         live = live_match.get(t)
         j = Judgement(truth=t, expected=exp, matched=key is not None or live is not None)

@@ -107,6 +107,7 @@ class Truth:
     run_id: str | None = None  # None: matches an incident of any run
     mode: str | None = None  # a nan's data | transient | device
     what: str | None = None  # a slowio's data | ckpt; a devhealth's ecc | thermal | memory
+    on: str | None = None  # "place": a slow-down that stays with the rank, whatever node holds it (faults.py)
 
     @property
     def label(self) -> str:
@@ -238,7 +239,8 @@ def truths_from_rows(rows: Iterable[Mapping], run_id: str | None = None) -> list
                           step=int(r.get("step", -1)), attempt=int(r.get("attempt", 0) or 0),
                           ts=float(ts) if ts is not None else None, run_id=run_id,
                           mode=str(r["mode"]) if r.get("mode") is not None else None,
-                          what=str(r["what"]) if r.get("what") is not None else None)
+                          what=str(r["what"]) if r.get("what") is not None else None,
+                          on=str(r["on"]) if r.get("on") is not None else None)
     return list(seen.values())
 
 

@@ -303,7 +303,25 @@ def single(name: str, base: Path, *, steps: int, policy: str, inject: list[str],
                outside_steps_s=g.outside_steps_s, actions=r["actions"], incidents=r["incidents"])
     if job["ended"] not in ("done",):
         out["tail"] = job["tail"]
+    if inject:
+        out["judged"] = judged(run_dir, name, rules)
     return out
+
+
+def judged(run_dir: Path, run_id: str, rules: Path) -> dict:
+    """`collector replay --truth`: was the right thing done (each injected fault matched to
+    its incident, the live actions on it against analysis/judging.py's expected ones), and
+    did the cost model's decisions pay (realized gain above zero)."""
+    p = subprocess.run([sys.executable, "-m", "collector", "replay", "--db", str(run_dir / "telemetry.duckdb"),
+                        "--truth", str(run_dir / "injections.jsonl"), "--run", run_id, "--rules", str(rules),
+                        "--json"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if p.returncode != 0:
+        return {"error": p.stderr[-2000:]}
+    r = json.loads(p.stdout)
+    actions = r.get("actions") or {}
+    return {"summary": actions.get("summary"), "faults": actions.get("faults"),
+            "cost_paid": r["cost_model"]["num_paid"], "cost_measured": r["cost_model"]["num_measured"],
+            "cost_decisions": r["cost_model"]["decisions"]}
 
 
 def manual(base: Path, *, steps: int, inject: list[str], rules: Path, timeout_s: float, stall_s: float,
@@ -386,6 +404,16 @@ def report(res: dict, steps: int) -> None:
         print(f"    launcher: {r['launcher_goodput']}")
         incidents = ", ".join(f"{kind} step {step} {node or '-'}" for kind, step, node in r["incidents"])
         print(f"    incidents: {incidents or 'none'}")
+        j = r.get("judged")
+        if j and j.get("summary"):
+            m = j["summary"]
+            print(f"    decisions right (collector replay --truth): {m['did_right']} of {m['did_judged']} faults it "
+                  f"acted on (the policy replayed: {m['would_right']} of {m['would_judged']}); cost model: "
+                  f"{j['cost_paid']} of {j['cost_measured']} measured decisions paid")
+            for line in j["faults"] or []:
+                print(f"      {line}"[:200])
+        elif j:
+            print(f"    judging failed: {j.get('error', 'no faults matched')}"[:400])
     off = res["runs"]["off"]
     m = res["off_model"]
     print(f"\noff model: a crash or hang ends the job; a person restarts it from the newest checkpoint after "

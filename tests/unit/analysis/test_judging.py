@@ -159,3 +159,21 @@ def test_a_wrong_or_failed_device_health_action_is_wrong():
                        live_match={thermal: {"id": 3}},
                        live_actions={3: [{"kind": "isolate", "status": "done", "node": "node1"}]})
     assert isolated.would_right is False and isolated.did_right is False  # throttling is an alert only
+
+
+def test_a_place_bound_slowdown_on_the_node_that_replaced_the_first_expects_a_stop():
+    rows = [{"kind": "straggler", "rank": 1, "node": 1, "step": 52, "attempt": 0, "ts": 1.0, "factor": 8.0,
+             "on": "place"},
+            {"kind": "straggler", "rank": 1, "node": 2, "step": 80, "attempt": 1, "ts": 2.0, "factor": 8.0,
+             "on": "place"}]
+    first, second = truths_from_rows(rows)
+    assert (first.on, second.on) == ("place", "place")
+    js = judge([second, first], {}, replay_match={}, replay_decisions={},
+               live_match={first: {"id": 1, "root_cause": None}, second: {"id": 2, "root_cause": None}},
+               live_actions={1: [{"kind": "isolate", "status": "done", "node": "node1"}],
+                             2: [{"kind": "stop", "status": "done", "node": "node2"}]})
+    assert [(j.truth.node, j.expected.actions, j.did_right) for j in js] == [
+        ("1", ("isolate",), True), ("2", ("stop",), True)]
+    # a hardware-bound straggler on the replacing node is its own fault: isolate (or rebalance) it
+    hw = truths_from_rows([{**rows[1], "on": None}])[0]
+    assert expected(hw, mode=None).actions == ("isolate",)
