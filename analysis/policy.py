@@ -33,7 +33,13 @@ What calls for what (DESIGN.md section 7, the keys are `[policy]` in rules.toml)
   is a **rebalance** in place (trainer/control.py), and when its incident closes (the
   rank recovered, or its node left) a rebalance back to the job's own split undoes it.
   One rebalance is in force in a run at a time: while it is, a rebalance is not a
-  candidate for another straggler (its split names one slow replica).
+  candidate for another straggler (its split names one slow replica). A rebalanced
+  straggler is weighed again when its rank gets `rebalance_retune` times slower
+  per micro-batch than the split was made for, and stays so for its persistence:
+  against going on under the split in force (its measured step time), a split for
+  the new ratio, a replacement or a shrink (the healthy step time the first
+  weighing measured); the cheapest that saves `min_gain_share` of the time left is
+  carried out (a straggler that went from 2x to 12x ends up isolated).
 - `slow_link` the same, with `slow_link_cost_s`, `slow_link_min_share` and
   `slow_link_persist_s`: **isolate** the node of the rank whose link is slow.
 - `data_stall` the same, with `data_stall_cost_s`, `data_stall_min_share` and
@@ -153,6 +159,9 @@ class RunPolicy:
     dp: int = 0  # data-parallel replicas now (0: not known, or not our trainer: no rebalance)
     micro_batches: int = 0  # the global batch's micro-batches, every replica's
     rebalanced: dict[int, int] = field(default_factory=dict)  # incident -> rank, while its rebalance holds
+    # incident -> (the per-micro-batch ratio its split was made for, the job's healthy step time then)
+    rebalance_basis: dict[int, tuple[float, float]] = field(default_factory=dict)
+    worse_since: dict[int, tuple] = field(default_factory=dict)  # rebalanced incident -> (slower since, at step)
     replaced: dict[tuple[str, int], str] = field(default_factory=dict)  # (slow-down kind, rank) -> node a spare replaced
     # the most the run itself allows ("shadow", "off"; None: the policy's mode): a job we did not
     # write (llmwatch-instrument) is acted on in shadow unless it opts in
@@ -203,8 +212,10 @@ class Policy:
         """An incident opened or changed (the row as it is now). A spike or a NaN is acted
         on even when its incident closed in the pass that opened it (the damage is done
         all the same); a straggler or a hang only while it is open."""
-        if inc.get("id") in st.rebalanced and inc.get("status", "open") != "open" and not st.finished:
-            return self._undo_rebalance(st, inc, now)
+        if inc.get("id") in st.rebalanced and not st.finished:
+            if inc.get("status", "open") != "open":
+                return self._undo_rebalance(st, inc, now)
+            return self._reweigh_rebalanced(st, inc, now)
         if st.finished or inc.get("id") in st.acted:
             return []
         kind = inc.get("kind")
@@ -512,11 +523,70 @@ class Policy:
                                    "incident_id": inc.get("id")})
         if out and out[0].refused is None and out[0].mode == "auto":
             st.rebalanced[inc["id"]] = int(rank)
+            st.rebalance_basis[inc["id"]] = (situation.ratio, situation.healthy_s)
         return [replace(d, predicted=predicted) for d in out]
+
+    def _reweigh_rebalanced(self, st: RunPolicy, inc: dict[str, Any], now: float) -> list[Decision]:
+        """A rebalanced straggler that got `rebalance_retune` times slower per micro-batch
+        than its split was made for, for its persistence: weighed again (the module doc)."""
+        iid, evidence = inc["id"], inc.get("evidence") or {}
+        basis = st.rebalance_basis.get(iid)
+        rank = st.rebalanced[iid]
+        mine = ((evidence.get("per_rank") or {}).get(str(rank)) or {}).get("compute_ratio")
+        ratio = _number(mine if mine is not None else evidence.get("compute_ratio"))
+        cost, step_s = _number(evidence.get("cost_s_per_step")), _number(evidence.get("step_s"))
+        if (basis is None or not self.cfg.weigh_cost or ratio is None or cost is None or step_s is None
+                or ratio < basis[0] * self.cfg.rebalance_retune):
+            st.worse_since.pop(iid, None)
+            return []
+        since, since_step = st.worse_since.setdefault(iid, (now, st.reached))
+        steps = st.reached - since_step if st.reached is not None and since_step is not None else None
+        if now - since < self.cfg.straggler_persist_s or (steps is not None and steps < self.cfg.persist_steps):
+            return []
+        st.worse_since.pop(iid, None)
+        # the candidates from the job's healthy step time the first weighing measured: the straggler's excess
+        # at an even share on top of it (evidence: compute at even share, judged per micro-batch)
+        unsplit = self._situation(st, {**evidence, "step_s": basis[1] + cost}, cost, kind="straggler", rank=None)
+        if unsplit is None:
+            return []
+        unsplit = replace(unsplit, ratio=ratio)
+        p = costmodel.predict(unsplit, min_gain_share=0.0)
+        seconds = dict(p.seconds)
+        seconds[costmodel.KEEP] = unsplit.steps_left * step_s  # going on under the split in force
+        best = min(seconds, key=lambda k: (seconds[k], k != costmodel.KEEP))
+        gain = seconds[costmodel.KEEP] - seconds[best]
+        if best == costmodel.KEEP or gain < self.cfg.min_gain_share * seconds[costmodel.KEEP]:
+            return []
+        p = costmodel.Prediction(best=best, seconds=seconds, gain_s=gain)
+        predicted = {**p.detail(unsplit), "at_step": st.reached, "rebalanced_from": round(basis[0], 4)}
+        reason = (f"straggler: rank {rank} got slower under its rebalance ({ratio:.2f}x per micro-batch, the split "
+                  f"was made for {basis[0]:.2f}x)")
+        if best == costmodel.REBALANCE:
+            out = self._decision(st, REBALANCE, inc, reason + f"; the job finishes ~{gain:.1f} s sooner split for "
+                                 f"{ratio:.2f}x (rebalance)", now, node=inc.get("node"), cooldown=False,
+                                 args={"rank": rank, "ratio": round(ratio, 4), "incident_id": iid})
+            if out and out[0].refused is None and out[0].mode == "auto":
+                st.rebalance_basis[iid] = (ratio, basis[1])
+            return [replace(d, predicted=predicted) for d in out]
+        reason += (f"; the job finishes ~{gain:.1f} s sooner with a spare in its node's place (replace)"
+                   if best == costmodel.REPLACE else f"; the job finishes ~{gain:.1f} s sooner without its node "
+                   f"({best})")
+        node = inc.get("node")
+        spare = st.spares > 0
+        out = self._isolate(st, inc, node, now, reason)
+        if any(d.kind == ISOLATE and d.refused is None and d.mode == "auto" for d in out):
+            # the restart goes back to the job's own split: nothing to undo when the incident closes
+            st.rebalanced.pop(iid, None)
+            st.rebalance_basis.pop(iid, None)
+            if spare:
+                st.replaced[("straggler", rank)] = node
+        return [replace(d, predicted=predicted) if d.kind == ISOLATE else d for d in out]
 
     def _undo_rebalance(self, st: RunPolicy, inc: dict[str, Any], now: float) -> list[Decision]:
         """The rebalanced straggler's incident closed: back to the job's own split."""
         rank = st.rebalanced.pop(inc["id"])
+        st.rebalance_basis.pop(inc["id"], None)
+        st.worse_since.pop(inc["id"], None)
         reason = (f"{inc.get('kind', 'straggler')} on rank {rank} is over: its replica takes its own share of the "
                   f"micro-batches again (the rebalance undone)")
         return self._decision(st, REBALANCE, inc, reason, now, node=inc.get("node"), cooldown=False,

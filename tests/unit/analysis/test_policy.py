@@ -424,6 +424,42 @@ def test_on_two_nodes_a_15x_straggler_has_its_replica_rebalanced_and_undone_when
     assert p.on_incident(st, closed, now=41.0) == []  # once
 
 
+def test_a_rebalanced_straggler_that_gets_much_slower_is_split_again_or_its_node_replaced():
+    """Rebalanced for 1.5x (healthy step 1.0 s: 4 micro-batches of 0.25 s a replica), rank 2 goes to 4x: under
+    the split in force (3 of 8 micro-batches) its step is 3 s. Weighed again once that persisted: a split for
+    4x (1 of 8: 1.75 s a step) beats going on at 3 s and shrinking 2 nodes to 1 (2 s); with a spare, replacing
+    its node (the healthy 1 s step after a restart) beats all. At 12x shrinking beats a split (2 s against 3).
+    A modest change (1.6x) is not weighed again."""
+    def worse(ratio, step_s):  # the straggler's excess at an even share: 4 micro-batches x 0.25 s x (ratio - 1)
+        return costed(4 * 0.25 * (ratio - 1), step_s, ratio=ratio)
+
+    for spares, kind, best in ((0, REBALANCE, "rebalance"), (1, ISOLATE, "replace")):
+        p = policy()
+        [d], st = weighed(2, cost=0.12, step_s=1.12, dp=2, micro_batches=8, ratio=1.5)
+        assert d.kind == REBALANCE and st.rebalance_basis[7][0] == 1.5
+        st.spares = spares  # a standby came since (a torchrun agent joined the rendezvous's redundancy list)
+        assert p.on_incident(st, worse(1.6, 1.1), now=10.0) == []  # under rebalance_retune: not weighed
+        assert p.on_incident(st, worse(1.6, 1.1), now=20.0) == [] and st.worse_since == {}
+        assert p.on_incident(st, worse(4.0, 3.0), now=30.0) == []  # it must persist first
+        st.reached += 20
+        [e] = p.on_incident(st, worse(4.0, 3.0), now=35.0)
+        assert (e.kind, e.mode, e.refused, e.predicted["best"]) == (kind, "auto", None, best), e
+        assert e.predicted["rebalanced_from"] == 1.5 and "got slower under its rebalance (4.00x" in e.reason
+        assert e.predicted["seconds"]["keep"] == pytest.approx(3.0 * e.predicted["inputs"]["steps_left"])
+        if kind == REBALANCE:
+            assert e.args == {"rank": 2, "ratio": 4.0, "incident_id": 7} and st.rebalance_basis[7][0] == 4.0
+            assert e.predicted["seconds"]["rebalance"] < e.predicted["seconds"]["shrink"]
+            st.reached += 20  # then 12x: one node doing all 8 micro-batches beats any split
+            assert p.on_incident(st, worse(12.0, 9.0), now=40.0) == []
+            st.reached += 20
+            [e2] = p.on_incident(st, worse(12.0, 9.0), now=45.0)
+            assert (e2.kind, e2.node, e2.predicted["best"]) == (ISOLATE, "node1", "shrink") and st.rebalanced == {}
+        else:
+            assert e.node == "node1" and st.rebalanced == {} and st.replaced == {("straggler", 2): "node1"}
+            closed = {**worse(4.0, 3.0), "status": "resolved"}
+            assert p.on_incident(st, closed, now=60.0) == []  # the restart went back to the job's split
+
+
 def test_one_rebalance_at_a_time_and_none_without_the_rules_key_or_in_shadow():
     p = policy()
     [d], st = weighed(2, cost=0.12, step_s=1.12, dp=2, micro_batches=8, ratio=1.5)
