@@ -22,11 +22,16 @@ step boundary (`end_step`), when the events have long completed.
 
 A degraded link (fault injection, `slowlink@...`, trainer/faults.py): the engine
 passes `begin_step(step, slow_links=((axis, factor), ...))` and every op of that
-axis this step really takes `factor` times as long: after it completes, the rank
-waits `(factor - 1)` times its measured duration before the op returns, inside
-the timed region (so `duration_s` and `wait_s` include it, and the thread's CPU
-time, the compute the engine measures, does not). On CUDA the wait is on the host
-after the op's `wait()`, stretching the host-measured time the same way.
+axis this step really takes `factor` times as long on the link: after it
+completes, the rank waits `(factor - 1)` times the op's *link time* before the op
+returns, inside the timed region (so `duration_s` and `wait_s` include it, and
+the thread's CPU time, the compute the engine measures, does not). The link time
+is the shortest this rank has seen that op take (same op, axis and bytes) while
+the link was slow: the op's measured duration also holds the time it waited for
+peers that arrived late, and the peers arrive late because of the previous op's
+stretch, so stretching the whole duration grew geometrically, a 4x link turning
+into a hang within five steps. On CUDA the wait is on the host after the op's
+`wait()`, stretching the host-measured time the same way.
 
 `seq` counts this rank's ops (monotonic, reported in heartbeats: a hung rank's
 `seq` falls behind its peers'). `last_entered` names the op the latest `seq`
@@ -143,9 +148,11 @@ class Handle:
             h0 = time.perf_counter()
             self._work.wait()
             factor = comm.slowness(self._axis)
-            if factor > 1.0:  # a degraded link: host-side, the op returns factor x later
+            if factor > 1.0:  # a degraded link: host-side, the op returns (factor - 1) x its link time later
                 torch.cuda.current_stream().synchronize()
-                _wait_until(self._t0 + factor * (time.perf_counter() - min(h0, self._t0)))
+                now = time.perf_counter()
+                _wait_until(now + (factor - 1.0) * comm.link_time(self._op, self._axis, self._nbytes,
+                                                                   now - min(h0, self._t0)))
             w1 = torch.cuda.Event(enable_timing=True)
             w1.record()
             comm._pending_cuda.append((self._step, self._seq, self._gseq, self._op, self._axis, self._group_id, self._peer, self._nbytes, self._t0, self._ev0, w0, w1))
@@ -155,10 +162,11 @@ class Handle:
         w1 = time.perf_counter()
         done = self._done[0] if self._done else w1
         factor = comm.slowness(self._axis)
-        if factor > 1.0:  # a degraded link: the op completes factor x later than it did
-            late = self._t0 + factor * (max(done, self._t0) - self._t0)
+        if factor > 1.0:  # a degraded link: the op completes (factor - 1) x its link time later
+            done = max(done, self._t0)
+            late = done + (factor - 1.0) * comm.link_time(self._op, self._axis, self._nbytes, done - self._t0)
             w1 = _wait_until(late)
-            done = max(done, late)
+            done = late
         comm.blocked_cpu_s += time.thread_time() - c0
         # blocked on the op until it completed: on a loaded host the thread may get its core back
         # well after the completion, and that wait was the scheduler's, not the op's (an exposed
@@ -218,6 +226,7 @@ class Comm:
         self.blocked_cpu_s = 0.0
         self._pending_cuda: list[tuple] = []
         self._slow: dict[str, float] = {}  # axis name -> factor: an injected degraded link, this step
+        self._link_s: dict[tuple[str, str, int], float] = {}  # (op, axis, bytes) -> its shortest time on a slow link
         for axis in Axis:
             try:
                 members = dims.ranks_in(axis)
@@ -242,6 +251,15 @@ class Comm:
     def slowness(self, axis: str) -> float:
         """How many times as long this step's ops on `axis` take (1: a healthy link)."""
         return self._slow.get(axis, 1.0) if self._slow else 1.0
+
+    def link_time(self, op: str, axis: str, nbytes: int, measured_s: float) -> float:
+        """A slow link's time for one op: the shortest `measured_s` this rank has seen for the
+        same (op, axis, bytes), this one included (the module doc: a duration also holds the
+        wait for late peers, which the link did not cause)."""
+        key = (op, axis, nbytes)
+        best = min(self._link_s.get(key, measured_s), max(0.0, measured_s))
+        self._link_s[key] = best
+        return best
 
     def end_step(self) -> CommStepStats:
         """Resolve finished CUDA timings and return (and reset) the step's totals."""
@@ -319,8 +337,8 @@ class Comm:
         fn(False)
         dt = time.perf_counter() - t0
         factor = self.slowness(axis_name)
-        if factor > 1.0:  # a degraded link: the op returns factor x later than it did
-            dt = _wait_until(t0 + factor * dt) - t0
+        if factor > 1.0:  # a degraded link: the op returns (factor - 1) x its link time later
+            dt = _wait_until(t0 + dt + (factor - 1.0) * self.link_time(op, axis_name, nbytes, dt)) - t0
         self.blocked_cpu_s += time.thread_time() - c0
         self._emit(self.step, seq, gseq, op, axis_name, group_id, peer, nbytes, t0, dt, dt)
         return None

@@ -95,6 +95,21 @@ def test_the_comm_layer_stretches_the_slow_axis_by_waiting_inside_the_op():
     assert comm.end_step().wait_s == pytest.approx(wait_sync + wait_async)
 
 
+def test_a_slow_link_stretches_the_link_time_not_the_wait_for_late_peers():
+    """An op that waited 0.2 s for a late peer took 0.01 s on the link: the slow link adds
+    (factor - 1) x 0.01 s, not x 0.2 s. Stretching the wait made the peers late again, by more:
+    a 4x link grew each step's wait geometrically and hung the job within five steps."""
+    comm, sink = _comm()
+    comm.begin_step(1, (("dp", 4.0),))
+    comm._timed("all_reduce", "dp", 0, -1, 4096, 0, 0, lambda a: time.sleep(0.01), False)  # its peers were there
+    comm._timed("all_reduce", "dp", 0, -1, 4096, 1, 1, lambda a: time.sleep(0.2), False)  # a late peer
+    (*_, first, _), (*_, late, _) = sink.rows
+    assert first >= 0.04  # 0.01 on the link, x 4
+    assert 0.2 + 3 * 0.01 <= late < 0.2 + 3 * 0.05, late  # the wait, plus three link times (not 3 x 0.2)
+    comm._timed("all_reduce", "dp", 0, -1, 512, 2, 2, lambda a: time.sleep(0.03), False)  # another size: its own
+    assert sink.rows[-1][-2] >= 0.12
+
+
 def test_a_new_step_without_the_fault_is_healthy_again():
     comm, _ = _comm()
     comm.begin_step(1, (("dp", 2.0),))
