@@ -72,6 +72,7 @@ _TICK_S = 0.25  # how often open stragglers and waiting incidents are looked at 
 _DEFER_MAX_S = 120.0  # an incident still waiting this long after it opened is dropped (logged)
 _COST_INPUTS_S = 5.0  # a run's inputs to the cost model are read again at most this often
 _REALIZED_STEPS = 20  # a costed action's realized gain: the step time over this many steps after it
+_WENT_ON_STEPS = 8  # a crash's restart with this many new steps of its own attempt after it: the job went on
 
 
 class IncidentWatch:
@@ -142,6 +143,7 @@ class Pending:
     incident_id: int | None = None
     requested_ts: float | None = None
     predicted: dict[str, Any] | None = None  # the cost model's (an isolation for a slow-down)
+    went_on: set[int] = field(default_factory=set)  # a crash's restart: steps of its own attempt reported after it
 
 
 class PolicyRunner:
@@ -428,6 +430,8 @@ class PolicyRunner:
                 reached[g["attempt"]] = max(reached.get(g["attempt"], 0), g["step_max"])
             if self._realizing:
                 self._realize(run_id, reached)
+            for p in (p for p in waiting if p.run_id == run_id and p.needs_restart and p.kind == RESTART):
+                self._went_on(p, rows)
             for p in (p for p in waiting if p.run_id == run_id and not p.needs_restart):
                 if _carried_by_ranks(p) and not p.acks:
                     continue  # a later attempt the command did not make (a restart's): not done yet
@@ -440,6 +444,26 @@ class PolicyRunner:
                 ahead = later.filter(pc.greater(later["step"], past))
                 if ahead.num_rows:
                     self._caught_up(p, _first(ahead), past)
+
+    def _went_on(self, p: Pending, rows: pa.Table) -> None:
+        """A crash's restart whose job went on without one: `_WENT_ON_STEPS` new steps of the
+        attempt it was decided in, reported after the decision. No rank had exited (ranks that
+        stalled long enough to look dead came back): the restart is not pending any more, or
+        the next real restart would be taken for it (and its recovery counted from this one)."""
+        if p.requested_ts is None:
+            return
+        same = rows.filter(pc.and_(pc.equal(rows["attempt"], p.attempt), pc.greater(rows["ts"], p.requested_ts)))
+        p.went_on.update(same["step"].to_pylist())
+        if len(p.went_on) < _WENT_ON_STEPS:
+            return
+        with self._lock:
+            if self._pending.pop(p.action_id, None) is None:
+                return
+        self._action_ended(p.incident_id)
+        self.storage.update_action(p.action_id, status="failed", finished_ts=self.clock(), detail={
+            "outcome": f"not needed: no rank exited, and the job went on in attempt {p.attempt} without a "
+                       f"restart (its ranks had stalled, not died)"})
+        log.info("action %s (restart) not needed: run %s went on in attempt %s", p.action_id, p.run_id, p.attempt)
 
     def _done(self, p: Pending, first: dict[str, Any], past: int) -> None:
         at = first["ts"] if first["ts"] is not None else self.clock()

@@ -229,3 +229,22 @@ def test_a_verdict_read_after_the_spike_came_back_still_makes_it_a_recurrence():
     runner._tick()
     assert [(k, s) for k, s, _ in storage.actions] == [("rollback", "issued"), ("rollback", "refused"),
                                                        ("stop", "issued")]
+
+
+def test_a_crash_restart_whose_job_went_on_is_not_pending_for_the_next_real_restart():
+    """Ranks that stalled long enough to look dead (heartbeats silent) came back: the crash's restart
+    never happened, and the job went on in the same attempt. After 8 new steps the restart is no longer
+    pending (`failed`, not needed); the next real restart is not taken for it."""
+    storage = FakeStorage()
+    runner = PolicyRunner(storage, Policy(load_rules()), subscription=None, watch=FakeWatch(), clock=lambda: 1195.0)
+    d = Decision(kind="restart", run_id=RUN, reason="crash on node1", incident_id=5, node="node1")
+    runner._follow(d, None, 1190.0, 0)(6, None)  # action 6, decided during attempt 0 (steps ts = 100 + step)
+    runner._refresh_run(RUN)
+    runner._commit({"steps": steps(0, *range(1096, 1100))})  # four steps on: not yet
+    assert storage.updates == []
+    runner._commit({"steps": steps(0, *range(1100, 1106))})
+    [(action, fields)] = storage.updates
+    assert action == 6 and fields["status"] == "failed" and "not needed: no rank exited" in fields["detail"]["outcome"]
+    runner._commit({"events": events({"rank": 0, "kind": "run_started", "data": '{"restart": 1, "attempt_floor": 1}'}),
+                    "steps": steps(1, 1486, 1487)})  # a later, real crash's restart
+    assert len(storage.updates) == 1  # the earlier restart is not done by it
