@@ -26,12 +26,16 @@ axis this step really takes `factor` times as long on the link: after it
 completes, the rank waits `(factor - 1)` times the op's *link time* before the op
 returns, inside the timed region (so `duration_s` and `wait_s` include it, and
 the thread's CPU time, the compute the engine measures, does not). The link time
-is the shortest this rank has seen that op take (same op, axis and bytes) while
-the link was slow: the op's measured duration also holds the time it waited for
-peers that arrived late, and the peers arrive late because of the previous op's
-stretch, so stretching the whole duration grew geometrically, a 4x link turning
-into a hang within five steps. On CUDA the wait is on the host after the op's
-`wait()`, stretching the host-measured time the same way.
+is the shortest this rank has seen that op take (same op, axis and bytes): an
+op's measured duration also holds the time it waited for peers that arrived
+late, and with a slow link the peers arrive late because of the previous op's
+stretch, so stretching the whole duration grew geometrically (a 4x link hung a
+job within five steps), and a minimum taken only over slowed ops settled high
+when two slow ranks kept each other waiting (1.45 s steps against 0.05). So the
+shortest times are kept from healthy steps too (CPU), and the fault injector
+persists them when a link first turns slow in a process (`link_memory`), for
+the ranks of a later round to start from. On CUDA the wait is on the host
+after the op's `wait()`, stretching the host-measured time the same way.
 
 `seq` counts this rank's ops (monotonic, reported in heartbeats: a hung rank's
 `seq` falls behind its peers'). `last_entered` names the op the latest `seq`
@@ -162,9 +166,10 @@ class Handle:
         w1 = time.perf_counter()
         done = self._done[0] if self._done else w1
         factor = comm.slowness(self._axis)
+        done = max(done, self._t0)
+        link = comm.link_time(self._op, self._axis, self._nbytes, done - self._t0)
         if factor > 1.0:  # a degraded link: the op completes (factor - 1) x its link time later
-            done = max(done, self._t0)
-            late = done + (factor - 1.0) * comm.link_time(self._op, self._axis, self._nbytes, done - self._t0)
+            late = done + (factor - 1.0) * link
             w1 = _wait_until(late)
             done = late
         comm.blocked_cpu_s += time.thread_time() - c0
@@ -226,7 +231,8 @@ class Comm:
         self.blocked_cpu_s = 0.0
         self._pending_cuda: list[tuple] = []
         self._slow: dict[str, float] = {}  # axis name -> factor: an injected degraded link, this step
-        self._link_s: dict[tuple[str, str, int], float] = {}  # (op, axis, bytes) -> its shortest time on a slow link
+        self._link_s: dict[tuple[str, str, int], float] = {}  # (op, axis, bytes) -> the shortest it took
+        self._on_slow = None  # called with the link times when a link first turns slow (link_memory)
         for axis in Axis:
             try:
                 members = dims.ranks_in(axis)
@@ -246,7 +252,17 @@ class Comm:
     def begin_step(self, step: int, slow_links: tuple[tuple[str, float], ...] = ()) -> None:
         """Start a step; `slow_links`: (axis, factor) of an injected degraded link."""
         self.step = step
+        if slow_links and self._on_slow is not None:  # once: the healthy link times, before any stretch
+            self._on_slow, on_slow = None, self._on_slow
+            on_slow(dict(self._link_s))
         self._slow = dict(slow_links) if slow_links else {}
+
+    def link_memory(self, known: dict[tuple[str, str, int], float], on_slow) -> None:
+        """Start from `known` link times (an earlier round's: trainer/faults.py keeps them), and
+        call `on_slow(link times)` when a link first turns slow in this process."""
+        for key, s in known.items():
+            self._link_s[key] = min(s, self._link_s.get(key, s))
+        self._on_slow = on_slow
 
     def slowness(self, axis: str) -> float:
         """How many times as long this step's ops on `axis` take (1: a healthy link)."""
@@ -337,8 +353,9 @@ class Comm:
         fn(False)
         dt = time.perf_counter() - t0
         factor = self.slowness(axis_name)
+        link = self.link_time(op, axis_name, nbytes, dt)
         if factor > 1.0:  # a degraded link: the op returns (factor - 1) x its link time later
-            dt = _wait_until(t0 + dt + (factor - 1.0) * self.link_time(op, axis_name, nbytes, dt)) - t0
+            dt = _wait_until(t0 + dt + (factor - 1.0) * link) - t0
         self.blocked_cpu_s += time.thread_time() - c0
         self._emit(self.step, seq, gseq, op, axis_name, group_id, peer, nbytes, t0, dt, dt)
         return None

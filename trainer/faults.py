@@ -316,6 +316,24 @@ class FaultInjector:
         self._save_state()
         return True
 
+    # -- link times (trainer/comm.py `link_memory`) -----------------------------
+    def link_times(self) -> dict[tuple[str, str, int], float]:
+        """The healthy link times this hardware's rank saw before a slow link began (an
+        earlier round's), for a restarted rank to stretch by: its own measures are all
+        slowed ones, which hold the waits for peers."""
+        out = {}
+        for key, s in (self._state.get("links") or {}).items():
+            op, axis, nbytes = key.split("/")
+            out[(op, axis, int(nbytes))] = float(s)
+        return out
+
+    def remember_links(self, links: dict[tuple[str, str, int], float]) -> None:
+        known = self._state.setdefault("links", {})
+        for (op, axis, nbytes), s in links.items():
+            k = f"{op}/{axis}/{nbytes}"
+            known[k] = min(float(s), known.get(k, float(s)))
+        self._save_state()
+
     # Set by the loop around a rollback's rerun of the suspect step (trainer/diagnosis.py):
     # what fires then is the diagnosis reproducing the fault, and its ground truth row
     # says so ("probe": true), so scoring does not count it as a fault of its own.

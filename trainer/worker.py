@@ -265,6 +265,8 @@ def run_worker(cfg: JobConfig, *, token: str | None = None) -> int:
                                  orig_dp=orig_world // (dims.tp * dims.pp), ranks_per_node=dims.ranks_per_node)
         if injector.shows_device_faults():  # an injected devhealth: its (simulated) device's samples show it
             agent.set_health_overlay(injector.device_health)
+        if any(inj.kind == "slowlink" for inj in injector.injections):  # a slow link stretches its healthy time
+            comm.link_memory(injector.link_times(), injector.remember_links)
         from trainer.train import Trainer
 
         floor = int(os.environ.get(ATTEMPT_FLOOR_ENV) or 0)

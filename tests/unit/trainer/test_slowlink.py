@@ -110,6 +110,26 @@ def test_a_slow_link_stretches_the_link_time_not_the_wait_for_late_peers():
     assert sink.rows[-1][-2] >= 0.12
 
 
+def test_two_slow_ranks_keep_their_healthy_link_time_and_a_later_round_starts_from_it(tmp_path):
+    """Healthy steps teach the link time (0.01 s); when the link turns slow it is handed to the fault
+    injector, which keeps it on disk, and a restarted rank (a new Comm) that only ever sees slowed,
+    waiting ops (0.3 s: the other slow rank's stretch) still stretches by 3 x 0.01 s, not 3 x 0.3 s."""
+    specs = [parse_injection("slowlink@rank=0,axis=dp,from=2,factor=4")]
+    comm, sink = _comm()
+    inj = FaultInjector(specs, rank=0, node=0, run_dir=tmp_path)
+    comm.link_memory(inj.link_times(), inj.remember_links)
+    comm.begin_step(1, inj.step_faults(1, 0, (0, 0, 8)).slow_links)
+    comm._timed("all_reduce", "dp", 0, -1, 4096, 0, 0, lambda a: time.sleep(0.01), False)  # healthy
+    comm.begin_step(2, inj.step_faults(2, 0, (0, 8, 16)).slow_links)
+    assert inj.link_times() == {("all_reduce", "dp", 4096): pytest.approx(0.01, abs=0.005)}
+    again = FaultInjector(specs, rank=0, node=0, run_dir=tmp_path)  # the next round's rank, same hardware
+    comm2, sink2 = _comm()
+    comm2.link_memory(again.link_times(), again.remember_links)
+    comm2.begin_step(40, again.step_faults(40, 1, (0, 0, 8)).slow_links)
+    comm2._timed("all_reduce", "dp", 0, -1, 4096, 0, 0, lambda a: time.sleep(0.3), False)  # waited for a peer
+    assert 0.3 + 3 * 0.01 <= sink2.rows[-1][-2] < 0.3 + 3 * 0.05
+
+
 def test_a_new_step_without_the_fault_is_healthy_again():
     comm, _ = _comm()
     comm.begin_step(1, (("dp", 2.0),))
