@@ -26,16 +26,18 @@ axis this step really takes `factor` times as long on the link: after it
 completes, the rank waits `(factor - 1)` times the op's *link time* before the op
 returns, inside the timed region (so `duration_s` and `wait_s` include it, and
 the thread's CPU time, the compute the engine measures, does not). The link time
-is the shortest this rank has seen that op take (same op, axis and bytes): an
-op's measured duration also holds the time it waited for peers that arrived
-late, and with a slow link the peers arrive late because of the previous op's
-stretch, so stretching the whole duration grew geometrically (a 4x link hung a
-job within five steps), and a minimum taken only over slowed ops settled high
-when two slow ranks kept each other waiting (1.45 s steps against 0.05). So the
-shortest times are kept from healthy steps too (CPU), and the fault injector
-persists them when a link first turns slow in a process (`link_memory`), for
-the ranks of a later round to start from. On CUDA the wait is on the host
-after the op's `wait()`, stretching the host-measured time the same way.
+is what the op (same op, axis and bytes) took on this rank while the link was
+healthy: the median of its last `LINK_SAMPLES` healthy durations (CPU, kept
+only in a run with a `slowlink` injection: `link_memory`), frozen when the link
+turns slow. Not the slowed op's own duration: that also holds the time it waited
+for peers, who arrive late because of the previous op's stretch, so stretching
+it grew geometrically (a 4x link hung a dp4 job within five steps). The fault
+injector keeps the healthy times on disk for the ranks of a later round, whose
+own ops are all slowed (two slow ranks then kept each other waiting at 1.45 s
+a step against 0.05). A link slow from a process's first op, with nothing
+known, falls back to the shortest slowed duration it has seen. On CUDA the
+wait is on the host after the op's `wait()`, stretching the host-measured time
+the same way.
 
 `seq` counts this rank's ops (monotonic, reported in heartbeats: a hung rank's
 `seq` falls behind its peers'). `last_entered` names the op the latest `seq`
@@ -48,7 +50,9 @@ rank in the group.
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -56,6 +60,8 @@ import torch
 import torch.distributed as dist
 
 from trainer.parallel_dims import Axis, ParallelDims
+
+LINK_SAMPLES = 32  # healthy durations per op a slow link's time is the median of
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -167,7 +173,7 @@ class Handle:
         done = self._done[0] if self._done else w1
         factor = comm.slowness(self._axis)
         done = max(done, self._t0)
-        link = comm.link_time(self._op, self._axis, self._nbytes, done - self._t0)
+        link = comm.link_time(self._op, self._axis, self._nbytes, done - self._t0, slow=factor > 1.0)
         if factor > 1.0:  # a degraded link: the op completes (factor - 1) x its link time later
             late = done + (factor - 1.0) * link
             w1 = _wait_until(late)
@@ -231,7 +237,9 @@ class Comm:
         self.blocked_cpu_s = 0.0
         self._pending_cuda: list[tuple] = []
         self._slow: dict[str, float] = {}  # axis name -> factor: an injected degraded link, this step
-        self._link_s: dict[tuple[str, str, int], float] = {}  # (op, axis, bytes) -> the shortest it took
+        self._healthy: dict[tuple[str, str, int], deque] | None = None  # (op, axis, bytes) -> its last healthy times
+        self._link_s: dict[tuple[str, str, int], float] = {}  # the link time a slow op is stretched by
+        self._learned: set[tuple[str, str, int]] = set()  # keys of _link_s known from healthy ops (fixed)
         self._on_slow = None  # called with the link times when a link first turns slow (link_memory)
         for axis in Axis:
             try:
@@ -252,27 +260,44 @@ class Comm:
     def begin_step(self, step: int, slow_links: tuple[tuple[str, float], ...] = ()) -> None:
         """Start a step; `slow_links`: (axis, factor) of an injected degraded link."""
         self.step = step
-        if slow_links and self._on_slow is not None:  # once: the healthy link times, before any stretch
-            self._on_slow, on_slow = None, self._on_slow
-            on_slow(dict(self._link_s))
+        if slow_links and self._healthy is not None and not self._slow:  # turning slow: freeze what was learned
+            for key, times in self._healthy.items():
+                if times:
+                    self._link_s[key] = statistics.median(times)
+                    self._learned.add(key)
+            if self._on_slow is not None:  # once: handed to the fault injector for a later round
+                self._on_slow, on_slow = None, self._on_slow
+                on_slow({k: self._link_s[k] for k in self._learned})
         self._slow = dict(slow_links) if slow_links else {}
 
     def link_memory(self, known: dict[tuple[str, str, int], float], on_slow) -> None:
-        """Start from `known` link times (an earlier round's: trainer/faults.py keeps them), and
-        call `on_slow(link times)` when a link first turns slow in this process."""
+        """Learn healthy link times from now on (a run with a `slowlink` injection), start from
+        `known` (an earlier round's: trainer/faults.py keeps them), and call `on_slow(link
+        times)` when a link first turns slow in this process."""
+        self._healthy = {}
         for key, s in known.items():
-            self._link_s[key] = min(s, self._link_s.get(key, s))
+            self._link_s[key] = s
+            self._learned.add(key)
         self._on_slow = on_slow
 
     def slowness(self, axis: str) -> float:
         """How many times as long this step's ops on `axis` take (1: a healthy link)."""
         return self._slow.get(axis, 1.0) if self._slow else 1.0
 
-    def link_time(self, op: str, axis: str, nbytes: int, measured_s: float) -> float:
-        """A slow link's time for one op: the shortest `measured_s` this rank has seen for the
-        same (op, axis, bytes), this one included (the module doc: a duration also holds the
-        wait for late peers, which the link did not cause)."""
+    def link_time(self, op: str, axis: str, nbytes: int, measured_s: float, *, slow: bool = True) -> float:
+        """One op's link time (the module doc). Healthy (`slow` False): learned, when a run
+        learns them (`link_memory`). Slow: the healthy time frozen when the link turned slow,
+        else the shortest slowed duration seen (this one included)."""
         key = (op, axis, nbytes)
+        if not slow:
+            if self._healthy is not None:
+                times = self._healthy.get(key)
+                if times is None:
+                    times = self._healthy[key] = deque(maxlen=LINK_SAMPLES)
+                times.append(measured_s)
+            return measured_s
+        if key in self._learned:
+            return self._link_s[key]
         best = min(self._link_s.get(key, measured_s), max(0.0, measured_s))
         self._link_s[key] = best
         return best
@@ -353,7 +378,7 @@ class Comm:
         fn(False)
         dt = time.perf_counter() - t0
         factor = self.slowness(axis_name)
-        link = self.link_time(op, axis_name, nbytes, dt)
+        link = self.link_time(op, axis_name, nbytes, dt, slow=factor > 1.0)
         if factor > 1.0:  # a degraded link: the op returns (factor - 1) x its link time later
             dt = _wait_until(t0 + dt + (factor - 1.0) * link) - t0
         self.blocked_cpu_s += time.thread_time() - c0
