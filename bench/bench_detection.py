@@ -79,7 +79,7 @@ WORLD = {"dp2": 2, "dp2xtp2": 4, "dp2xpp2": 4, "dp3": 3}
 KINDS = ("clean", "spike", "straggler", "nan_data", "nan_transient", "overflow", "crash", "hang",
          "slowlink", "slowio_data", "slowio_ckpt", "bitflip", "devhealth_ecc", "devhealth_thermal", "devhealth_memory")
 DEFAULT_LAYOUTS = ("dp2", "dp2xtp2", "dp2xpp2")
-KIND_LAYOUTS = {"slowlink": ("dp2xtp2", "dp2xpp2"), "slowio_ckpt": ("dp2xtp2", "dp2xpp2"),
+KIND_LAYOUTS = {"slowlink": ("dp2", "dp2xtp2", "dp2xpp2"), "slowio_ckpt": ("dp2xtp2", "dp2xpp2"),
                 "bitflip": ("dp3",)}  # the rest: DEFAULT_LAYOUTS
 # device-health samples come once per heartbeat (1 s) and the detector's windows are in seconds:
 # these runs are longer (a tiny step is ~15-40 ms here), and their rules shorten the thermal and

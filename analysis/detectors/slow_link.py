@@ -25,8 +25,9 @@ of each axis:
 - it is *low* when it is below its own baseline (the median of its last
   `baseline_steps` steps that were not low, `min_history_steps` of them needed)
   by `min_ratio` or more, and below the median of the other groups of the same
-  axis that step by `min_ratio` too (an axis of one group, the world's control
-  broadcast among them, has nothing to compare with and is not judged), and one
+  axis that step by `min_ratio` too (an axis of one group, a plain data-parallel
+  job's dp, is judged against its baseline alone, with a lower confidence; the
+  world axis, the control broadcast, is not judged), and one
   member's own transfers were the slow ones that step (its link ratio, below, at
   least `min_ratio`: host noise slows every member alike);
 - each member's *link ratio* is the median over its ops of its transfer time
@@ -285,8 +286,8 @@ class SlowLinkDetector:
             gids = rows_axis["group_id"].to_numpy().astype(np.int64)
             lbw = rows_axis["lbw"].to_numpy().astype(float)
             peer_ref, npeers = loo_median(lbw, np.zeros(len(lbw), np.int64))
-            if len(gids) < 2:
-                continue  # no other group of the axis to compare with
+            if len(gids) < 2 and (axis[0] if isinstance(axis, tuple) else axis) == "world":
+                continue  # the control broadcast: latency, and every rank's (no one member's link)
             for gid, x, ref, n in zip(gids.tolist(), lbw.tolist(), peer_ref.tolist(), npeers.tolist()):
                 name = axis[0] if isinstance(axis, tuple) else axis
                 g = st.groups.get((name, gid))
@@ -303,8 +304,10 @@ class SlowLinkDetector:
         (axis, rank) -> its log link ratio this step (not against its usual)."""
         cfg = self.cfg
         base = median_of(g.history, cfg.min_history_steps)
-        low = (base is not None and peers is not None and lbw <= min(base, peers) - self.log_min
-               and link >= self.log_min)  # and one member's own transfers were the slow ones
+        # below its own baseline, and the other groups' when there are any, and one member's own
+        # transfers were the slow ones (host noise slows every member alike)
+        low = (base is not None and lbw <= (min(base, peers) if peers is not None else base) - self.log_min
+               and link >= self.log_min)
         g.judged += 1
         g.recent.append((step, low))
         g.calm = 0 if low else g.calm + 1

@@ -78,13 +78,18 @@ TP_GROUPS = {0: (0, 1), 2: (2, 3)}
 DP_GROUPS = {0: (0, 2), 1: (1, 3)}
 
 
+DP4_NODES = {r: f"node{r}" for r in range(4)}  # a plain data-parallel job: one rank a node, one dp group
+
+
 def synthetic_run(steps: int = 60, *, seed: int = 0, slow_link: tuple[int, str, int, float] | None = None,
-                  straggler: tuple[int, int, float] | None = None, link_factor=None):
+                  straggler: tuple[int, int, float] | None = None, link_factor=None, dp4: bool = False):
     """Commits of a dp2 x tp2 run, one per step: per rank 0.1 s of compute, 8 TP all-reduces of
     1 MiB (~1 ms each) and one DP all-reduce of 4 MiB a step. `slow_link` = (rank, axis, from,
     factor): that rank's transfers on the axis take factor x as long (its partners wait at its
     next entry); `straggler` = (rank, from, factor): its compute does; `link_factor(step, rank,
-    axis)`: a further factor on that rank's transfers."""
+    axis)`: a further factor on that rank's transfers. `dp4`: a plain dp4 job instead (no tp, one dp
+    group of all four ranks, one rank a node)."""
+    nodes, tp_groups, dp_groups = (DP4_NODES, {}, {0: (0, 1, 2, 3)}) if dp4 else (NODES, TP_GROUPS, DP_GROUPS)
     rng = np.random.default_rng(seed)
     t = 1000.0
     commits = []
@@ -119,24 +124,27 @@ def synthetic_run(steps: int = 60, *, seed: int = 0, slow_link: tuple[int, str, 
         for _ in range(8):  # forward and backward: a compute slice, then each TP group's all-reduce
             for r in range(4):
                 slice_of(r, 0.1 / 9)
-            for gid, members in TP_GROUPS.items():
+            for gid, members in tp_groups.items():
                 op("tp", gid, members, MiB, 0.001)
         for r in range(4):
             slice_of(r, 0.1 / 9)
-        for gid, members in DP_GROUPS.items():
+        for gid, members in dp_groups.items():
             op("dp", gid, members, 4 * MiB, 0.004)
         end = max(t_rank.values())
         steps_rows = [{"run_id": "run-1", "attempt": 0, "step": step, "rank": r, "ts": end, "loss": 2.0,
                        "grad_norm": 1.0, "loss_scale": 1.0, "step_s": end - t, "fwd_s": 0.3 * compute[r],
-                       "bwd_s": 0.6 * compute[r], "opt_s": 0.1 * compute[r], "node": NODES[r]} for r in range(4)]
+                       "bwd_s": 0.6 * compute[r], "opt_s": 0.1 * compute[r], "node": nodes[r]} for r in range(4)]
         frames = Frames(steps=pl.DataFrame(steps_rows), collectives=collectives_frame(coll))
         if step == 1:
             frames.runs = pl.DataFrame({"run_id": ["run-1"], "world_size": [4], "status": ["running"],
-                                        "config": [json.dumps({})], "mesh": [json.dumps({"dp": 2, "tp": 2, "pp": 1})],
-                                        "node_map": [json.dumps({str(r): n for r, n in NODES.items()})]})
+                                        "config": [json.dumps({})],
+                                        "mesh": [json.dumps({"dp": 4, "tp": 1, "pp": 1} if dp4 else
+                                                            {"dp": 2, "tp": 2, "pp": 1})],
+                                        "node_map": [json.dumps({str(r): n for r, n in nodes.items()})]})
             frames.ranks = pl.DataFrame({"run_id": ["run-1"] * 4, "rank": [0, 1, 2, 3],
-                                         "node": [NODES[r] for r in range(4)], "dp": [0, 0, 1, 1],
-                                         "tp": [0, 1, 0, 1], "pp": [0, 0, 0, 0]})
+                                         "node": [nodes[r] for r in range(4)],
+                                         "dp": [0, 1, 2, 3] if dp4 else [0, 0, 1, 1],
+                                         "tp": [0, 0, 0, 0] if dp4 else [0, 1, 0, 1], "pp": [0, 0, 0, 0]})
         t = end + 0.002
         commits.append((end + 0.01, frames))
     return commits
@@ -173,6 +181,24 @@ def test_slow_link_named_with_its_rank_node_and_cost(rank, axis, factor):
 
 def test_silent_on_a_clean_run():
     assert run_all(synthetic_run(steps=80, seed=7)) == []
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_a_slow_link_in_a_plain_data_parallel_job_is_named_against_its_own_baseline(rank):
+    """dp4, one rank a node: the dp axis is one group, with no other group to compare with. Its bus
+    bandwidth against its own baseline and the member whose own transfers are slow name it (with a
+    lower confidence than where peer groups agree); a clean dp4 run and a dp4 compute straggler open
+    none."""
+    onset = 30
+    first = opened(run_all(synthetic_run(slow_link=(rank, "dp", onset, 4.0), seed=rank, dp4=True)))
+    assert [(f.kind, f.rank, f.node) for f in first.values()] == [("slow_link", rank, f"node{rank}")], \
+        [f.summary() for f in first.values()]
+    f = next(iter(first.values()))
+    assert onset <= f.evidence["fired_at_step"] < onset + 8 and f.confidence == 0.6
+    assert f.evidence["busbw_vs_peer_groups"] is None
+    assert run_all(synthetic_run(steps=80, seed=7, dp4=True)) == []
+    assert [x.kind for x in opened(run_all(synthetic_run(straggler=(2, 30, 2.0), seed=5, dp4=True))).values()] \
+        in ([], ["straggler"])
 
 
 def test_a_compute_straggler_is_not_a_slow_link():
