@@ -1,6 +1,11 @@
-"""Trainer throughput: layouts side by side, and telemetry on vs off.
+"""Trainer throughput: against plain PyTorch, layouts side by side, and telemetry on vs off.
 
-    python bench/bench_trainer.py [--steps 30] [--repeats 3] [--only layouts|telemetry]
+    python bench/bench_trainer.py [--steps 30] [--repeats 3] [--only peer|layouts|telemetry]
+
+`peer`: the trainer against bench/plain_gpt.py (the same GPT in plain torch: torch
+DDP over gloo, `no_sync` accumulation, bf16 autocast, AdamW, clip 1.0) at dp1 and
+dp2 with the same global batch, interleaved, telemetry off. The ratio is the
+peer's median step time over the trainer's (above 1: the trainer is faster).
 
 Every figure is the median tokens/s of steps after a warm-up, read from the
 run's metrics.jsonl, and every comparison is a ratio between runs made in this
@@ -27,7 +32,8 @@ MODEL = ["--layers", "4", "--d-model", "128", "--heads", "4", "--seq-len", "128"
 WARMUP = 5
 
 
-def run(args: list[str], steps: int, workdir: Path) -> float:
+def run(args: list[str], steps: int, workdir: Path, *, field: str = "tokens_per_s") -> float:
+    """The median of metrics.jsonl's `field` over the steps after the warm-up."""
     run_dir = Path(tempfile.mkdtemp(dir=workdir))
     metrics = run_dir / "metrics.jsonl"
     cmd = [sys.executable, "-m", "trainer", "--run-dir", str(run_dir), "--metrics-jsonl", str(metrics),
@@ -37,7 +43,42 @@ def run(args: list[str], steps: int, workdir: Path) -> float:
     if proc.returncode != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
     rows = [json.loads(x) for x in metrics.read_text().splitlines()]
-    return statistics.median(r["tokens_per_s"] for r in rows[WARMUP:])
+    return statistics.median(r[field] for r in rows[WARMUP:])
+
+
+PEER_SHAPES = ["--layers", "4", "--d-model", "128", "--heads", "4", "--seq-len", "128", "--micro-batch-size", "4"]
+
+
+def peer_run(dp: int, micro_batches: int, steps: int, workdir: Path) -> float:
+    """bench/plain_gpt.py's median step seconds after the warm-up (torchrun for dp > 1)."""
+    out = Path(tempfile.mkdtemp(dir=workdir)) / "peer.json"
+    from trainer.launch import free_port
+
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(dp), "--rdzv-backend",
+                 "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"] if dp > 1 else [sys.executable])
+    cmd = [*launcher, str(ROOT / "bench" / "plain_gpt.py"), *PEER_SHAPES, "--micro-batches", str(micro_batches),
+           "--steps", str(steps), "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(max(1, 2 // dp))))
+    if proc.returncode != 0:
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
+    return statistics.median(json.loads(out.read_text())["step_s"][WARMUP:])
+
+
+def peer(steps: int, repeats: int, workdir: Path) -> dict:
+    """The trainer's step time against the plain-torch peer's, same global batch (16 samples)."""
+    out = {}
+    for dp, micro in ((1, 4), (2, 2)):
+        mine, theirs = [], []
+        for _ in range(repeats):
+            mine.append(run(["--dp", str(dp), "--micro-batches", str(micro)], steps, workdir, field="step_s"))
+            theirs.append(peer_run(dp, micro, steps, workdir))
+        m, t = statistics.median(mine), statistics.median(theirs)
+        out[f"dp{dp}"] = t / m
+        print(f"dp{dp} (M={micro}): trainer {1e3 * m:.1f} ms/step, plain torch {1e3 * t:.1f} ms/step: "
+              f"trainer / plain torch {t / m:.3f}x  (goal >= 0.95; runs: trainer "
+              f"{['%.1f' % (1e3 * x) for x in mine]}, peer {['%.1f' % (1e3 * x) for x in theirs]} ms)")
+    return out
 
 
 def layouts(steps: int, repeats: int, workdir: Path) -> None:
@@ -117,10 +158,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--only", choices=("layouts", "telemetry"))
+    p.add_argument("--only", choices=("peer", "layouts", "telemetry"))
     p.add_argument("--flush-s", type=float, help="the agents' flush interval (default: the trainer's, 1.0 s)")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
+        if a.only in (None, "peer"):
+            peer(a.steps, a.repeats, Path(tmp))
         if a.only in (None, "layouts"):
             layouts(a.steps, a.repeats, Path(tmp))
         if a.only in (None, "telemetry"):

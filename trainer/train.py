@@ -257,7 +257,8 @@ class Trainer:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps({
                 "step": step, "loss": r.loss, "grad_norm": r.grad_norm, "loss_scale": r.loss_scale, "lr": r.lr,
-                "tokens_per_s": tokens_per_s, "skipped": bool(r.skipped), "attempt": self.state.attempt,
+                "tokens_per_s": tokens_per_s, "step_s": step_s, "skipped": bool(r.skipped),
+                "attempt": self.state.attempt,
             }) + "\n")
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{r.loss:.4f}", gnorm=f"{r.grad_norm:.3g}", tok_s=f"{tokens_per_s:,.0f}",
