@@ -172,10 +172,11 @@ class Handle:
         w1 = time.perf_counter()
         done = self._done[0] if self._done else w1
         factor = comm.slowness(self._axis)
-        done = max(done, self._t0)
-        link = comm.link_time(self._op, self._axis, self._nbytes, done - self._t0, slow=factor > 1.0)
+        if comm._healthy is not None and factor == 1.0:  # a run with a slowlink injection learns link times
+            comm.link_time(self._op, self._axis, self._nbytes, max(done, self._t0) - self._t0, slow=False)
         if factor > 1.0:  # a degraded link: the op completes (factor - 1) x its link time later
-            late = done + (factor - 1.0) * link
+            done = max(done, self._t0)
+            late = done + (factor - 1.0) * comm.link_time(self._op, self._axis, self._nbytes, done - self._t0)
             w1 = _wait_until(late)
             done = late
         comm.blocked_cpu_s += time.thread_time() - c0
@@ -378,9 +379,10 @@ class Comm:
         fn(False)
         dt = time.perf_counter() - t0
         factor = self.slowness(axis_name)
-        link = self.link_time(op, axis_name, nbytes, dt, slow=factor > 1.0)
+        if self._healthy is not None and factor == 1.0:  # a run with a slowlink injection learns link times
+            self.link_time(op, axis_name, nbytes, dt, slow=False)
         if factor > 1.0:  # a degraded link: the op returns (factor - 1) x its link time later
-            dt = _wait_until(t0 + dt + (factor - 1.0) * link) - t0
+            dt = _wait_until(t0 + dt + (factor - 1.0) * self.link_time(op, axis_name, nbytes, dt)) - t0
         self.blocked_cpu_s += time.thread_time() - c0
         self._emit(self.step, seq, gseq, op, axis_name, group_id, peer, nbytes, t0, dt, dt)
         return None
