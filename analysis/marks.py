@@ -7,7 +7,12 @@ Read from events, scalars and heartbeat phases, and kept small:
   caches), a checkpoint step and `steps_after_checkpoint` after it (background
   writes compete for the host), an eval step and `steps_after_eval` after it, a
   step some rank reported skipped or non-finite and `steps_after_skip` after it
-  (no optimizer update, a NaN's checks, an fp16 backoff: other work).
+  (no optimizer update, a NaN's checks, an fp16 backoff: other work), and a
+  `rebalanced` step (the split of the global batch changed) with the step before
+  it and `steps_after_start` after it: the ranks' shares change at a step
+  boundary they reach at different times, and the compute judged at an even share
+  jumped for a step or two (a false 1.27x straggler on the rank that took the
+  micro-batches back, seen once in CI).
   Known ahead from the run's config (`eval_every`, `ckpt.every`) when it has
   them, and from what the ranks report (`checkpoint_saved`, `eval/...` scalars,
   heartbeats in phase `eval` or `checkpoint`) when not.
@@ -172,7 +177,7 @@ class RunMarks:
     def _from_events(self, events: pl.DataFrame) -> None:
         kinds = events["kind"].cast(pl.String)
         wanted = kinds.is_in(["run_finished", "run_started", "restart", "checkpoint_loaded", "checkpoint_saved",
-                              "agent_closed", "rank_exited", "rollback_started"])
+                              "agent_closed", "rank_exited", "rollback_started", "rebalanced"])
         if not wanted.any():
             return
         cols = ["ts", "rank", "step", "kind", "data"] + (["attempt"] if "attempt" in events.columns else [])
@@ -193,6 +198,9 @@ class RunMarks:
                             self._warm_up(a, step)
                     else:
                         self._warm_up(attempt, step)
+            elif kind == "rebalanced":
+                if step is not None and step >= 0:
+                    self._exclude(-1, max(0, step - 1), step + self.steps_after_start)
             elif kind == "checkpoint_saved":
                 data = _data(row["data"])
                 s = data.get("step", step)

@@ -31,3 +31,16 @@ def test_a_skipped_or_nonfinite_step_and_the_steps_after_it_are_not_judged(skipp
     topo = Topology()
     excluded = [s for s in range(3, 41) if marks.is_excluded(0, s, topo)]
     assert excluded == [10, 11, 12, 13, 25, 26, 27, 28]
+
+
+def test_a_rebalanced_step_and_the_steps_around_it_are_not_judged():
+    """The split of the global batch changed at step 183: the step before it, it, and steps_after_start after
+    it say nothing about a rank's speed (the ranks switch shares at a boundary they reach at different times)."""
+    from analysis.frames import events_frame
+
+    marks = RunMarks(steps_after_start=5, steps_after_checkpoint=0, steps_after_eval=0, steps_after_skip=0)
+    ev = events_frame([{"run_id": "r", "ts": 1.0, "rank": r, "step": 183, "attempt": 0, "kind": "rebalanced",
+                        "data": '{"shares": [3, 3], "previous": [5, 1]}'} for r in (0, 1)])
+    marks.update(Frames(events=ev), now=0.0)
+    topo = Topology()
+    assert [s for s in range(170, 200) if marks.is_excluded(0, s, topo)] == list(range(182, 189))
