@@ -25,7 +25,8 @@ $(STAMP): pyproject.toml
 # dp2 x pp2 x tp2 on 8 CPU ranks would crawl on 2 cores: the demo uses dp2 x tp2 (4 ranks)
 # on 2 simulated nodes, with a data spike and a straggler it can show being detected and healed. The
 # straggler is 8x: on 2 nodes the policy's cost model takes a node out only when the other doing both
-# halves of every step beats waiting for it (a 2x one is rebalanced in place: its replica hands the other a micro-batch)
+# halves of every step beats waiting for it, and moves micro-batches off its replica in place (rebalance) when
+# that is cheaper still: which one follows the costs measured on the host
 demo: venv
 	rm -rf $(RUN_DIR)
 	$(VENV)/bin/trainer --telemetry --keep-collector --run-id demo --run-dir $(RUN_DIR) \
