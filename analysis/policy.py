@@ -183,6 +183,20 @@ def apply_cost_inputs(st: RunPolicy, inputs: dict[str, Any], *, reached: int | N
     st.dp, st.micro_batches = int(inputs.get("dp") or 0), int(inputs.get("micro_batches") or 0)
 
 
+def _rank_ratio(evidence: dict[str, Any], rank: int | None) -> float | None:
+    """The slow rank's compute ratio (per micro-batch) from a straggler's evidence: its own
+    row's, else the incident's."""
+    mine = ((evidence.get("per_rank") or {}).get(str(rank)) or {}).get("compute_ratio")
+    return _number(mine if mine is not None else evidence.get("compute_ratio"))
+
+
+def _take_out_gain(best: str, gain_s: float) -> str:
+    """The reason's tail for taking a node out: what the cost model expects it to save."""
+    if best == costmodel.REPLACE:
+        return f"; the job finishes ~{gain_s:.1f} s sooner with a spare in its node's place (replace)"
+    return f"; the job finishes ~{gain_s:.1f} s sooner without its node ({best})"
+
+
 def _number(value: Any) -> float | None:
     try:
         f = float(value)
@@ -475,10 +489,10 @@ class Policy:
         if cost is None or cost < min_cost or (share is not None and share < min_share):
             st.slow_since.pop(iid, None)
             return []
-        since, since_step = st.slow_since.setdefault(iid, (now, st.reached))
-        steps = st.reached - since_step if st.reached is not None and since_step is not None else None
-        if now - since < persist_s or (steps is not None and steps < self.cfg.persist_steps):
+        if not self._persisted(st, st.slow_since, iid, now, persist_s):
             return []
+        since, since_step = st.slow_since[iid]
+        steps = st.reached - since_step if st.reached is not None and since_step is not None else None
         what = {"slow_link": f"slow {evidence.get('axis')} link", "data_stall": "data stall"}.get(kind, "straggler")
         rank, node = inc.get("rank"), inc.get("node")
         was = st.replaced.get((kind, rank)) if rank is not None else None
@@ -501,16 +515,27 @@ class Policy:
             if p.best == costmodel.REBALANCE:
                 st.slow_since.pop(iid, None)
                 return self._rebalance(st, inc, now, reason, situation, predicted)
-            reason += (f"; the job finishes ~{p.gain_s:.1f} s sooner with a spare in its node's place (replace)"
-                       if p.best == costmodel.REPLACE else
-                       f"; the job finishes ~{p.gain_s:.1f} s sooner without its node ({p.best})")
+            reason += _take_out_gain(p.best, p.gain_s)
         st.slow_since.pop(iid, None)
+        return self._take_out(st, inc, kind, rank, node, now, reason, predicted)[0]
+
+    def _take_out(self, st: RunPolicy, inc: dict[str, Any], kind: str, rank: int | None, node: str | None,
+                  now: float, reason: str, predicted: dict[str, Any] | None) -> tuple[list[Decision], bool]:
+        """Isolate a slow-down's node (replaced by a spare when one is left, which is then
+        remembered for the place loop); (the decisions, whether it went out for real)."""
         spare = st.spares > 0
         out = self._isolate(st, inc, node, now, reason)
-        if spare and rank is not None and any(d.kind == ISOLATE and d.refused is None and d.mode == "auto"
-                                              for d in out):
+        gone = any(d.kind == ISOLATE and d.refused is None and d.mode == "auto" for d in out)
+        if gone and spare and rank is not None:
             st.replaced[(kind, rank)] = node  # a spare takes its ranks: the same place
-        return [replace(d, predicted=predicted) if predicted and d.kind == ISOLATE else d for d in out]
+        return [replace(d, predicted=predicted) if predicted and d.kind == ISOLATE else d for d in out], gone
+
+    def _persisted(self, st: RunPolicy, book: dict[int, tuple], iid: int, now: float, persist_s: float) -> bool:
+        """Whether the condition `book` times for incident `iid` has held `persist_s` and
+        `persist_steps` (its clock starts at the first call)."""
+        since, since_step = book.setdefault(iid, (now, st.reached))
+        steps = st.reached - since_step if st.reached is not None and since_step is not None else None
+        return not (now - since < persist_s or (steps is not None and steps < self.cfg.persist_steps))
 
     def _rebalance(self, st: RunPolicy, inc: dict[str, Any], now: float, reason: str,
                    situation: costmodel.Situation, predicted: dict[str, Any]) -> list[Decision]:
@@ -532,16 +557,13 @@ class Policy:
         iid, evidence = inc["id"], inc.get("evidence") or {}
         basis = st.rebalance_basis.get(iid)
         rank = st.rebalanced[iid]
-        mine = ((evidence.get("per_rank") or {}).get(str(rank)) or {}).get("compute_ratio")
-        ratio = _number(mine if mine is not None else evidence.get("compute_ratio"))
+        ratio = _rank_ratio(evidence, rank)
         cost, step_s = _number(evidence.get("cost_s_per_step")), _number(evidence.get("step_s"))
         if (basis is None or not self.cfg.weigh_cost or ratio is None or cost is None or step_s is None
                 or ratio < basis[0] * self.cfg.rebalance_retune):
             st.worse_since.pop(iid, None)
             return []
-        since, since_step = st.worse_since.setdefault(iid, (now, st.reached))
-        steps = st.reached - since_step if st.reached is not None and since_step is not None else None
-        if now - since < self.cfg.straggler_persist_s or (steps is not None and steps < self.cfg.persist_steps):
+        if not self._persisted(st, st.worse_since, iid, now, self.cfg.straggler_persist_s):
             return []
         st.worse_since.pop(iid, None)
         # the candidates from the job's healthy step time the first weighing measured: the straggler's excess
@@ -568,19 +590,12 @@ class Policy:
             if out and out[0].refused is None and out[0].mode == "auto":
                 st.rebalance_basis[iid] = (ratio, basis[1])
             return [replace(d, predicted=predicted) for d in out]
-        reason += (f"; the job finishes ~{gain:.1f} s sooner with a spare in its node's place (replace)"
-                   if best == costmodel.REPLACE else f"; the job finishes ~{gain:.1f} s sooner without its node "
-                   f"({best})")
-        node = inc.get("node")
-        spare = st.spares > 0
-        out = self._isolate(st, inc, node, now, reason)
-        if any(d.kind == ISOLATE and d.refused is None and d.mode == "auto" for d in out):
-            # the restart goes back to the job's own split: nothing to undo when the incident closes
+        out, gone = self._take_out(st, inc, "straggler", rank, inc.get("node"), now,
+                                   reason + _take_out_gain(best, gain), predicted)
+        if gone:  # the restart goes back to the job's own split: nothing to undo when the incident closes
             st.rebalanced.pop(iid, None)
             st.rebalance_basis.pop(iid, None)
-            if spare:
-                st.replaced[("straggler", rank)] = node
-        return [replace(d, predicted=predicted) if d.kind == ISOLATE else d for d in out]
+        return out
 
     def _undo_rebalance(self, st: RunPolicy, inc: dict[str, Any], now: float) -> list[Decision]:
         """The rebalanced straggler's incident closed: back to the job's own split."""
@@ -611,8 +626,7 @@ class Policy:
         redo = reached - st.ckpt_step if st.ckpt_step is not None else reached
         ratio = 1.0
         if kind == "straggler" and rank is not None and self.cfg.rebalance and not st.rebalanced:
-            mine = ((evidence.get("per_rank") or {}).get(str(rank)) or {}).get("compute_ratio")
-            ratio = _number(mine if mine is not None else evidence.get("compute_ratio")) or 1.0
+            ratio = _rank_ratio(evidence, rank) or 1.0
         return costmodel.Situation(steps_left=max(0, left), step_s=step_s, excess_s=cost,
                                    nodes=len([n for n in st.nodes if n not in st.isolated]),
                                    restart_s=restart_s, redo_steps=max(0, redo), spares=st.spares,
