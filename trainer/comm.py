@@ -173,7 +173,7 @@ class Handle:
         done = self._done[0] if self._done else w1
         factor = comm.slowness(self._axis)
         if comm._healthy is not None and factor == 1.0:  # a run with a slowlink injection learns link times
-            comm.link_time(self._op, self._axis, self._nbytes, max(done, self._t0) - self._t0, slow=False)
+            comm.learn_link(self._op, self._axis, self._nbytes, max(done, self._t0) - self._t0)
         if factor > 1.0:  # a degraded link: the op completes (factor - 1) x its link time later
             done = max(done, self._t0)
             late = done + (factor - 1.0) * comm.link_time(self._op, self._axis, self._nbytes, done - self._t0)
@@ -285,18 +285,19 @@ class Comm:
         """How many times as long this step's ops on `axis` take (1: a healthy link)."""
         return self._slow.get(axis, 1.0) if self._slow else 1.0
 
-    def link_time(self, op: str, axis: str, nbytes: int, measured_s: float, *, slow: bool = True) -> float:
-        """One op's link time (the module doc). Healthy (`slow` False): learned, when a run
-        learns them (`link_memory`). Slow: the healthy time frozen when the link turned slow,
-        else the shortest slowed duration seen (this one included)."""
+    def learn_link(self, op: str, axis: str, nbytes: int, measured_s: float) -> None:
+        """A healthy op's duration, in a run that learns link times (`link_memory`; callers check
+        `_healthy` first, so no other run pays a call per op)."""
         key = (op, axis, nbytes)
-        if not slow:
-            if self._healthy is not None:
-                times = self._healthy.get(key)
-                if times is None:
-                    times = self._healthy[key] = deque(maxlen=LINK_SAMPLES)
-                times.append(measured_s)
-            return measured_s
+        times = self._healthy.get(key)
+        if times is None:
+            times = self._healthy[key] = deque(maxlen=LINK_SAMPLES)
+        times.append(measured_s)
+
+    def link_time(self, op: str, axis: str, nbytes: int, measured_s: float) -> float:
+        """A slowed op's link time (the module doc): the healthy time frozen when the link turned
+        slow, else the shortest slowed duration seen (this one included)."""
+        key = (op, axis, nbytes)
         if key in self._learned:
             return self._link_s[key]
         best = min(self._link_s.get(key, measured_s), max(0.0, measured_s))
@@ -380,7 +381,7 @@ class Comm:
         dt = time.perf_counter() - t0
         factor = self.slowness(axis_name)
         if self._healthy is not None and factor == 1.0:  # a run with a slowlink injection learns link times
-            self.link_time(op, axis_name, nbytes, dt, slow=False)
+            self.learn_link(op, axis_name, nbytes, dt)
         if factor > 1.0:  # a degraded link: the op returns (factor - 1) x its link time later
             dt = _wait_until(t0 + dt + (factor - 1.0) * self.link_time(op, axis_name, nbytes, dt)) - t0
         self.blocked_cpu_s += time.thread_time() - c0
