@@ -187,26 +187,32 @@ def iter_steps(df: pl.DataFrame):
         yield attempt, step, df.slice(int(lo), int(hi - lo))
 
 
+def share_scale(rows: pl.DataFrame) -> np.ndarray | None:
+    """Per row, the even share of the step's samples over the row's own (`sample_to -
+    sample_from` against their mean over the step's rows: every replica has as many ranks,
+    so that is the even share); 1 for a row without samples; None when the step is not
+    split (no samples, or every row has the same). Below 1: the row carries more than an
+    even share (it took a rebalanced replica's micro-batches); above: fewer."""
+    if not (has(rows, "sample_from") and has(rows, "sample_to")):
+        return None
+    lo = ints(rows["sample_from"])
+    n = (ints(rows["sample_to"]) - lo).astype(float)
+    known = (lo >= 0) & (n > 0)
+    if known.sum() < 2 or np.all(n[known] == n[known][0]):
+        return None
+    return np.where(known, n[known].mean() / np.where(known, n, 1.0), 1.0)
+
+
 def compute_at_even_share(rows: pl.DataFrame) -> np.ndarray:
     """Each row's compute (`fwd_s + bwd_s + opt_s`) as it would be on an even share of the
     step's samples: a rebalance (trainer/control.py) gives a slow replica fewer micro-batches
     and the others more, and a straggler must stay one per micro-batch (else the split that
     hides its cost would close its incident, and the undo would open it again). Forward and
-    backward scale with the samples (`sample_to - sample_from`) against the mean over the
-    step's rows (every replica has as many ranks, so that is the even share); the optimizer's
-    does not. Rows without samples, and a step where every row has the same, are as they
-    are."""
+    backward scale with the samples (`share_scale`); the optimizer's does not. A step that
+    is not split is as it is."""
     fb = floats(rows["fwd_s"]) + floats(rows["bwd_s"])
-    c = fb + floats(rows["opt_s"])
-    if not (has(rows, "sample_from") and has(rows, "sample_to")):
-        return c
-    lo = ints(rows["sample_from"])
-    n = (ints(rows["sample_to"]) - lo).astype(float)
-    known = (lo >= 0) & (n > 0)
-    if known.sum() < 2 or np.all(n[known] == n[known][0]):
-        return c
-    scale = np.where(known, n[known].mean() / np.where(known, n, 1.0), 1.0)
-    return fb * scale + floats(rows["opt_s"])
+    scale = share_scale(rows)
+    return fb + floats(rows["opt_s"]) if scale is None else fb * scale + floats(rows["opt_s"])
 
 
 def finite_or_null(s: pl.Series) -> np.ndarray:

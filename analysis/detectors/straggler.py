@@ -3,7 +3,9 @@
 Per complete step, each rank's compute (`fwd_s + bwd_s + opt_s`, already net of
 the time blocked on communication, so the ranks that *wait* for a straggler do
 not look slow; at an even share of the step's samples, `frames.compute_at_even_share`:
-a rebalanced straggler stays one) is compared with its peers'. A pipeline whose stages differ in
+a rebalanced straggler stays one) is compared with its peers'. Under a split (a
+rebalance in force) the ranks carrying more than an even share are compared with one
+another only (`_split_ratios`: compute is not linear in the micro-batches). A pipeline whose stages differ in
 speed is not a straggler, so each stage's own level is taken out first: the
 log compute minus the stage's level (the median over the last
 `_STAGE_LEVEL_STEPS` judged steps of the stage's per-step median, over its ranks
@@ -51,7 +53,9 @@ swing of the run that lasted as long (`above_swings`: the latest `swing_memory` 
 that ended with no incident, their length and peak level: host noise measured on the
 run itself), by `swing_margin_z` sigmas of the level, its group waits for it
 (`_witnessed`: the waits it caused are `witness_share` of its excess or more),
-its climb has lasted `min_persist_s` seconds (judged steps since the sum left zero
+its climb has lasted `min_persist_s` seconds (`inferred_min_persist_s` in a job without
+measured waits: on a loaded host a clean 2-rank DDP job's ranks took turns at 1.3-1.5x for 0.8
+and 1.3 s, each named before; judged steps since the sum left zero
 times the smoothed step time: a shared host's swings are the scheduler's, a fraction
 of a second whatever the step; on two shared cores a clean rank ran 1.3-1.8x its peer
 for 0.15-0.35 s, its own compute up and its peer's not, just as a straggler's),
@@ -124,7 +128,7 @@ import polars as pl
 
 from analysis.attribution import WaitBook
 from analysis.findings import Finding, json_number
-from analysis.frames import compute_at_even_share, iter_steps, split_key, step_keys
+from analysis.frames import compute_at_even_share, iter_steps, share_scale, split_key, step_keys
 from analysis.registry import register
 from analysis.robust import MAD_TO_SIGMA, loo_median, median_of, popcount
 from analysis.topology import _grow
@@ -139,6 +143,9 @@ _MIN_JUDGED_STEPS = 16  # and judged steps: a run's first steps after its warm-u
 _MIN_DRIFT_SAMPLES = 12  # changes of block means measured before the drift counts
 _DRIFT_PRIOR = 0.5  # the drift assumed, in sigmas of the step-to-step noise, until it is measured
 _WAITER_FLOOR_S = 1e-4  # net waits below this (s/step) say nothing
+# a rise within the steps after the onset's split that is larger than the split's own moves the onset
+# there when it stands this many sigmas of the step-to-step noise out of them (least-squares gain)
+_LATER_RISE_Z = 3.0
 _MAX_HELD_STEPS = 64  # released steps held for their collectives to be final (a job without measured waits)
 
 
@@ -155,6 +162,28 @@ def _left_zero(x: np.ndarray, k: float, steps: np.ndarray, default: int, *, hold
         if total == 0.0:
             left = i + 1
     return int(steps[left]) if left < len(x) else default
+
+
+def _split_weight(n: int, t: np.ndarray | int) -> np.ndarray | float:
+    """t (n - t) / n for a split of n values after the first t + 1: a split's least-squares gain is
+    this times the squared difference of the means on its two sides."""
+    return (t + 1) * (n - t - 1) / n
+
+
+def _rise(x: np.ndarray) -> tuple[int, float]:
+    """(index of the last value before the split, the rise of the mean across it) for the split of `x`
+    into a lower level before and a higher one after that best separates them by least squares; (-1,
+    0) when no split has a higher mean after it."""
+    n = len(x)
+    if n < 2:
+        return -1, 0.0
+    t = np.arange(n - 1)
+    head = np.cumsum(x)[:-1]
+    before = head / (t + 1)
+    after = (x.sum() - head) / (n - t - 1)
+    score = np.where(after > before, _split_weight(n, t) * (after - before) ** 2, -1.0)
+    best = int(np.argmax(score))
+    return (best, float(after[best] - before[best])) if score[best] > 0 else (-1, 0.0)
 
 
 def _change_sigma(changes: deque, min_samples: int) -> float | None:
@@ -188,7 +217,7 @@ class _Episode:
 
 class _State:
     __slots__ = ("cusum", "mask", "calm", "ratio", "excess", "compute", "onset", "judged", "last_lr", "noise",
-                 "episodes", "waits", "last_judged", "step_s", "num_steps_judged", "stage_levels", "kh",
+                 "episodes", "waits", "last_judged", "step_s", "num_steps_judged", "stage_levels", "split_levels", "kh",
                  "lr_hist", "hist_steps", "block_sum", "block_n", "last_block", "drift",
                  "own_hist", "own_base", "paired", "held", "num_unjudged_steps", "climb_peak", "swings")
 
@@ -215,6 +244,7 @@ class _State:
         self.step_s = 0.0  # EWMA of the judged steps' median step_s
         self.num_steps_judged = 0
         self.stage_levels: dict[int, deque] = {}  # stage -> its recent per-step median log compute
+        self.split_levels: dict[int, deque] = {}  # and of the ranks carrying more than an even share, under a split
         self.kh = (0.0, 0.0)  # the CUSUM reference and threshold of the last judged step
         # column i: log ratio (not clipped) at the i-th latest judged step
         self.lr_hist = np.full((0, _ONSET_STEPS), np.nan)
@@ -251,7 +281,8 @@ class _State:
     def footprint(self) -> dict[str, int]:
         return {"episodes": len(self.episodes), "rank_slots": len(self.cusum), "noise": len(self.noise),
                 "drift": len(self.drift), "swings": len(self.swings),
-                "stage_levels": sum(len(d) for d in self.stage_levels.values()), "held_steps": len(self.held),
+                "stage_levels": sum(len(d) for d in (*self.stage_levels.values(), *self.split_levels.values())),
+                "held_steps": len(self.held),
                 **self.waits.footprint()}
 
 
@@ -437,36 +468,21 @@ class StragglerDetector:
         rows' `fwd_s + bwd_s + opt_s` (our trainer's, already net of communication)."""
         r = rows["rank"].to_numpy().astype(np.int64)
         c = compute if compute is not None else compute_at_even_share(rows)
+        scale = share_scale(rows) if compute is None else None
         ok = np.isfinite(c) & (c > 0) & (r >= 0)
         if ok.sum() < 2:
             return False
         r, c = r[ok], c[ok]
         st.ensure(int(r.max()) + 1)
-        ref, peers = loo_median(c, topo.stage_of(r))
-        ok = (peers >= 1) & (ref > 0)
-        if not ok.any():
+        more = np.zeros(len(r), bool) if scale is None else scale[ok] < 1.0
+        if not more.any():
+            st.split_levels.clear()
+            got = self._ratios(st, st.stage_levels, topo, r, c)
+        else:
+            got = self._split_ratios(st, topo, r, c, more)
+        if got is None:
             return False
-        r, c, ref = r[ok], c[ok], ref[ok]
-        ratio = c / ref
-        single = np.ones(len(r), bool) if len(r) < 3 else peers < 2
-        if len(r) >= 3:  # each stage's own level taken out: against its pipeline's other stages, else every rank
-            stage = topo.stage_of(r)
-            lc = np.log(c)
-            stages, at = np.unique(stage, return_inverse=True)
-            level = np.empty(len(stages))
-            suspect = st.onset[r] >= 0  # their sum is climbing
-            for i, g in enumerate(stages.tolist()):
-                hist = st.stage_levels.setdefault(g, deque(maxlen=_STAGE_LEVEL_STEPS))
-                mine = at == i
-                healthy = mine & ~suspect
-                hist.append(float(np.median(lc[healthy if healthy.any() else mine])))
-                level[i] = median_of(hist)
-            x = lc - level[at]
-            x_pipe, partners = loo_median(x, topo.pipeline_of(r))
-            x_all, _ = loo_median(x, np.zeros(len(x), np.int64))
-            x_ref = np.where(partners >= 1, x_pipe, x_all)
-            single = partners == 1
-            ratio = np.exp(x - x_ref)
+        r, c, ratio, single = got
         raw = np.log(ratio)
         lr = np.clip(raw, -self.clip, self.clip)
         k, h = st.kh = self.reference(st)  # from the noise before this step
@@ -494,10 +510,10 @@ class StragglerDetector:
         st.calm[r] = np.where(after < 0.5 * h, st.calm[r] + 1, 0)  # hysteresis: calm well below the threshold
         slow = (ratio >= self.cfg.min_ratio).astype(np.int64)
         st.mask[r] = ((st.mask[r] << 1) | slow) & self.full
-        st.lr_hist[r, 1:] = st.lr_hist[r, :-1]
-        st.lr_hist[r, 0] = np.log(ratio)
-        st.own_hist[r, 1:] = st.own_hist[r, :-1]
-        st.own_hist[r, 0] = np.log(c)
+        for hist, now in ((st.lr_hist, np.log(ratio)), (st.own_hist, np.log(c))):
+            hist[:, 1:] = hist[:, :-1]  # every rank's row, so a column is one judged step: NaN where it was not judged
+            hist[:, 0] = np.nan
+            hist[r, 0] = now
         st.paired[r] = single
         st.hist_steps.appendleft(step)
         a = self.cfg.ewma_alpha
@@ -512,6 +528,57 @@ class StragglerDetector:
             st.step_s = med if st.step_s <= 0 else a * med + (1 - a) * st.step_s
         st.num_steps_judged += 1
         return True
+
+    def _ratios(self, st: _State, levels: dict[int, deque], topo, r: np.ndarray, c: np.ndarray):
+        """(ranks, compute, ratio to their reference, judged against a single peer) of the ranks
+        `r` with compute `c` that have a reference; None when none has. `levels`: the stages'
+        recent levels (fed this step's)."""
+        ref, peers = loo_median(c, topo.stage_of(r))
+        ok = (peers >= 1) & (ref > 0)
+        if not ok.any():
+            return None
+        r, c, ref = r[ok], c[ok], ref[ok]
+        ratio = c / ref
+        single = np.ones(len(r), bool) if len(r) < 3 else peers[ok] < 2
+        if len(r) >= 3:  # each stage's own level taken out: against its pipeline's other stages, else every rank
+            stage = topo.stage_of(r)
+            lc = np.log(c)
+            stages, at = np.unique(stage, return_inverse=True)
+            level = np.empty(len(stages))
+            suspect = st.onset[r] >= 0  # their sum is climbing
+            for i, g in enumerate(stages.tolist()):
+                hist = levels.setdefault(g, deque(maxlen=_STAGE_LEVEL_STEPS))
+                mine = at == i
+                healthy = mine & ~suspect
+                hist.append(float(np.median(lc[healthy if healthy.any() else mine])))
+                level[i] = median_of(hist)
+            x = lc - level[at]
+            x_pipe, partners = loo_median(x, topo.pipeline_of(r))
+            x_all, _ = loo_median(x, np.zeros(len(x), np.int64))
+            x_ref = np.where(partners >= 1, x_pipe, x_all)
+            single = partners == 1
+            ratio = np.exp(x - x_ref)
+        return r, c, ratio, single
+
+    def _split_ratios(self, st: _State, topo, r: np.ndarray, c: np.ndarray, more: np.ndarray):
+        """Ratios under a split of the global batch (a rebalance in force): the ranks with an even
+        share or less against every rank (compute at an even share: the rebalanced straggler stays
+        one per micro-batch, and its incident closes when it recovers), the ranks carrying more
+        (`more`) against one another only. Compute is not linear in the micro-batches on shared
+        cores: a replica of 5 micro-batches read 1.15-1.3x of its rebalanced peer's one, per
+        micro-batch, once the peer had recovered, and was named a straggler in the second or two
+        before the split was undone. A rank carrying more with no such peer (a job of two
+        replicas) is not judged until the split ends."""
+        whole = self._ratios(st, st.stage_levels, topo, r, c)
+        keep = None
+        if whole is not None:
+            keep = ~np.isin(whole[0], r[more])
+            whole = tuple(a[keep] for a in whole)
+        rest = self._ratios(st, st.split_levels, topo, r[more], c[more]) if more.sum() >= 2 else None
+        parts = [p for p in (whole, rest) if p is not None and len(p[0])]
+        if not parts:
+            return None
+        return tuple(np.concatenate([p[i] for p in parts]) for i in range(4))
 
     def _blocks(self, st: _State, r: np.ndarray, lr: np.ndarray) -> None:
         """Each rank's log ratios in blocks of `window_steps` judged steps: a complete
@@ -597,7 +664,7 @@ class StragglerDetector:
         st.climb_peak[up] = np.maximum(st.climb_peak[up], level[up])
         lasted = np.where(st.onset >= 0, (step - st.onset + 1) * st.step_s, 0.0)  # s, the climb so far
         firing = np.flatnonzero((st.cusum >= h) & (popcount(st.mask & self.full) >= cfg.min_slow_steps)
-                                & (lasted >= cfg.min_persist_s)
+                                & (lasted >= (cfg.inferred_min_persist_s if st.waits.inferring else cfg.min_persist_s))
                                 & (st.ratio >= cfg.min_ratio) & costly & self._slowed(st)
                                 & (sigmas >= (cfg.inferred_level_z if st.waits.inferring else cfg.level_z))
                                 & self._witnessed(st)) \
@@ -624,7 +691,8 @@ class StragglerDetector:
             if rank not in ep.members:
                 ep.members.add(rank)
                 ep.ever.add(rank)
-                ep.onset = min(ep.onset, self._onset(st, rank, step, self.clip, cfg.window_steps))
+                ep.onset = min(ep.onset, self._onset(st, rank, step, self.clip, cfg.window_steps,
+                                                              self.noise_s(st) or 0.0))
         for node, ep in list(st.episodes.items()):
             for rank in list(ep.members):
                 if rank in held:
@@ -645,17 +713,22 @@ class StragglerDetector:
             self._report(p, st, ep, step, waiters)
 
     @staticmethod
-    def _onset(st: _State, rank: int, step: int, clip: float, near: int) -> int:
+    def _onset(st: _State, rank: int, step: int, clip: float, near: int, sigma: float) -> int:
         """Where the rank's slowness began: the change point of its log ratios (clipped at
         `clip`, as the sum takes them) over the last
         `_ONSET_STEPS` judged steps (the split maximising t(n-t)/n (mean after - mean before)^2
         with the later level higher), no earlier than the climb's start (where the sum left zero);
-        and the climb's start when the `near` steps just before the split were slow too (their
-        median at least the CUSUM's reference): the slowness began before the split, which is
-        noise among slow steps (a straggler from step 25 of a job whose verdict waited for the
-        drift, to step 61, was dated from such a split, 61). Only the steps next to the split
-        count: a burst of slow steps well before it (whose sum never came back to zero) is
-        not the straggler's onset (a DDP straggler from step 40 was dated 23).
+        and the climb's start when the `near` steps just before the split were as slow (their
+        median at least the CUSUM's reference, and the rise across the split no larger): the
+        slowness began before the split, which is noise among slow steps (a straggler from step
+        25 of a job whose verdict waited for the drift, to step 61, was dated from such a split,
+        61). Only the steps next to the split count: a burst of slow steps well before it (whose
+        sum never came back to zero) is not the straggler's onset (a DDP straggler from step 40
+        was dated 23). A rise larger than the split's within the steps after it, standing
+        `_LATER_RISE_Z` sigmas of the step-to-step noise out of them (least-squares gain), is
+        where the level the rank is named at began: on a loaded host a rank ran 1.1-1.15x for
+        eleven steps before a 1.5x straggler was injected into it, the stretch made no verdict
+        by itself, and the incident was dated from the stretch (CI: 41 for a fault at 52).
 
         The climb's start is also where a sum with today's reference would have left zero
         (the earlier of the two): the reference falls once the drift is measured, and a rank
@@ -680,14 +753,17 @@ class StragglerDetector:
         # not from inferred waits: a foreign DDP job's noisy ratios kept such a sum up for 25 steps
         # before its straggler, and dated it 15 for an onset at 40
         floor = climb if st.waits.inferring else min(climb, _left_zero(x, st.kh[0], steps, climb, hold=True))
-        t = np.arange(1, n)  # t values before the split
-        head = np.cumsum(x)[:-1]
-        before = head / t
-        after = (x.sum() - head) / (n - t)
-        score = np.where(after > before, t * (n - t) / n * (after - before) ** 2, -1.0)
-        best = int(np.argmax(score))
-        if score[best] <= 0 or float(np.median(x[max(0, best + 1 - near):best + 1])) >= st.kh[0]:
-            return climb  # no rise among these steps, or they were slow before it too: the climb's start
+        best, rise = _rise(x)
+        if best < 0:
+            return climb  # no rise among these steps: the climb's start
+        level = float(np.median(x[max(0, best + 1 - near):best + 1]))
+        if level >= st.kh[0] and rise <= level:
+            return climb  # they were as slow before it: the climb's start
+        # a larger rise later on, out of the noise: the level the rank is named at began there
+        later, more = _rise(x[best + 1:])
+        if later >= 0 and more > rise and more * more * _split_weight(len(x) - best - 1, later) >= (
+                _LATER_RISE_Z * sigma) ** 2:
+            return int(steps[best + 2 + later])
         return max(floor, int(steps[best + 1]))
 
     @staticmethod

@@ -526,15 +526,10 @@ def test_a_straggling_replica_hands_micro_batches_to_the_other_in_place_until_it
     restart; the global batch stayed whole at every step while rank 1 took fewer of its samples; the step
     got faster; and once the straggler was over the split was undone. The incident stayed one incident:
     judged per micro-batch, the rebalanced rank was still the straggler, and rank 0 (more micro-batches
-    a step) was not named while it lasted.
-
-    Not asserted: what the straggler detector says after the rank recovered (step 150). Under the
-    split and after its undo a healthy rank was named now and then at 1.16-1.27x, at the detector's
-    min_share (in CI and in about one local run in three since 2026-12-04: per-micro-batch judging is
-    affine, not exact, and its references span the share change); that is the detector's precision
-    across a share change, tracked in the notes, not the rebalance this scenario is about."""
+    a step) was not named while it lasted, nor once the rank recovered under the split (it carries more
+    than an even share: judged against its like only, and it has none; analysis/detectors/straggler.py)."""
     o = rebalance
-    (s,) = [i for i in o.of("straggler") if i["step_from"] <= 150]  # the injected straggler's (40 to 150)
+    (s,) = o.of("straggler")  # the injected straggler's (40 to 150)
     assert (s["rank"], s["node"], s["status"]) == (1, "node1", "closed"), o.report()
     assert o.actions_of("isolate") == [] and o.query("SELECT max(attempt) AS a FROM steps") == [{"a": 0}], o.report()
     moved, undone = o.actions_of("rebalance")
@@ -549,7 +544,6 @@ def test_a_straggling_replica_hands_micro_batches_to_the_other_in_place_until_it
     (ev_moved, ev_undone) = [e for e in o.events("rebalanced") if e["rank"] == 0]
     shares, at, back = ev_moved["data"]["shares"], ev_moved["step"], ev_undone["step"]
     assert shares[1] < shares[0] and sum(shares) == 6 and ev_undone["data"]["shares"] == [3, 3], o.report()
-    assert not [i for i in o.of("straggler") if i["rank"] == 0 and i["step_from"] <= 150], o.report()
     assert 40 < at < back and back > 150, o.report()
     rows = o.query("SELECT * FROM steps ORDER BY step, rank")
     assert samples_per_step(rows) == {2 * 3 * 2}, o.report()  # the global batch, whole at every step

@@ -60,9 +60,13 @@ class Contention:
 class Rebalance:
     """From step `start` on, dp replica d takes `shares[d]` micro-batches of the global batch
     (trainer/control.py's rebalance): its samples and its forward and backward compute scale with
-    its share over the even one. Needs `local_signals` (the sample windows)."""
+    its share over the even one, to the power `exponent` (1: linear; on shared cores a replica of 5
+    micro-batches computed 1.15-1.3x its peer's one per micro-batch, ~1.16), until step `end` (the
+    split undone). Needs `local_signals` (the sample windows)."""
     start: int
     shares: tuple[int, ...]
+    end: int = 1 << 40
+    exponent: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -213,8 +217,9 @@ class Sim:
         share = np.ones((S, W))  # each rank's micro-batches over the even share, per step
         if rebalance is not None:
             even = sum(rebalance.shares) / L.dp
-            share[rebalance.start - 1:] = np.array(rebalance.shares, float)[dp_of] / even
-            compute = compute * (0.9 * share + 0.1)  # forward and backward scale (0.9 of it), the optimizer not
+            share[rebalance.start - 1:rebalance.end - 1] = np.array(rebalance.shares, float)[dp_of] / even
+        work = share ** (rebalance.exponent if rebalance is not None else 1.0)  # the forward and backward's work
+        compute = compute * (0.9 * work + 0.1)  # forward and backward scale (0.9 of it), the optimizer not
         step_dur = compute.max(axis=1) + 0.01 + rng.uniform(0, 0.005, S)
         starts = self.start_ts + np.concatenate([[0.0], np.cumsum(step_dur + pause)[:-1]])
         ends = starts + step_dur
@@ -244,7 +249,7 @@ class Sim:
         s_idx = np.repeat(np.arange(S), W)
         keep = s_idx < last_step
         c = compute[s_idx, r_idx]
-        sh = share[s_idx, r_idx]
+        sh = work[s_idx, r_idx]
         u = c / (0.9 * sh + 0.1)  # the compute at an even share
         steps = {
             "run_id": [self.run_id] * len(r_idx), "attempt": np.zeros(len(r_idx), np.int32),

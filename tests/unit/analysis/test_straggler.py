@@ -353,7 +353,7 @@ def test_a_climb_reset_again_and_again_under_the_priors_reference_is_dated_from_
         st.lr_hist[1, 0] = x
     st.kh = (0.15, 1.5)  # today's reference (log 1.16), the drift measured; the prior's was 0.42
     st.onset[1] = 60  # where the sum left zero for good under the prior
-    assert 41 <= det._onset(st, 1, 73, det.clip, det.cfg.window_steps) <= 43
+    assert 41 <= det._onset(st, 1, 73, det.clip, det.cfg.window_steps, 0.05) <= 43
 
 
 @pytest.mark.parametrize("rank", [0, 3])
@@ -403,3 +403,54 @@ def test_a_rebalanced_straggler_stays_one_until_it_recovers_and_its_peers_are_no
     assert before_recovery and all(x.status == "open" for x in before_recovery)
     assert all(1.7 < x.evidence["compute_ratio"] < 2.3 for x in before_recovery), \
         [x.evidence["compute_ratio"] for x in before_recovery]
+
+
+def test_the_replicas_carrying_a_rebalanced_straggler_s_micro_batches_are_not_blamed_for_them():
+    """Under a split, compute is not linear in the micro-batches on shared cores: once the rebalanced rank
+    recovered (and competed for the cores again: an injected straggler sleeps), its peer carrying 5
+    micro-batches against its 1 computed 1.15-1.3x of it per micro-batch, and 1.15x its own compute of
+    before, until the split was undone (the e2e rebalance scenario: 1.14x named at steps 155-193). A rank
+    carrying more than an even share is judged against its like only; with none (two replicas), not until
+    the undo."""
+    layout, onset, rebalanced, recovered, undone, steps = Layout(dp=2, nodes=2), 60, 100, 170, 200, 260
+    sim = Sim(layout=layout, steps=steps, seed=5, local_signals=True,
+              faults=(Straggler(rank=1, start=onset, factor=3.0, end=recovered),
+                      Rebalance(start=rebalanced, shares=(5, 1), end=undone, exponent=1.16),
+                      Contention(rank=0, start=recovered, end=undone, factor=1.15)))
+    findings = feed(Analyzer(), sim.build())
+    first = opened(findings)
+    assert [(f.kind, f.rank) for f in first.values()] == [("straggler", 1)], [f.summary() for f in first.values()]
+    last = last_of(findings)[next(iter(first))]
+    assert last.status == "resolved" and recovered <= last.step_to < undone, last.summary()
+
+
+def test_a_second_straggler_among_the_replicas_carrying_more_is_named_under_the_split():
+    """Four replicas, the slow one's micro-batches split over the others (4, 4, 3, 1): ranks 0 and 1 carry
+    more and are judged against each other, so rank 0 slowing down 1.5x under the split is named, and the
+    rebalanced rank 3 stays the first incident's."""
+    layout, steps = Layout(dp=4, nodes=4), 260
+    sim = Sim(layout=layout, steps=steps, seed=7, local_signals=True,
+              faults=(Straggler(rank=3, start=40, factor=3.0), Rebalance(start=80, shares=(4, 4, 3, 1), exponent=1.16),
+                      Straggler(rank=0, start=150, factor=1.5)))
+    findings = feed(Analyzer(), sim.build())
+    first = opened(findings)
+    got = sorted((f.rank, f.step_from) for f in first.values())
+    assert [r for r, _ in got] == [0, 3], [f.summary() for f in first.values()]
+    assert 148 <= dict(got)[0] <= 152, got
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_straggler_after_a_milder_slow_stretch_is_dated_from_its_own_rise(seed):
+    """On a loaded host a rank ran 1.1-1.15x its peers for eleven steps before a 1.5x straggler was injected
+    into it (CI dated the dp2 x tp2 scenario's straggler from 52 at 41). The stretch alone made no verdict;
+    the verdict is for the larger rise that followed, and that is where the incident starts. A stretch
+    that made its own verdict (1.3x here, named before the fault) is dated from where it began."""
+    layout, onset = Layout(dp=2, tp=2, nodes=2), 52
+    for pre, dated in ((1.1, onset), (1.15, None), (1.3, 41)):
+        sim = Sim(layout=layout, steps=85, seed=seed, jitter=0.05,
+                  faults=(Straggler(rank=2, start=onset, factor=1.5), Contention(rank=2, start=41, end=onset, factor=pre)))
+        (f,) = opened(feed(Analyzer(), sim.build())).values()
+        assert f.rank == 2
+        fired = f.evidence["fired_at_step"]
+        want = dated if dated is not None else (onset if fired >= onset else 41)
+        assert f.step_from == want, (pre, fired, f.step_from)
