@@ -38,6 +38,18 @@ and stop do not apply to a slow-down; they are not candidates here.
 The policy takes the cheapest candidate when it beats keep by `min_gain_share` of
 keep's time (a prediction is an estimate: a bare win on noisy inputs is not worth a
 restart); `Prediction.gain_s` is what it expects to save.
+
+How long to watch a slow-down before acting on it is the ski-rental problem: a
+host's passing contention ends by itself, a fault does not, and which one it is
+shows only in hindsight. `regret_s` is what the action would cost were the
+slow-down to end the moment it is taken (its seconds to finish on a healthy run
+less keep's): a replacement's restart and redone steps; a shrink's, and the rest
+of the run on one node fewer; a rebalance's split for a slowness that is gone
+until its undo. Acting once the slow-down has cost that much (its share of each
+step times the time watched) never loses more than twice what the best choice in
+hindsight would have (the policy, analysis/policy.py, caps the wait at its rules'
+`<kind>_persist_s`): a 4x slow link on a run whose restart costs 1.5 s is acted on
+after 2 s, a 1.2x straggler weighed for a shrink waits the whole cap.
 """
 
 from __future__ import annotations
@@ -110,6 +122,24 @@ def rebalanced_step_s(s: Situation) -> float | None:
     shares = balanced_shares(s.micro_batches, [s.ratio] + [1.0] * (s.dp - 1))
     after = s.step_s + t * (max(shares[0] * s.ratio, max(shares[1:])) - even * s.ratio)
     return after if after < s.step_s else None
+
+
+def regret_s(s: Situation, action: str, *, undo_steps: int = 0) -> float:
+    """What `action` costs if the slow-down ends the moment it is taken: its seconds to finish
+    on a healthy run less keep's (the module doc). A rebalance's split is undone when its
+    incident closes: `undo_steps` steps split for a slowness that is gone."""
+    healthy, left = s.healthy_s, max(0, s.steps_left)
+    redo = max(0, s.redo_steps) * healthy
+    if action == REPLACE:
+        return s.restart_s + redo
+    if action == SHRINK and s.nodes >= 2:
+        return s.restart_s + redo * s.nodes / (s.nodes - 1) + left * healthy / (s.nodes - 1)
+    if action == REBALANCE and s.dp >= 2 and s.micro_batches >= s.dp and s.ratio > 1.0 and s.excess_s > 0:
+        even = s.micro_batches / s.dp
+        t = s.excess_s / (even * (s.ratio - 1.0))  # a healthy micro-batch
+        shares = balanced_shares(s.micro_batches, [s.ratio] + [1.0] * (s.dp - 1))
+        return max(0, undo_steps) * t * (max(shares) - even)
+    return 0.0
 
 
 def predict(s: Situation, *, min_gain_share: float = 0.05) -> Prediction:

@@ -489,12 +489,15 @@ class Policy:
         if cost is None or cost < min_cost or (share is not None and share < min_share):
             st.slow_since.pop(iid, None)
             return []
-        if not self._persisted(st, st.slow_since, iid, now, persist_s):
+        rank, node = inc.get("rank"), inc.get("node")
+        situation = self._situation(st, evidence, cost, kind=kind, rank=rank) if self.cfg.weigh_cost else None
+        p = costmodel.predict(situation, min_gain_share=self.cfg.min_gain_share) if situation is not None else None
+        wait = self._wait_s(situation, p, persist_s)
+        if not self._persisted(st, st.slow_since, iid, now, wait):
             return []
         since, since_step = st.slow_since[iid]
         steps = st.reached - since_step if st.reached is not None and since_step is not None else None
         what = {"slow_link": f"slow {evidence.get('axis')} link", "data_stall": "data stall"}.get(kind, "straggler")
-        rank, node = inc.get("rank"), inc.get("node")
         was = st.replaced.get((kind, rank)) if rank is not None else None
         if was is not None and node is not None and node != was:  # the spare in its place is slow there too
             st.slow_since.pop(iid, None)
@@ -505,13 +508,12 @@ class Policy:
         lasted = f" for {now - since:.1f} s" + (f" ({steps} steps)" if steps is not None else "")
         reason = (f"{what}: rank {inc.get('rank')} costs {cost:.3g} s/step"
                   + (f" ({100 * share:.0f}% of its step)" if share is not None else "") + lasted)
-        situation = self._situation(st, evidence, cost, kind=kind, rank=rank) if self.cfg.weigh_cost else None
         predicted = None
-        if situation is not None:
-            p = costmodel.predict(situation, min_gain_share=self.cfg.min_gain_share)
+        if situation is not None and p is not None:
             if p.best == costmodel.KEEP:
                 return []  # weighed again on its next update: the steps left, the costs measured change
-            predicted = {**p.detail(situation), "at_step": st.reached}
+            predicted = {**p.detail(situation), "at_step": st.reached, "watched_s": round(now - since, 3),
+                         "wait_s": round(wait, 3)}
             if p.best == costmodel.REBALANCE:
                 st.slow_since.pop(iid, None)
                 return self._rebalance(st, inc, now, reason, situation, predicted)
@@ -529,6 +531,18 @@ class Policy:
         if gone and spare and rank is not None:
             st.replaced[(kind, rank)] = node  # a spare takes its ranks: the same place
         return [replace(d, predicted=predicted) if predicted and d.kind == ISOLATE else d for d in out], gone
+
+    def _wait_s(self, situation: costmodel.Situation | None, p: costmodel.Prediction | None,
+                persist_s: float) -> float:
+        """How long a slow-down is watched before its best action is taken: until it has cost what
+        that action would cost were it to end then (costmodel.regret_s: the ski-rental rule), at
+        most `persist_s` (and `persist_steps` steps, always)."""
+        if situation is None or p is None or p.best == costmodel.KEEP or situation.step_s <= 0:
+            return persist_s
+        lost = min(1.0, max(0.0, situation.excess_s) / situation.step_s)  # of each second watched
+        if lost <= 0:
+            return persist_s
+        return min(persist_s, costmodel.regret_s(situation, p.best, undo_steps=self.cfg.persist_steps) / lost)
 
     def _persisted(self, st: RunPolicy, book: dict[int, tuple], iid: int, now: float, persist_s: float) -> bool:
         """Whether the condition `book` times for incident `iid` has held `persist_s` and

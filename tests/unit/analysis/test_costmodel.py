@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from analysis.costmodel import KEEP, REBALANCE, REPLACE, SHRINK, Situation, balanced_shares, predict, rebalanced_step_s
+from analysis.costmodel import (
+    KEEP,
+    REBALANCE,
+    REPLACE,
+    SHRINK,
+    Situation,
+    balanced_shares,
+    predict,
+    rebalanced_step_s,
+    regret_s,
+)
 
 
 def situation(**kw) -> Situation:
@@ -104,3 +114,17 @@ def test_the_policy_splits_the_micro_batches_as_the_trainer_does():
                     slowness = [slow if i == at else 1.0 for i in range(dp)]
                     assert balanced_shares(total, slowness) == trainer_shares(total, slowness), (total, slowness)
     assert balanced_shares(8, [1.0, 1.0]) == (4, 4) and balanced_shares(5, [1.0, 1.0]) == (3, 2)
+
+
+def test_what_an_action_costs_if_the_slow_down_ends_as_it_is_taken():
+    """regret_s: a replacement's restart and the steps since the checkpoint run again; a shrink's, and
+    the rest of the run on one node fewer; a rebalance's split until its undo; keeping costs nothing."""
+    s = Situation(steps_left=1000, step_s=2.0, excess_s=1.0, nodes=4, restart_s=3.0, redo_steps=10, spares=1,
+                  dp=4, micro_batches=16, ratio=3.0)
+    assert regret_s(s, REPLACE) == pytest.approx(3.0 + 10 * 1.0)
+    assert regret_s(s, SHRINK) == pytest.approx(3.0 + 10 * 4 / 3 + 1000 * 1.0 / 3)
+    # 4 micro-batches a replica, a healthy one 1.0 / (4 x 2) s; split 1/5/5/5 for 3x: the busiest do one more
+    assert balanced_shares(16, [3.0, 1.0, 1.0, 1.0]) == (1, 5, 5, 5)
+    assert regret_s(s, REBALANCE, undo_steps=8) == pytest.approx(8 * 0.125 * (5 - 4))
+    assert regret_s(s, KEEP) == 0.0
+    assert regret_s(Situation(steps_left=10, step_s=1.0, excess_s=0.5, nodes=1, restart_s=3.0), SHRINK) == 0.0

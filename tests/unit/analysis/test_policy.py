@@ -505,6 +505,31 @@ def test_persistence_counts_steps_as_well_as_seconds():
     assert d.kind == ISOLATE and "for 11.0 s (8 steps)" in d.reason
 
 
+def test_a_slow_down_is_acted_on_once_it_has_cost_what_its_action_would_cost_if_it_ended():
+    """The ski-rental rule (costmodel.regret_s): a 4x slow-down (3 of every 4 s lost) on 4 nodes with a
+    spare and a measured 1.5 s restart, the checkpoint at the step reached: replacing the node costs 1.5 s
+    were the slowness to end then, so it is replaced after 2 s watched, not the rules' 4 s. The same
+    slow-down weighed for a shrink (no spare: the rest of the run on 3 nodes) waits the whole 4 s."""
+    def watch(spares: int) -> list[tuple[float, list[Decision]]]:
+        p, st = policy(), run_state(*(f"node{i}" for i in range(4)))
+        apply_cost_inputs(st, {"steps_total": 10_100, "startup_s": 30.0, "ckpt_steps": [100],
+                               "spares": [f"node{4 + i}" for i in range(spares)], "restart_costs": [1.5]})
+        st.reached, out = 100, []
+        for now in (0.0, 1.0, 1.9, 2.1, 3.9, 4.1):
+            st.reached += 10
+            st.ckpt_step = st.reached
+            out.append((now, p.on_incident(st, costed(3.0, 4.0), now=now)))
+        return out
+
+    acted = [(now, d) for now, ds in watch(1) for d in ds]
+    [(now, d)] = acted
+    assert now == 2.1 and d.predicted["best"] == "replace", d.predicted
+    assert (d.predicted["wait_s"], d.predicted["watched_s"]) == (2.0, 2.1)
+    acted = [(now, d) for now, ds in watch(0) for d in ds]
+    [(now, d)] = acted
+    assert now == 4.1 and d.predicted["best"] == "shrink" and d.predicted["wait_s"] == 4.0
+
+
 def test_a_straggler_that_recovers_starts_over():
     p, st = policy(policy={"straggler_cost_s": 0.02}), run_state()
     assert p.on_incident(st, straggler(0.05), now=0.0) == []
