@@ -13,7 +13,11 @@ grad norm, a finite flag 0, a skipped step, a loss-scale backoff, a loss far
 above the rank's running baseline: agent/urgent.py) wakes the flusher at once,
 at most once per `urgent_min_interval_s` (a step inside that limit is served when
 it has passed), so a flood of NaN steps costs ten flushes a second, not one per
-step. The training thread only sets an Event; it never waits.
+step. The training thread only sets an Event; it never waits. After an urgent
+flush, and while the collector's answers carry `followup_s` (to a run's rank 0,
+the one that picks the job's commands, while the policy watches a slow-down it
+may act on any moment), the flusher ships every `urgent_followup_interval_s`:
+the command rides back within a fraction of a second, not a flush interval.
 
 `close()` first queues an `agent_closed` event, so that the last batch tells
 the collector this rank finished cleanly (its silence is no crash).
@@ -59,6 +63,7 @@ from agent.transport import HttpClient, Shipper, ShipStats
 
 log = logging.getLogger("llmwatch.agent")
 
+_MAX_FOLLOWUP_S = 10.0  # a collector's follow-up request is honoured this long at most (renewed per answer)
 _HEALTH_ROWS = 256  # device-health samples held while batches wait (one per heartbeat); more are dropped
 
 
@@ -214,6 +219,7 @@ class Agent(Recorder):
         self._clean_through: tuple[int, int, int] | None = None  # (attempt, step, judged): the collector's watermark
         self._watermarked = False  # the collector answers with a watermark (it runs detection)
         self._end_wait_s: float | None = None  # how long a finished run waits for the last verdicts (the collector's)
+        self._followup_until = -math.inf  # monotonic: the collector asked for a follow-up until then
         self._recorded = {k: 0 for k in STATS_KINDS}
         self._buffer_dropped = {k: 0 for k in STATS_KINDS}
         self._drops_reported = {k: 0 for k in STATS_KINDS}
@@ -527,6 +533,9 @@ class Agent(Recorder):
             # close: leave 0.1 s of close()'s join for releasing the spool and bridges
             deadline = (self._close_deadline - 0.1) if stopping else (flush_deadline if forced else None)
             ok = self._cycle_guarded(deadline=deadline)
+            fast_until = max(fast_until, self._followup_until)  # the answer may have asked for one
+            if now < fast_until:
+                next_flush = min(next_flush, now + cfg.urgent_followup_interval_s)
             if forced:  # a periodic cycle's result must not overwrite the one a flush() waits for
                 with self._cv:
                     self._flush_done = target
@@ -724,6 +733,9 @@ class Agent(Recorder):
                 self._clean_through = (int(mark["attempt"]), step, max(step, int(mark.get("judged", step))))
             except (KeyError, TypeError, ValueError):
                 pass
+        follow = body.get("followup_s")
+        if isinstance(follow, (int, float)) and not isinstance(follow, bool) and 0 < follow < float("inf"):
+            self._followup_until = time.monotonic() + min(float(follow), _MAX_FOLLOWUP_S)
         wait = body.get("end_wait_s")
         if isinstance(wait, (int, float)) and not isinstance(wait, bool) and 0 <= wait < float("inf"):
             self._end_wait_s = float(wait)

@@ -382,6 +382,13 @@ class Policy:
         """A `kind` action was issued less than `cooldown_s` ago in this run."""
         return now - st.last_ts.get(kind, -math.inf) < self.cfg.cooldown_s
 
+    @staticmethod
+    def watching(st: RunPolicy) -> bool:
+        """Whether an action may be decided for the run any moment: a slow-down (or a rebalanced
+        one that got slower) is being watched for its wait. The collector then asks the run's
+        deciding rank to fetch its commands more often (collector/live/policy.py)."""
+        return bool(st.slow_since or st.worse_since) and not st.finished
+
     def waiting(self, st: RunPolicy, inc: dict[str, Any], now: float) -> bool:
         """An incident the policy has not decided on yet, and will when asked again: a
         NaN settling for its culprit, or a rollback (or an open replica_divergence's

@@ -169,6 +169,9 @@ class PolicyRunner:
         self._realizing: dict[int, tuple[Pending, dict[str, Any], float]] = {}
         # incidents with an action under way: (run_id, cause_key), whose watermark hold the action's end releases
         self._acting_on: dict[int, tuple[str, str | None]] = {}
+        # runs with an action that may be decided any moment (Policy.watching): the ingest answers to
+        # their rank 0 ask for a follow-up (read by the event loop: replaced whole, never mutated)
+        self._watching: frozenset[str] = frozenset()
         self._thread = threading.Thread(target=self._run, name="llmwatch-policy", daemon=True)
         watch.on_change = self._offer
 
@@ -204,8 +207,15 @@ class PolicyRunner:
                 if now - last_tick >= _TICK_S:
                     last_tick = now
                     self._tick()
+                watching = frozenset(r for r, st in self._runs.items() if self.policy.watching(st))
+                if watching != self._watching:
+                    self._watching = watching
             except Exception:  # noqa: BLE001 - the policy must outlive one bad input
                 log.exception("policy pass failed")
+
+    def watching(self, run_id: str) -> bool:
+        """Whether an action may be decided for `run_id` any moment (any thread)."""
+        return run_id in self._watching
 
     def _tick(self) -> None:
         """Without news: the open stragglers' persist timers, and the incidents the policy

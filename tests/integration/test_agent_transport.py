@@ -41,6 +41,7 @@ class FakeCollector:
         self.stall_s = 0.0
         self.num_stalls_left = -1  # how many requests still stall; -1: all while stall_s is set
         self.commands: list[dict] = []
+        self.followup_s: float | None = None  # answered as `followup_s` (the policy watches the run) when set
         self.fail_seqs: dict[int, int] = {}  # batch_seq -> HTTP status answered to it, every time
         self.num_busy_left = 0  # answer this many more POSTs with 503 + Retry-After
         self.echo_auth = False  # answer 500 with the Authorization header in the body (a careless server)
@@ -95,7 +96,10 @@ class FakeCollector:
                             outer.batches.append(batch)
                         commands = list(outer.commands)
                     rows = sum(batch.num_rows(k) for k in wire.KINDS)
-                    self._reply(200, json.dumps({"accepted": rows, "duplicate": False, "commands": commands}).encode())
+                    answer = {"accepted": rows, "duplicate": False, "commands": commands}
+                    if outer.followup_s is not None:
+                        answer["followup_s"] = outer.followup_s
+                    self._reply(200, json.dumps(answer).encode())
                 finally:
                     with outer.lock:
                         outer.num_in_flight -= 1
@@ -304,6 +308,39 @@ def test_commands_land_in_the_mailbox_once_and_acks_come_back(collector, tmp_pat
     agent.close()
     acks = [e for b in collector.batches for e in b.header["events"] if e["kind"] == "command_ack"]
     assert [a["data"] for a in acks] == [{"command_id": "c1", "status": "done", "detail": "at step 3"}]
+
+
+def test_a_collector_asking_for_a_follow_up_gets_flushes_at_the_follow_up_interval(collector, tmp_path):
+    """While the policy watches a slow-down it may act on any moment, the collector's answers to rank 0
+    carry `followup_s`: the agent then ships every `urgent_followup_interval_s`, not every flush
+    interval, so a command decided meanwhile comes back within a fraction of a second. An agent whose
+    collector does not ask keeps its interval (30 s here: its first flush only)."""
+    quiet = FakeCollector()
+    try:
+        collector.followup_s = 5.0
+        slow = dict(flush_interval_s=30.0, heartbeat_interval_s=30.0, urgent_followup_interval_s=0.05)
+        asked = Agent(_config(collector.url, tmp_path / "asked", **slow), run_id="run-f", rank=0)
+        plain = Agent(_config(quiet.url, tmp_path / "plain", **slow), run_id="run-q", rank=0)
+        asked.start()
+        plain.start()
+        steps = iter(range(1 << 30))
+
+        def training(until) -> bool:  # a step every poll: a cycle with nothing to send posts nothing
+            step = next(steps)
+            _step(asked, step)
+            _step(plain, step)
+            return until()
+
+        assert _wait_for(lambda: training(lambda: collector.num_posts >= 6), timeout_s=20.0)
+        assert quiet.num_posts <= 1
+        collector.commands = [{"id": "c9", "kind": "isolate", "args": {"node": "node1"}, "issued_ts": 1.0}]
+        got: list[str] = []
+        assert _wait_for(lambda: training(lambda: got.extend(c.id for c in asked.commands()) or got == ["c9"]),
+                         timeout_s=20.0), got
+        asked.close()
+        plain.close()
+    finally:
+        quiet.close()
 
 
 def test_record_never_blocks_while_the_collector_stalls(collector, tmp_path):

@@ -3,7 +3,8 @@
 /v1/ingest is the hot path, so it is a plain ASGI callable (no request object,
 no dependency injection): check the size, read the body, decode it, hand it to
 the writer and await the commit. The answer carries the pending commands of the
-sender's run and rank. Decoding is vectorised but not free: its cost follows the
+sender's run and rank, and to a run's rank 0 while the policy watches a slow-down
+that may be acted on any moment, `followup_s`: flush more often for that long. Decoding is vectorised but not free: its cost follows the
 header's JSON and the body's hash (~1 ms per MB), so a body up to
 `inline_decode_max_bytes` is decoded on the event loop (tens of microseconds,
 less than the ~60 us a hop to a worker thread costs) and a larger one on a
@@ -40,6 +41,9 @@ from collector.store.writer import QueueFull, StorageError
 _REASONS = {400: "bad_batch", 401: "unauthorized", 409: "conflict", 413: "too_large", 415: "content_type",
             422: "invalid", 503: "busy"}
 _BATCH_TYPES = (wire.CONTENT_TYPE.encode(), b"application/octet-stream")
+# how long a rank 0 told that an action may come any moment flushes more often (renewed with each answer
+# while the policy watches; agent/agent.py `followup_s`)
+FOLLOWUP_S = 2.0
 
 
 class _Disconnected(Exception):
@@ -103,6 +107,12 @@ class IngestEndpoint:
         marks = self.storage.watermarks
         if marks is not None:
             answer["clean_through"], answer["end_wait_s"] = marks.get(batch.run_id), marks.end_wait_s
+        # followup_s: the policy may decide an action for the run any moment; rank 0 (the one that
+        # picks the job's commands and broadcasts them) flushes more often for this long, so the
+        # command rides back within a fraction of a second instead of a flush interval
+        policy = self.storage.policy
+        if batch.rank == 0 and policy is not None and policy.watching(batch.run_id):
+            answer["followup_s"] = FOLLOWUP_S
         return 200, dumps(answer), []
 
     @staticmethod

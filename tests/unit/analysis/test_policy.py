@@ -530,6 +530,15 @@ def test_a_slow_down_is_acted_on_once_it_has_cost_what_its_action_would_cost_if_
     assert now == 4.1 and d.predicted["best"] == "shrink" and d.predicted["wait_s"] == 4.0
 
 
+def test_the_run_is_watched_while_a_slow_down_waits_for_its_action():
+    """Policy.watching: while a costly slow-down is watched an action may come any moment (the collector
+    then has the run's rank 0 fetch its commands more often); not before, nor once it was acted on."""
+    p, st = policy(), run_state()
+    assert not p.watching(st)
+    assert p.on_incident(st, straggler(0.05), now=0.0) == [] and p.watching(st)
+    assert p.on_incident(st, straggler(0.05), now=4.0) and not p.watching(st)
+
+
 def test_a_straggler_that_recovers_starts_over():
     p, st = policy(policy={"straggler_cost_s": 0.02}), run_state()
     assert p.on_incident(st, straggler(0.05), now=0.0) == []
