@@ -54,8 +54,9 @@ that ended with no incident, their length and peak level: host noise measured on
 run itself), by `swing_margin_z` sigmas of the level, its group waits for it
 (`_witnessed`: the waits it caused are `witness_share` of its excess or more),
 its climb has lasted `min_persist_s` seconds (`inferred_min_persist_s` in a job without
-measured waits: on a loaded host a clean 2-rank DDP job's ranks took turns at 1.3-1.5x for 0.8
-and 1.3 s, each named before; judged steps since the sum left zero
+measured waits while its level is below `max_step_ratio`: on a loaded host a clean 2-rank DDP
+job's ranks took turns at 1.3-1.5x for 0.8 and 1.3 s, each named before; judged steps since the
+sum left zero
 times the smoothed step time: a shared host's swings are the scheduler's, a fraction
 of a second whatever the step; on two shared cores a clean rank ran 1.3-1.8x its peer
 for 0.15-0.35 s, its own compute up and its peer's not, just as a straggler's),
@@ -622,6 +623,15 @@ class StragglerDetector:
                 ok[rank] = math.exp(float(np.median(recent)) - base) >= self.cfg.min_ratio
         return ok
 
+    def _persist_s(self, st: _State, level: np.ndarray) -> np.ndarray | float:
+        """How long each rank's climb must have lasted (s) before it fires: `min_persist_s`; in a job
+        without measured waits, `inferred_min_persist_s` while its level is below `max_step_ratio`
+        (its inferred ratios swing longer: a clean 2-rank DDP job's ranks took turns at 1.3-1.5x for
+        0.8 and 1.3 s on a loaded host; its stragglers of 1.8-2x stood above that at once)."""
+        if not st.waits.inferring:
+            return self.cfg.min_persist_s
+        return np.where(level < self.clip, self.cfg.inferred_min_persist_s, self.cfg.min_persist_s)
+
     # -- who is held back by whom --------------------------------------------------
     def _witnessed(self, st: _State) -> np.ndarray:
         """Per rank: its group waits for it, the second witness of its slowness: the others'
@@ -664,7 +674,7 @@ class StragglerDetector:
         st.climb_peak[up] = np.maximum(st.climb_peak[up], level[up])
         lasted = np.where(st.onset >= 0, (step - st.onset + 1) * st.step_s, 0.0)  # s, the climb so far
         firing = np.flatnonzero((st.cusum >= h) & (popcount(st.mask & self.full) >= cfg.min_slow_steps)
-                                & (lasted >= (cfg.inferred_min_persist_s if st.waits.inferring else cfg.min_persist_s))
+                                & (lasted >= self._persist_s(st, level))
                                 & (st.ratio >= cfg.min_ratio) & costly & self._slowed(st)
                                 & (sigmas >= (cfg.inferred_level_z if st.waits.inferring else cfg.level_z))
                                 & self._witnessed(st)) \
