@@ -385,9 +385,10 @@ class Policy:
     @staticmethod
     def watching(st: RunPolicy) -> bool:
         """Whether an action may be decided for the run any moment: a slow-down (or a rebalanced
-        one that got slower) is being watched for its wait. The collector then asks the run's
-        deciding rank to fetch its commands more often (collector/live/policy.py)."""
-        return bool(st.slow_since or st.worse_since) and not st.finished
+        one that got slower) is being watched for its wait, or a rebalance is in force (its undo
+        comes the moment its incident closes). The collector then asks the run's deciding rank to
+        fetch its commands more often (collector/live/policy.py)."""
+        return bool(st.slow_since or st.worse_since or st.rebalanced) and not st.finished
 
     def waiting(self, st: RunPolicy, inc: dict[str, Any], now: float) -> bool:
         """An incident the policy has not decided on yet, and will when asked again: a

@@ -532,11 +532,16 @@ def test_a_slow_down_is_acted_on_once_it_has_cost_what_its_action_would_cost_if_
 
 def test_the_run_is_watched_while_a_slow_down_waits_for_its_action():
     """Policy.watching: while a costly slow-down is watched an action may come any moment (the collector
-    then has the run's rank 0 fetch its commands more often); not before, nor once it was acted on."""
+    then has the run's rank 0 fetch its commands more often), and while a rebalance is in force (its undo);
+    not before, nor once it was acted on."""
     p, st = policy(), run_state()
     assert not p.watching(st)
     assert p.on_incident(st, straggler(0.05), now=0.0) == [] and p.watching(st)
     assert p.on_incident(st, straggler(0.05), now=4.0) and not p.watching(st)
+    [d], st = weighed(2, cost=0.12, step_s=1.12, dp=2, micro_batches=8, ratio=1.5)
+    assert d.kind == REBALANCE and p.watching(st)  # its undo comes the moment the incident closes
+    [undo] = p.on_incident(st, {**costed(0.12, 1.06, ratio=1.5), "status": "resolved"}, now=40.0)
+    assert undo.kind == REBALANCE and not p.watching(st)
 
 
 def test_a_straggler_that_recovers_starts_over():
