@@ -177,8 +177,8 @@ def apply_cost_inputs(st: RunPolicy, inputs: dict[str, Any], *, reached: int | N
     st.restart_costs = list(inputs.get("restart_costs") or [])
     at = st.reached if st.reached is not None else 1 << 62
     st.ckpt_step = max((s for s in inputs.get("ckpt_steps") or [] if s <= at), default=None)
-    if inputs.get("nodes") and not st.nodes:
-        st.nodes = list(inputs["nodes"])
+    if inputs.get("nodes"):  # every node that held ranks: a spare that took a node's place counts from then on
+        st.nodes = sorted(set(st.nodes) | set(inputs["nodes"]))
     st.spares = len(inputs.get("spares") or [])
     st.dp, st.micro_batches = int(inputs.get("dp") or 0), int(inputs.get("micro_batches") or 0)
 

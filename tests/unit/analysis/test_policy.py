@@ -494,6 +494,17 @@ def test_a_measured_restart_replaces_the_prior_and_an_open_ended_run_has_a_horiz
     assert p._situation(st, {}, 0.5) is None  # no step time: the thresholds alone decide
 
 
+def test_a_spare_that_took_a_nodes_place_counts_among_the_nodes_the_model_weighs():
+    """4 nodes and a spare: node2 isolated and replaced. The cost inputs then list the spare (node4)
+    among the nodes that hold ranks, and a later slow-down is weighed on 4 healthy nodes, not 3 (the
+    bench's slow link was kept 35 s longer, weighed as a shrink of 3 nodes to 2)."""
+    p, st = policy(), run_state(*(f"node{i}" for i in range(4)))
+    apply_cost_inputs(st, {"nodes": [f"node{i}" for i in range(4)], "spares": ["node4"]})
+    st.isolated.add("node2")
+    apply_cost_inputs(st, {"nodes": ["node0", "node1", "node2", "node3", "node4"], "spares": []})
+    assert p._situation(st, {"step_s": 1.0}, 0.5).nodes == 4 and st.spares == 0
+
+
 def test_persistence_counts_steps_as_well_as_seconds():
     p, st = policy(), run_state(*(f"node{i}" for i in range(64)))
     st.reached, st.steps_total, st.ckpt_step, st.startup_s = 100, 10_100, 90, 30.0
