@@ -17,16 +17,20 @@ def uninterrupted(tmp_path_factory):
 
 
 def test_crash_then_resume_gives_the_same_losses(tmp_path, uninterrupted):
+    """Rank 1 dies at step 9; the resume starts from step 5's checkpoint. Not at step 7: the checkpoint of
+    step 5 is written in the background and rank 0 finalizes it, and once (CI, 2026-12-04) the launcher
+    stopped rank 0 for rank 1's death before it had: the resume found no verified checkpoint. Four steps
+    leave it the time; a crash mid-write losing the write in flight is the checkpointer's contract."""
     ckpt = str(tmp_path / "ckpt")
-    crashed = run_trainer(tmp_path / "run", *BASE, "--ckpt-dir", ckpt, "--inject", "crash@rank=1,step=7")
+    crashed = run_trainer(tmp_path / "run", *BASE, "--ckpt-dir", ckpt, "--inject", "crash@rank=1,step=9")
     assert crashed.returncode != 0
     assert "rank 1 exited" in crashed.stderr
     assert [i["kind"] for i in crashed.injections()] == ["crash"]
     resumed = run_trainer(tmp_path / "run", *BASE, "--ckpt-dir", ckpt, "--resume",
-                          "--inject", "crash@rank=1,step=7")
+                          "--inject", "crash@rank=1,step=9")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resume: step 5" in resumed.stdout
-    # metrics.jsonl holds steps 1..6 of the crashed run and 6..10 of the resumed one
+    # metrics.jsonl holds steps 1..8 of the crashed run and 6..10 of the resumed one
     resumed_losses = {m["step"]: m["loss"] for m in resumed.metrics()[-5:]}
     assert sorted(resumed_losses) == [6, 7, 8, 9, 10]
     assert_close(resumed_losses, uninterrupted.losses(), range(6, 11))
