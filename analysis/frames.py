@@ -210,9 +210,14 @@ def compute_at_even_share(rows: pl.DataFrame) -> np.ndarray:
     hides its cost would close its incident, and the undo would open it again). Forward and
     backward scale with the samples (`share_scale`); the optimizer's does not. A step that
     is not split is as it is."""
+    return even_share_compute(rows)[0]
+
+
+def even_share_compute(rows: pl.DataFrame) -> tuple[np.ndarray, np.ndarray | None]:
+    """(`compute_at_even_share`, `share_scale`) of the rows, the scale read once."""
     fb = floats(rows["fwd_s"]) + floats(rows["bwd_s"])
     scale = share_scale(rows)
-    return fb + floats(rows["opt_s"]) if scale is None else fb * scale + floats(rows["opt_s"])
+    return (fb + floats(rows["opt_s"]) if scale is None else fb * scale + floats(rows["opt_s"])), scale
 
 
 def finite_or_null(s: pl.Series) -> np.ndarray:

@@ -129,7 +129,7 @@ import polars as pl
 
 from analysis.attribution import WaitBook
 from analysis.findings import Finding, json_number
-from analysis.frames import compute_at_even_share, iter_steps, share_scale, split_key, step_keys
+from analysis.frames import even_share_compute, iter_steps, split_key, step_keys
 from analysis.registry import register
 from analysis.robust import MAD_TO_SIGMA, loo_median, median_of, popcount
 from analysis.topology import _grow
@@ -468,8 +468,7 @@ class StragglerDetector:
         """Judge one step; `compute` (s, per row) when the caller netted it, else the
         rows' `fwd_s + bwd_s + opt_s` (our trainer's, already net of communication)."""
         r = rows["rank"].to_numpy().astype(np.int64)
-        c = compute if compute is not None else compute_at_even_share(rows)
-        scale = share_scale(rows) if compute is None else None
+        c, scale = (compute, None) if compute is not None else even_share_compute(rows)
         ok = np.isfinite(c) & (c > 0) & (r >= 0)
         if ok.sum() < 2:
             return False
@@ -571,7 +570,6 @@ class StragglerDetector:
         before the split was undone. A rank carrying more with no such peer (a job of two
         replicas) is not judged until the split ends."""
         whole = self._ratios(st, st.stage_levels, topo, r, c)
-        keep = None
         if whole is not None:
             keep = ~np.isin(whole[0], r[more])
             whole = tuple(a[keep] for a in whole)
