@@ -5,7 +5,8 @@ the time blocked on communication, so the ranks that *wait* for a straggler do
 not look slow; at an even share of the step's samples, `frames.compute_at_even_share`:
 a rebalanced straggler stays one) is compared with its peers'. Under a split (a
 rebalance in force) the ranks carrying more than an even share are compared with one
-another only (`_split_ratios`: compute is not linear in the micro-batches). A pipeline whose stages differ in
+another only (`_split_ratios`: compute is not linear in the micro-batches), and a rank carrying less opens no
+new incident once its own has closed (the split is then being undone). A pipeline whose stages differ in
 speed is not a straggler, so each stage's own level is taken out first: the
 log compute minus the stage's level (the median over the last
 `_STAGE_LEVEL_STEPS` judged steps of the stage's per-step median, over its ranks
@@ -467,7 +468,7 @@ class StragglerDetector:
     def _judge(self, st: _State, topo, step: int, rows: pl.DataFrame, compute: np.ndarray | None = None) -> bool:
         """Judge one step; `compute` (s, per row) when the caller netted it, else the
         rows' `fwd_s + bwd_s + opt_s` (our trainer's, already net of communication)."""
-        r = rows["rank"].to_numpy().astype(np.int64)
+        r = rows_r = rows["rank"].to_numpy().astype(np.int64)
         c, scale = (compute, None) if compute is not None else even_share_compute(rows)
         ok = np.isfinite(c) & (c > 0) & (r >= 0)
         if ok.sum() < 2:
@@ -497,6 +498,15 @@ class StragglerDetector:
         # noisy host let a 2x straggler add 0.04 a step, and the demo named it 54 steps late
         step_in = np.clip(raw, -self.clip, k + self.clip - self.k0)
         after = np.clip(before + step_in - k, 0.0, 2.0 * h)  # capped: a long straggle recovers fast
+        lighter = np.zeros(len(r), bool) if scale is None else np.isin(r, rows_r[ok][scale[ok] > 1.0])
+        if lighter.any():
+            # a rank on less than an even share got it from a rebalance for its own incident: once that
+            # closed, the split is being undone, and its reading per micro-batch is not linear either
+            # (recovered on 1 of 6 micro-batches, a rank read 1.1-1.3x scaled to an even share: its step's
+            # fixed costs counted 3 times). Its sum does not climb towards a new incident until the split
+            # is undone; while its incident is open it goes on as every rank's
+            ongoing = np.array([any(rank in ep.members for ep in st.episodes.values()) for rank in r.tolist()])
+            after = np.where(lighter & ~ongoing, 0.0, after)
         st.cusum[r] = after
         climbing = (before <= 0) & (after > 0)
         ended = (before > 0) & (after <= 0)

