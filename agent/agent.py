@@ -55,7 +55,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from agent import wire
+from agent import summary, wire
 from agent.device_health import DeviceHealthSampler
 from agent.ring import EVENT, MAX_EVENTS, STATS_KINDS, BufferSet, KindBuffer, Recorder
 from agent.spool import Spool, SpoolBusy
@@ -64,6 +64,7 @@ from agent.transport import HttpClient, Shipper, ShipStats
 log = logging.getLogger("llmwatch.agent")
 
 _MAX_FOLLOWUP_S = 10.0  # a collector's follow-up request is honoured this long at most (renewed per answer)
+_MAX_RAW_OPS_S = 30.0  # and its request for op rows (agent/summary.py)
 _HEALTH_ROWS = 256  # device-health samples held while batches wait (one per heartbeat); more are dropped
 
 
@@ -103,6 +104,13 @@ class AgentConfig:
     # quarantine_bytes of them, so that it does not block the rank's telemetry for good.
     max_batch_failures: int = 5
     quarantine_bytes: int = 32 * 1024 * 1024
+    # Collectives (agent/summary.py): "ops" ships every op row; "summary" one row per
+    # (step, op, axis, group, peer) instead, op rows only for every raw_every_steps-th
+    # step and while the collector asks; "auto" (default, or $LLMWATCH_COLLECTIVES):
+    # summary in a job of summarize_from_ranks ranks or more.
+    collectives: str = field(default_factory=lambda: os.environ.get("LLMWATCH_COLLECTIVES", "auto"))
+    summarize_from_ranks: int = 256
+    raw_every_steps: int = 100
 
     def __post_init__(self) -> None:
         if self.flush_interval_s <= 0 or self.heartbeat_interval_s <= 0 or self.timeout_s <= 0:
@@ -117,6 +125,10 @@ class AgentConfig:
             raise ValueError("spool_flush_interval_s must be > 0")
         if self.max_batch_failures < 1 or self.quarantine_bytes < 1:
             raise ValueError("max_batch_failures and quarantine_bytes must be >= 1")
+        if self.collectives not in summary.MODES:
+            raise ValueError(f"collectives must be one of {', '.join(summary.MODES)}, not {self.collectives!r}")
+        if self.summarize_from_ranks < 1 or self.raw_every_steps < 1:
+            raise ValueError("summarize_from_ranks and raw_every_steps must be >= 1")
         if self.prometheus_port is not None and not 0 <= self.prometheus_port <= 65535:
             raise ValueError(f"prometheus_port {self.prometheus_port} is not a TCP port")
 
@@ -220,6 +232,10 @@ class Agent(Recorder):
         self._watermarked = False  # the collector answers with a watermark (it runs detection)
         self._end_wait_s: float | None = None  # how long a finished run waits for the last verdicts (the collector's)
         self._followup_until = -math.inf  # monotonic: the collector asked for a follow-up until then
+        self._summarize = summary.summarizes(config.collectives, self.world_size, config.summarize_from_ranks)
+        self._raw_ops_until = -math.inf  # monotonic: the collector asked for op rows until then
+        self._done_step: int | None = None  # flusher: the newest step record_step was given
+        self._held_ops: list[tuple] = []  # flusher: op rows of a step not finished at the last batch
         self._recorded = {k: 0 for k in STATS_KINDS}
         self._buffer_dropped = {k: 0 for k in STATS_KINDS}
         self._drops_reported = {k: 0 for k in STATS_KINDS}
@@ -305,6 +321,7 @@ class Agent(Recorder):
                 if thread.is_alive():
                     log.warning("llmwatch agent: flusher still busy after %.1f s; leaving it to finish", timeout_s)
             else:
+                self._stopping = True  # the last batch: every held row goes (agent/summary.py)
                 self._cycle_guarded(deadline=time.monotonic() + timeout_s - 0.1)
                 self._release()
         except Exception as e:  # noqa: BLE001
@@ -591,7 +608,7 @@ class Agent(Recorder):
         drained = self._swap()
         try:
             rows = self._account(drained)
-            has_rows = any(rows.values())
+            has_rows = any(rows.values()) or bool(self._held_ops)
             payload = self._encode(drained, rows) if shipper is not None and has_rows else None
             self._feed_bridges(drained)
             try:
@@ -702,6 +719,8 @@ class Agent(Recorder):
                       "quarantined": ship.num_batches_quarantined, "recorded": dict(self._recorded)},
         }
         sections = {b.kind: (b.n, b.views()) for b in (*bufs.kinds(), self._health_buf) if b.n}
+        if self._summarize:
+            self._summarize_collectives(bufs, sections)
         try:
             payload = wire.encode_batch(header, sections)
         except (wire.WireError, ValueError, TypeError) as e:
@@ -711,6 +730,32 @@ class Agent(Recorder):
             return None
         self._batch_seq += 1
         return payload
+
+    def _summarize_collectives(self, bufs: BufferSet, sections: dict) -> None:
+        """The op rows of the finished steps as summaries (agent/summary.py), those of the
+        sampled steps and of every step while the collector asks as op rows; the rows of a
+        step not finished yet (after the newest `record_step`) wait for the next batch. A
+        closing agent ships everything."""
+        coll = bufs.collective
+        sections.pop(wire.COLLECTIVE, None)
+        steps = bufs.step
+        if steps.n:
+            newest = max(steps.cols[0][:steps.n])
+            self._done_step = newest if self._done_step is None else max(self._done_step, newest)
+        rows = self._held_ops + list(zip(*(col[:coll.n] for col in coll.cols))) if coll.n else self._held_ops
+        if not rows:
+            return
+        every, asked = self.config.raw_every_steps, time.monotonic() < self._raw_ops_until
+        hold = math.inf if self._stopping or self._done_step is None else self._done_step
+        raw, cols, n, held = summary.summarize(rows, lambda step: asked or step % every == 0, hold)
+        if len(held) > coll.capacity:  # steps that never finish (no record_step for them): not held forever
+            raw, held = raw + held[:-coll.capacity], held[-coll.capacity:]
+        self._held_ops = held
+        if raw:
+            sections[wire.COLLECTIVE] = (len(raw), summary.op_section(raw))
+        if n:
+            sections[wire.COLLECTIVE_SUMMARY] = (n, cols)
+            self._recorded[wire.COLLECTIVE_SUMMARY] += n
 
     def _feed_bridges(self, bufs: BufferSet) -> None:
         if not self._bridges:
@@ -736,6 +781,9 @@ class Agent(Recorder):
         follow = body.get("followup_s")
         if isinstance(follow, (int, float)) and not isinstance(follow, bool) and 0 < follow < float("inf"):
             self._followup_until = time.monotonic() + min(float(follow), _MAX_FOLLOWUP_S)
+        raw = body.get("raw_ops_s")
+        if isinstance(raw, (int, float)) and not isinstance(raw, bool) and 0 < raw < float("inf"):
+            self._raw_ops_until = time.monotonic() + min(float(raw), _MAX_RAW_OPS_S)
         wait = body.get("end_wait_s")
         if isinstance(wait, (int, float)) and not isinstance(wait, bool) and 0 <= wait < float("inf"):
             self._end_wait_s = float(wait)

@@ -67,27 +67,27 @@ class Codes(dict):
 
 
 class KindBuffer:
-    """Fixed-capacity columns of one record kind (`wire.SCHEMA[kind]` order)."""
+    """Fixed-capacity columns of one record kind (`wire.RECORDED[kind]`, in `wire.SCHEMA` order)."""
 
     __slots__ = ("kind", "capacity", "cols", "n", "num_dropped")
 
     def __init__(self, kind: str, capacity: int) -> None:
         self.kind = kind
         self.capacity = capacity
-        self.cols = tuple(array(c.fmt, bytes(c.itemsize * capacity)) for c in wire.SCHEMA[kind])
+        self.cols = tuple(array(c.fmt, bytes(c.itemsize * capacity)) for c in wire.RECORDED[kind])
         self.n = 0
         self.num_dropped = 0
 
     def views(self) -> dict[str, memoryview]:
         """The filled rows, zero-copy, ready for `wire.encode_batch`."""
         n = self.n
-        return {c.name: memoryview(col)[:n] for c, col in zip(wire.SCHEMA[self.kind], self.cols)}
+        return {c.name: memoryview(col)[:n] for c, col in zip(wire.RECORDED[self.kind], self.cols)}
 
     def column(self, name: str) -> array:
         return self.cols[_COLUMN_INDEX[self.kind][name]]
 
 
-_COLUMN_INDEX = {kind: {c.name: i for i, c in enumerate(cols)} for kind, cols in wire.SCHEMA.items()}
+_COLUMN_INDEX = {kind: {c.name: i for i, c in enumerate(cols)} for kind, cols in wire.RECORDED.items()}
 
 
 class BufferSet:
@@ -414,7 +414,7 @@ class Recorder:
             buf.num_dropped += 1
             return
         try:
-            for col, arr, value in zip(wire.SCHEMA[buf.kind], buf.cols, values):
+            for col, arr, value in zip(wire.RECORDED[buf.kind], buf.cols, values):
                 if col.dict_encoded:
                     arr[i] = -1 if value == -1 and col.null == -1 else self._codes[col.dict_name][value]
                 else:

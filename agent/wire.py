@@ -86,6 +86,7 @@ class Column:
     null: int | None = None
     valid: str | None = None
     stored: bool = True  # False: on the wire only (a `valid` column), not a table column
+    recorded: bool = True  # False: set by the agent when it cuts a batch, not by a record_* call
     dictionary: str | None = None  # the header dict the codes index; None: the column's own name
 
     @property
@@ -134,6 +135,7 @@ COLLECTIVE = "collective"
 SCALAR = "scalar"
 HEARTBEAT = "heartbeat"
 DEVICE_HEALTH = "device_health"
+COLLECTIVE_SUMMARY = "collective_summary"
 
 SCHEMA: dict[str, tuple[Column, ...]] = {
     STEP: _cols(
@@ -153,6 +155,9 @@ SCHEMA: dict[str, tuple[Column, ...]] = {
         ("step", "q"), ("attempt", "i"), ("seq", "q"), ("group_seq", "q"),
         ("op", "h", True), ("axis", "h", True), ("group_id", "i"), ("peer", "i"),
         ("bytes", "q"), ("start_ts", "d"), ("duration_s", "d"), ("wait_s", "d"),
+        # 1: an op row of an agent that summarizes its collectives (agent/summary.py), shipped
+        # as a sample or because the collector asked; NULL: an agent that ships every op
+        _opt("sampled", "b", recorded=False),
     ),
     SCALAR: _cols(
         ("step", "q"), ("attempt", "i"), ("ts", "d"), ("name", "h", True), ("value", "d"),
@@ -173,8 +178,24 @@ SCHEMA: dict[str, tuple[Column, ...]] = {
             ("throttle_reasons", "q"), ("ecc_uncorrectable", "q"), ("retired_pages", "q"),
             ("mem_available_bytes", "q"), ("mem_total_bytes", "q"), ("cpu_s", "d"))),
     ),
+    # One row per (attempt, step, op, axis, group_id, peer) of a rank's collectives, made by
+    # the agent at flush time instead of the op rows (agent/summary.py): counts, sums and
+    # maxima, the first entry and last completion, the mean entry and completion, and the
+    # highest seq and group_seq.
+    # Stored in `collectives_rollup`, where the collector's own rollup puts old op rows.
+    # duration_s / wait_s: NULL when any op of the row had none measured.
+    COLLECTIVE_SUMMARY: _cols(
+        ("step", "q"), ("attempt", "i"), ("op", "h", True), ("axis", "h", True), ("group_id", "i"), ("peer", "i"),
+        ("num_ops", "q"), ("bytes", "q"),
+        _measured("duration_s", "d"), _measured("max_duration_s", "d"),
+        _measured("wait_s", "d"), _measured("max_wait_s", "d"),
+        ("start_ts", "d"), ("end_ts", "d"), ("mean_start_ts", "d"), ("mean_end_ts", "d"),
+        ("max_seq", "q"), ("max_group_seq", "q"),
+    ),
 }
 KINDS = tuple(SCHEMA)
+# the columns a record_* call stores, per kind: the agent's buffers (agent/ring.py)
+RECORDED: dict[str, tuple[Column, ...]] = {kind: tuple(c for c in cols if c.recorded) for kind, cols in SCHEMA.items()}
 # The rank of a batch the launcher sends about its ranks (`rank_exited` events): it
 # carries events only, and the collector keeps no `ranks` row for it.
 LAUNCHER_RANK = -1

@@ -198,7 +198,10 @@ class WaitBook:
                              "group_id": ints(coll["group_id"], -1),
                              "group_seq": ints(coll["group_seq"], -1),
                              "rank": ints(coll["rank"], -1), "peer": ints(coll["peer"], -1),
-                             "start_ts": coll["start_ts"].to_numpy().astype(float), "wait_s": wait_s})
+                             "start_ts": coll["start_ts"].to_numpy().astype(float), "wait_s": wait_s,
+                             # the ops a row stands for: a summary's mean op stands for num_ops (analysis/frames.py)
+                             "n": ints(coll["num_ops"], 1).astype(float) if "num_ops" in coll.columns
+                             else np.ones(coll.height)})
 
     def finalize(self, attempt: int, upto_step: int, max_open_steps: int = 16) -> None:
         """Close the collectives of `attempt`'s steps up to `upto_step` (and of older
@@ -247,13 +250,16 @@ class WaitBook:
         if inferred.any():
             waited[inferred] = self._infer(c, c_key, order[inferred], last_in[inferred], gap[inferred])
         waited[ends] = 0.0  # the last one waited for nobody
+        times = c["n"][order]
+        waited = waited * times  # a summary's mean op stands for num_ops
         caused_s = np.add.reduceat(waited, starts) if len(order) else waited
         many = np.diff(np.r_[starts, len(order)]) >= 2
         col_step, col_last, col_caused = c_key[last][many], c["rank"][last][many], caused_s[many]
+        col_n = c["n"][last][many]
         # pairs: (waiter, waited-for, seconds) from collectives and from point-to-point ops
         pa = np.concatenate([c["rank"][order], f["rank"][p2p]])
         pb = np.concatenate([c["rank"][last][of], f["peer"][p2p]])
-        pw = np.concatenate([waited, np.nan_to_num(f["wait_s"][p2p])])  # p2p not measured: 0
+        pw = np.concatenate([waited, np.nan_to_num(f["wait_s"][p2p]) * f["n"][p2p]])  # p2p not measured: 0
         ps = np.concatenate([c_key[order], step_key[p2p]])
         keep = (pw > 0) & (pa != pb)
         pa, pb, pw, ps = pa[keep], pb[keep], pw[keep], ps[keep]
@@ -263,8 +269,9 @@ class WaitBook:
         for key in keys:  # a step or two per pass live, in order (a replay or a backlog: more)
             m = col_step == key
             caused = np.bincount(col_last[m], weights=col_caused[m], minlength=size)[:size]
-            lasts = np.bincount(col_last[m], minlength=size)[:size].astype(float)
-            took = np.bincount(c["rank"][c_key == key], minlength=size)[:size].astype(float)
+            lasts = np.bincount(col_last[m], weights=col_n[m], minlength=size)[:size]
+            mine = c_key == key
+            took = np.bincount(c["rank"][mine], weights=c["n"][mine], minlength=size)[:size]
             part = took > 0
             for arr, new in ((self.caused_wait_s, caused), (self.last_ops, lasts), (self.all_ops, took)):
                 arr[part] = alpha * new[part] + (1 - alpha) * arr[part]

@@ -107,7 +107,8 @@ OPTIONAL: dict[str, dict[str, tuple]] = {
         "sample_from": (I64, "first sample position"), "sample_to": (I64, "end sample position"),
     },
     "collectives": {"duration_s": (F64, "entry to completion (slow_link: bus bandwidth)"),
-                    "bytes": (I64, "payload (slow_link: bus bandwidth)")},
+                    "bytes": (I64, "payload (slow_link: bus bandwidth)"),
+                    "num_ops": (I64, "ops the row stands for: a summary's (ops_from_summaries); null: one")},
     "heartbeats": {"last_op": (STR, "op of the collective last_seq names"),
                    "last_axis": (STR, "its axis"), "last_group_id": (I32, "its group"),
                    "last_group_seq": (I64, "its group_seq")},
@@ -246,12 +247,18 @@ class Frames:
     @classmethod
     def from_arrow(cls, tables: Mapping[str, object]) -> "Frames":
         """From the Arrow tables of a commit, keyed by table name (others ignored).
-        `polars.from_arrow` shares the buffers; nothing is copied."""
+        `polars.from_arrow` shares the buffers; nothing is copied. A summarizing agent's
+        rows (`collectives_rollup`, and its op rows flagged `sampled`) become one op each
+        in `collectives` (`ops_from_summaries`)."""
         out = {}
         for name in TABLES:
             t = tables.get(name)
             if t is not None and t.num_rows:
                 out[name] = pl.from_arrow(t)
+        summ = tables.get(SUMMARIES)
+        if (summ is not None and summ.num_rows) or has(out.get("collectives"), "sampled"):
+            out["collectives"] = with_summaries(out.get("collectives"),
+                                                pl.from_arrow(summ) if summ is not None and summ.num_rows else None)
         return cls(**out)
 
     def tables(self) -> dict[str, pl.DataFrame]:
@@ -306,6 +313,75 @@ def _frame(table: str, rows: Iterable[Mapping] | Mapping[str, list]) -> pl.DataF
         if c not in cols:  # a column this contract does not name: kept as it is
             cols[c] = pl.Series(c, data[c])
     return pl.DataFrame(cols)
+
+
+# -- collectives summarized per step (agent/summary.py) ----------------------------------------
+SUMMARIES = "collectives_rollup"  # the table a summarizing agent's rows go to
+_SUMMARY_KEY = ("run_id", "attempt", "step", "rank", "op", "axis", "group_id", "peer")
+
+
+def summarize_ops(coll: pl.DataFrame) -> pl.DataFrame:
+    """Op rows -> one row per (run, attempt, step, rank, op, axis, group_id, peer), as
+    agent/summary.py makes them (a duration or wait sum is NULL when one of its ops had none)."""
+    def total(c: str) -> pl.Expr:
+        return pl.when(pl.col(c).null_count() > 0).then(None).otherwise(pl.col(c).sum()).alias(c)
+
+    dur = pl.col("duration_s") if "duration_s" in coll.columns else pl.lit(None, F64)
+    return (coll.with_columns(dur.alias("duration_s"),
+                              (pl.col("bytes") if "bytes" in coll.columns else pl.lit(0, I64)).alias("bytes"))
+            .group_by(list(_SUMMARY_KEY))
+            .agg(pl.len().cast(I64).alias("num_ops"), pl.col("bytes").sum().cast(I64), total("duration_s"),
+                 pl.col("duration_s").max().alias("max_duration_s"), total("wait_s"),
+                 pl.col("wait_s").max().alias("max_wait_s"), pl.col("start_ts").min(),
+                 (pl.col("start_ts") + pl.col("duration_s").fill_null(0.0)).max().alias("end_ts"),
+                 pl.col("start_ts").mean().alias("mean_start_ts"),
+                 (pl.col("start_ts") + pl.col("duration_s").fill_null(0.0)).mean().alias("mean_end_ts"),
+                 pl.col("seq").max().alias("max_seq"), pl.col("group_seq").max().alias("max_group_seq")))
+
+
+def ops_from_summaries(summ: pl.DataFrame) -> pl.DataFrame:
+    """Summary rows -> one op row each, for the detectors: the row's mean op, standing for
+    `num_ops` of them (the detectors weigh what they add up by it):
+    - `start_ts`, `duration_s`: the mean entry, and the mean completion less it;
+    - `wait_s`, `bytes`: the means;
+    - `seq`, `group_seq`: the highest (the same `group_seq` on every member that ran the
+      same ops: the members' rows of one summary match as one collective).
+    Who waited for whom and each member's transfer time follow from the means as from one
+    op's times: exact when one member is the last in at every op (a straggler, or the owner
+    of a slow link, is); otherwise the last arrival of the means is below the mean of the
+    last arrivals, and the waits read smaller, alike for every member (docs/scale.md)."""
+    n = pl.col("num_ops").cast(F64)
+    start = pl.col("mean_start_ts").fill_null(pl.col("start_ts"))
+    duration = pl.when(pl.col("duration_s").is_not_null()).then(pl.col("mean_end_ts").fill_null(pl.col("end_ts"))
+                                                                 - start)
+    return summ.select(
+        pl.col("run_id").cast(STR), pl.col("attempt").cast(I32), pl.col("step").cast(I64), pl.col("rank").cast(I32),
+        pl.col("max_seq").fill_null(-1).cast(I64).alias("seq"),
+        pl.col("max_group_seq").fill_null(-1).cast(I64).alias("group_seq"),
+        pl.col("op").cast(STR), pl.col("axis").cast(STR), pl.col("group_id").cast(I32),
+        pl.col("peer").fill_null(-1).cast(I32), start.cast(F64).alias("start_ts"),
+        (pl.col("wait_s") / n).alias("wait_s"), duration.cast(F64).alias("duration_s"),
+        (pl.col("bytes").cast(F64) / n).round().cast(I64).alias("bytes"), pl.col("num_ops").cast(I64))
+
+
+def with_summaries(coll: pl.DataFrame | None, summ: pl.DataFrame | None) -> pl.DataFrame | None:
+    """The detectors' `collectives`: op rows as they are, and a summarizing agent's rows (its
+    summaries, and its op rows flagged `sampled`, summarized the same way) one op each."""
+    parts, summaries = [], [] if summ is None else [summ]
+    if coll is not None and coll.height:
+        if has(coll, "sampled"):
+            sampled = pl.col("sampled").fill_null(0) > 0
+            if (raw := coll.filter(sampled)).height:
+                summaries.append(summarize_ops(raw))
+            coll = coll.filter(~sampled)
+        if coll.height:
+            parts.append(coll.with_columns(pl.col("op").cast(STR), pl.col("axis").cast(STR),
+                                           pl.col("run_id").cast(STR), pl.lit(None, I64).alias("num_ops")))
+    for s in summaries:
+        parts.append(ops_from_summaries(s))
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else pl.concat(parts, how="diagonal_relaxed")
 
 
 def steps_frame(rows) -> pl.DataFrame:

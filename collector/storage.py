@@ -275,6 +275,12 @@ class Storage:
             return False, "the rollup thread has died; see the collector's log"
         return True, ""
 
+    def wants_ops(self, run_id: str) -> bool:
+        """Whether `run_id`'s summarizing agents should ship op rows now: an incident whose
+        evidence is the collectives is open on it (known where the policy runs; agent/summary.py)."""
+        watch = self._incident_watch
+        return watch is not None and watch.wants_ops(run_id)
+
     def subscribe(self, name: str, *, max_commits: int = 64, max_bytes: int = 256 << 20) -> Subscription:
         """A queue that gets every later commit's rows (collector/store/feed.py). Read it on a
         thread of your own; a full queue drops commits and says so."""

@@ -87,6 +87,11 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "LLMWATCH_ZYGOTE": ("you", "The embedded launcher forks its ranks from a zygote that imported torch once "
                         "(trainer/zygote.py): unset, with a CPU build of torch; `1` with a GPU build too; `0` "
                         "never (every rank a process that imports torch itself)."),
+    "LLMWATCH_COLLECTIVES": ("you", "Every agent (our trainer's, `watch()`, the integrations): `ops` ships a row "
+                                    "per communication op; `summary` one row per (step, op, axis, group, peer) "
+                                    "instead, with op rows for every 100th step and while an incident asks "
+                                    "(agent/summary.py); `auto` (the default) summarizes in a job of 256 ranks "
+                                    "or more."),
     "CUDA_VISIBLE_DEVICES": ("you", "The agent's device-health sampler maps `LOCAL_RANK` through it to the GPU "
                                     "NVML reads (an index or a UUID entry)."),
     "LLMWATCH_URL": ("you", "`agent.watch.watch()`, `llmwatch-instrument` and the `agent.integrations` "

@@ -200,7 +200,8 @@ class SlowLinkDetector:
         coll = p.frames.collectives
         if coll is not None and coll.height and has(coll, "bytes") and has(coll, "duration_s"):
             st.rows.append(coll.select("attempt", "step", "rank", "op", "axis", "group_id", "group_seq", "peer",
-                                       "start_ts", "bytes", "duration_s"))
+                                       "start_ts", "bytes", "duration_s",
+                                       *(["num_ops"] if "num_ops" in coll.columns else [])))
         rel = p.released
         if rel is None or not rel.height:
             return
@@ -210,7 +211,7 @@ class SlowLinkDetector:
         upto = (last_attempt << 40) + last_step - self.cfg.collective_lag_steps
         if not st.rows or upto <= st.last_final:
             return
-        pending = pl.concat(st.rows, how="vertical_relaxed")
+        pending = pl.concat(st.rows, how="diagonal_relaxed")
         keys = step_keys(pending)
         final = pending.filter(pl.Series(keys <= upto))
         keep = pending.filter(pl.Series(keys > upto))
@@ -265,8 +266,11 @@ class SlowLinkDetector:
         others = pl.when(pl.col("_n") <= 2).then((pl.col("_sum") - pl.col("transfer_s")) / (pl.col("_n") - 1)) \
             .otherwise(pl.col("_med"))
         ops = ops.with_columns(others.alias("_others"))
+        # a summary's row is its mean op (analysis/frames.py ops_from_summaries): its excess counts num_ops times
+        times = pl.col("num_ops").fill_null(1) if "num_ops" in ops.columns else pl.lit(1)
         ops = ops.with_columns((pl.col("transfer_s") / pl.col("_others")).log().alias("_lr"),
-                               (pl.col("transfer_s") - pl.col("_others")).clip(lower_bound=0.0).alias("_excess"))
+                               ((pl.col("transfer_s") - pl.col("_others")).clip(lower_bound=0.0) * times)
+                               .alias("_excess"))
         per_rank = ops.group_by("axis", "group_id", "rank").agg(pl.col("_lr").median(), pl.col("_excess").sum())
         link_of: dict[tuple[str, int], float] = {}
         step_lr: dict[tuple[str, int], float] = {}  # (axis, rank) -> its log link ratio this step

@@ -26,7 +26,9 @@ from collector.ingest.decode import DecodedBatch, Section
 
 # wire record kind -> table
 KIND_TABLES = {wire.STEP: "steps", wire.COLLECTIVE: "collectives", wire.SCALAR: "scalars", wire.HEARTBEAT: "heartbeats",
-               wire.DEVICE_HEALTH: "device_health"}
+               wire.DEVICE_HEALTH: "device_health",
+               # a summarizing agent's per-step rows (agent/summary.py): where the rollup puts old op rows
+               wire.COLLECTIVE_SUMMARY: "collectives_rollup"}
 
 # Per-batch constants added to each kind's rows (header field -> column).
 _CONSTANTS = {
@@ -35,6 +37,7 @@ _CONSTANTS = {
     wire.SCALAR: ("run_id", "rank"),
     wire.HEARTBEAT: ("run_id", "rank", "node", "pid"),
     wire.DEVICE_HEALTH: ("run_id", "rank", "node"),
+    wire.COLLECTIVE_SUMMARY: ("run_id", "rank"),
 }
 
 

@@ -75,6 +75,11 @@ _REALIZED_STEPS = 20  # a costed action's realized gain: the step time over this
 _WENT_ON_STEPS = 8  # a crash's restart with this many new steps of its own attempt after it: the job went on
 
 
+# the kinds whose evidence is the collectives: while one is open on a run, its summarizing agents
+# ship op rows (agent/summary.py), so the incident has op-level detail in `collectives`
+OPS_KINDS = frozenset({"straggler", "slow_link", "hang"})
+
+
 class IncidentWatch:
     """An IncidentHook: the open incidents as their rows are now, and after each commit
     the rows it changed, handed to `on_change` (the runner's queue)."""
@@ -86,6 +91,14 @@ class IncidentWatch:
         names = [d[0] for d in cur.description]
         for row in cur.fetchall():
             self._open[row[0]] = _incident(dict(zip(names, row)))
+        self._ops_runs = self._runs_of(OPS_KINDS)
+
+    def _runs_of(self, kinds: frozenset[str]) -> frozenset[str]:
+        return frozenset(str(r.get("run_id")) for r in self._open.values() if r.get("kind") in kinds)
+
+    def wants_ops(self, run_id: str) -> bool:
+        """An incident whose evidence is the collectives is open on `run_id` (any thread)."""
+        return run_id in self._ops_runs
 
     def open_rows(self) -> list[dict[str, Any]]:
         return list(self._open.values())
@@ -109,6 +122,8 @@ class IncidentWatch:
                 self._open[row["id"]] = row
             else:
                 self._open.pop(row["id"], None)
+        if rows:
+            self._ops_runs = self._runs_of(OPS_KINDS)  # one reference swapped: readers on other threads
         if rows and self.on_change is not None:
             self.on_change(rows)
 

@@ -124,10 +124,12 @@ def rollup_chunk(con: duckdb.DuckDBPyConnection, chunk: Chunk) -> RollupResult:
     p = {"r": chunk.run_id, "a": chunk.attempt, "lo": chunk.step_from, "hi": chunk.step_to}
     (rollup_rows,), = con.execute(f"""
         INSERT INTO collectives_rollup BY NAME
-        SELECT run_id, attempt, step, rank, axis, op, group_id, count(*) AS num_ops,
+        SELECT run_id, attempt, step, rank, axis, op, group_id, peer, count(*) AS num_ops,
                sum(bytes)::BIGINT AS bytes, sum(duration_s) AS duration_s, max(duration_s) AS max_duration_s,
                sum(wait_s) AS wait_s, max(wait_s) AS max_wait_s, min(start_ts) AS start_ts,
-               max(start_ts + duration_s) AS end_ts
+               max(start_ts + coalesce(duration_s, 0)) AS end_ts, avg(start_ts) AS mean_start_ts,
+               avg(start_ts + coalesce(duration_s, 0)) AS mean_end_ts,
+               max(seq) AS max_seq, max(group_seq) AS max_group_seq
         FROM collectives WHERE {_CHUNK} GROUP BY ALL""", p).fetchall()
     # who waited for whom, as read/views.py comm_waits computes it from raw rows
     (wait_rows,), = con.execute(f"""

@@ -188,6 +188,7 @@ def run_meta_tables(cur: Cursor, run_id: str) -> dict[str, pa.Table]:
 _RUN_ROWS = {  # table -> (columns, order): every row of a run, JSON as text
     "steps": ("*", "ts, rank"),
     "collectives": ("*", "start_ts, rank"),
+    "collectives_rollup": ("*", "start_ts, rank"),  # summaries: the agent's (agent/summary.py) or the rollup's
     "heartbeats": ("*", "ts, rank"),
     "device_health": ("*", "ts, rank"),
     "events": ("* REPLACE (data::VARCHAR AS data)", "ts, rank"),

@@ -526,6 +526,20 @@ _GOODPUT_V12 = ["CREATE OR REPLACE VIEW goodput AS " + GOODPUT_SQL.format(runs="
 # v13: the first round's start and the ranks' clean exits at the end are not recovery (the same view again)
 _GOODPUT_V13 = list(_GOODPUT_V12)
 
+# v14: agents of large jobs summarize their collectives (agent/summary.py): one row per (attempt, step,
+# rank, op, axis, group_id, peer) in `collectives_rollup`, as the rollup makes them from old op rows,
+# plus what the detectors read (the ops' mean entry and completion, the highest seq and group_seq:
+# analysis/frames.py `ops_from_summaries`) and the send/recv peer. `collectives.sampled`: 1 for the op rows such an agent
+# ships for a sampled step or while the collector asks; NULL from an agent that ships every op.
+_AGENT_SUMMARIES_V14 = [
+    "ALTER TABLE collectives_rollup ADD COLUMN peer INTEGER",
+    "ALTER TABLE collectives_rollup ADD COLUMN mean_start_ts DOUBLE",
+    "ALTER TABLE collectives_rollup ADD COLUMN mean_end_ts DOUBLE",
+    "ALTER TABLE collectives_rollup ADD COLUMN max_seq BIGINT",
+    "ALTER TABLE collectives_rollup ADD COLUMN max_group_seq BIGINT",
+    "ALTER TABLE collectives ADD COLUMN sampled TINYINT",
+]
+
 MIGRATIONS: list[tuple[int, list[str]]] = [
     (1, _TABLES_V1 + _VIEWS_V1),
     (2, _BATCH_HASH_V2),
@@ -540,6 +554,7 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
     (11, _KNOWN_GOOD_V11),
     (12, _GOODPUT_V12),
     (13, _GOODPUT_V13),
+    (14, _AGENT_SUMMARIES_V14),
 ]
 
 

@@ -4,7 +4,9 @@
 no dependency injection): check the size, read the body, decode it, hand it to
 the writer and await the commit. The answer carries the pending commands of the
 sender's run and rank, and to a run's rank 0 while the policy watches a slow-down
-that may be acted on any moment, `followup_s`: flush more often for that long. Decoding is vectorised but not free: its cost follows the
+that may be acted on any moment, `followup_s`: flush more often for that long; to
+every rank while an incident whose evidence is the collectives is open on its run,
+`raw_ops_s`: an agent that summarizes its collectives ships op rows for that long. Decoding is vectorised but not free: its cost follows the
 header's JSON and the body's hash (~1 ms per MB), so a body up to
 `inline_decode_max_bytes` is decoded on the event loop (tens of microseconds,
 less than the ~60 us a hop to a worker thread costs) and a larger one on a
@@ -44,6 +46,9 @@ _BATCH_TYPES = (wire.CONTENT_TYPE.encode(), b"application/octet-stream")
 # how long a rank 0 told that an action may come any moment flushes more often (renewed with each answer
 # while the policy watches; agent/agent.py `followup_s`)
 FOLLOWUP_S = 2.0
+# how long a summarizing agent ships op rows, told while an incident whose evidence is the collectives is
+# open on its run (renewed with each answer; agent/summary.py `raw_ops_s`)
+RAW_OPS_S = 5.0
 
 
 class _Disconnected(Exception):
@@ -113,6 +118,8 @@ class IngestEndpoint:
         policy = self.storage.policy
         if batch.rank == 0 and policy is not None and policy.watching(batch.run_id):
             answer["followup_s"] = FOLLOWUP_S
+        if self.storage.wants_ops(batch.run_id):
+            answer["raw_ops_s"] = RAW_OPS_S
         return 200, dumps(answer), []
 
     @staticmethod
