@@ -11,7 +11,10 @@
 3. ranks        10,000 simulated ranks at 1 step/s with 20 collectives per step
                 (210,000 rows/s offered), each rank flushing every --flush-s, held
                 for --duration seconds: achieved rows/s, ingest-to-queryable
-                latency, and the collector's RSS sampled every 0.5 s.
+                latency, and the collector's RSS sampled every 0.5 s. --ranks,
+                --step-hz, --collectives and --summaries (a rank-step's collectives
+                as summary rows, agent/summary.py) size it: the 100,000-rank job is
+                --ranks 100000 --step-hz 0.2 --collectives 200 --summaries 3.
 
 Ingest-to-queryable: the collector answers a POST only after the batch's
 transaction committed, so the ack latency (POST sent -> answer read) bounds the
@@ -216,16 +219,17 @@ def many_ranks(tmp: Path, args) -> dict:
     t0 = time.perf_counter()
     try:
         summary, loadgen_cpu = run_loadgen(
-            server.url, "--ranks", str(args.ranks), "--connections", str(args.rank_connections), "--collectives", "20",
-            "--duration", str(args.duration), "ranks", "--step-hz", "1", "--flush-s", str(args.flush_s))
+            server.url, "--ranks", str(args.ranks), "--connections", str(args.rank_connections), "--collectives",
+            str(args.collectives), "--summaries", str(args.summaries), "--heartbeat", "--duration", str(args.duration),
+            "ranks", "--step-hz", str(args.step_hz), "--flush-s", str(args.flush_s))
     finally:
         stop.set()
         for t in threads:
             t.join()
     wall_s = time.perf_counter() - t0
     server_cpu = cpu_s(server.proc.pid) - cpu0
-    stored = server.sql("SELECT count(*) FROM steps WHERE run_id = 'loadgen'")[0][0] + \
-        server.sql("SELECT count(*) FROM collectives WHERE run_id = 'loadgen'")[0][0]
+    stored = sum(server.sql(f"SELECT count(*) FROM {t} WHERE run_id = 'loadgen'")[0][0]
+                 for t in ("steps", "collectives", "collectives_rollup", "heartbeats"))
     server.stop()
     lat = np.array(probe_s) if probe_s else np.zeros(1)
     return {**summary, "stored_rows": stored, "wall_s": wall_s, "server_cpu_s": server_cpu,
@@ -246,6 +250,10 @@ def main() -> int:
     p.add_argument("--ranks", type=int, default=10_000)
     p.add_argument("--rank-connections", type=int, default=1024)
     p.add_argument("--flush-s", type=float, default=5.0, help="scenario 3: each rank's flush period")
+    p.add_argument("--step-hz", type=float, default=1.0, help="scenario 3: each rank's steps per second")
+    p.add_argument("--collectives", type=int, default=20, help="scenario 3: collectives per rank-step")
+    p.add_argument("--summaries", type=int, default=0,
+                   help="scenario 3: > 0, a rank-step's collectives as this many summary rows (agent/summary.py)")
     p.add_argument("--skip", nargs="*", default=[], choices=["ceiling", "http", "ranks"])
     args = p.parse_args()
 
@@ -275,8 +283,10 @@ def main() -> int:
             print(f"    rows/s that CPU cost gives on 2 dedicated cores: {h['two_core_rows_per_s']:,.0f}")
         if "ranks" not in args.skip:
             r = many_ranks(tmp, args)
-            print(f"\n[3] {args.ranks:,} ranks x 1 step/s x (1 step + 20 collectives), flush every {args.flush_s:g} s, "
-                  f"held {args.duration:g} s")
+            colls = (f"{args.collectives} collectives as {args.summaries} summary rows" if args.summaries
+                     else f"{args.collectives} collectives")
+            print(f"\n[3] {args.ranks:,} ranks x {args.step_hz:g} step/s x (1 step + {colls}) + a heartbeat a flush, "
+                  f"flush every {args.flush_s:g} s, held {args.duration:g} s")
             print(f"    offered / achieved rows/s: {r['offered_rows_per_s']:,} / {r['rows_per_s']:,} "
                   f"({r['requests_per_s']:.0f} requests/s, {r['errors']} errors, dispatch lag max "
                   f"{r['dispatch_lag_max_s']:.2f} s)")

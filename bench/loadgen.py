@@ -13,6 +13,9 @@ Two schedules:
   `--collectives` collectives per step and flushing every `--flush-s` seconds
   (staggered), for `--duration` seconds; reports whether the offered rate held.
 
+`--summaries K`: a step's collectives as K summary rows (agent/summary.py: what an
+agent of a large job sends), not a row per op.
+
 The HTTP client is a minimal HTTP/1.1 keep-alive client on asyncio streams
 (one write per request, head and body together). `--ack-log` appends
 "rank batch_seq rows duplicate" per acknowledged batch; `--retry` resends a batch
@@ -47,6 +50,8 @@ AXES = ["dp", "tp", "pp", "embed", "world"]
 def _template(kind: str, n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
     cols = {}
     for col in wire.SCHEMA[kind]:
+        if not col.recorded:  # `sampled`: set by a summarizing agent only (left out: NULL)
+            continue
         dt = np.dtype(col.numpy_dtype)
         if col.dict_encoded:
             size = {"op": len(OPS), "axis": len(AXES)}.get(col.name, 1)
@@ -69,6 +74,8 @@ class BatchMaker:
     attempt: int = 0
     incarnation: str = "inc-0"
     seed: int = 0
+    # > 0: the collectives of a step as this many summary rows (agent/summary.py), not a row per op
+    summaries: int = 0
     _step: dict = field(init=False)
     _coll: dict = field(init=False)
     _hb: dict = field(init=False)
@@ -78,17 +85,26 @@ class BatchMaker:
         self._step = _template(wire.STEP, self.steps, rng)
         self._step["attempt"][:] = self.attempt
         self._step["skipped"][:] = 0
-        n_coll = self.steps * self.collectives
-        self._coll = _template(wire.COLLECTIVE, n_coll, rng) if n_coll else {}
+        per_step = self.summaries if self.summaries else self.collectives
+        n_coll = self.steps * per_step if self.collectives else 0
+        self._kind = wire.COLLECTIVE_SUMMARY if self.summaries else wire.COLLECTIVE
+        self._coll = _template(self._kind, n_coll, rng) if n_coll else {}
         if n_coll:
             self._coll["attempt"][:] = self.attempt
-            self._coll_step_offset = np.repeat(np.arange(self.steps), self.collectives)
-            self._coll["seq"][:] = np.arange(n_coll)
+            self._coll_step_offset = np.repeat(np.arange(self.steps), per_step)
+            if self.summaries:  # each row stands for its share of the step's ops, of its own (op, axis)
+                self._coll["num_ops"][:] = max(1, self.collectives // self.summaries)
+                self._coll["op"][:] = np.tile(np.arange(per_step) % len(OPS), self.steps)
+                self._coll["axis"][:] = np.tile(np.arange(per_step) // len(OPS) % len(AXES), self.steps)
+                self._coll["peer"][:] = -1
+            else:
+                self._coll["seq"][:] = np.arange(n_coll)
         self._hb = _template(wire.HEARTBEAT, 1, rng) if self.heartbeat else {}
 
     @property
     def rows(self) -> int:
-        return self.steps * (1 + self.collectives) + (1 if self.heartbeat else 0)
+        per_step = self.summaries if self.summaries and self.collectives else self.collectives
+        return self.steps * (1 + per_step) + (1 if self.heartbeat else 0)
 
     def make(self, rank: int, batch_seq: int, *, now: float | None = None, run: dict | None = None,
              events: list | None = None) -> bytes:
@@ -103,8 +119,10 @@ class BatchMaker:
         if self._coll:
             co = dict(self._coll)
             co["step"] = self._coll_step_offset + step0
-            co["start_ts"] = co["start_ts"] + now
-            sections[wire.COLLECTIVE] = (len(co["step"]), {k: v.tobytes() for k, v in co.items()})
+            for ts in ("start_ts", "end_ts", "mean_start_ts", "mean_end_ts"):
+                if ts in co:
+                    co[ts] = co[ts] + now
+            sections[self._kind] = (len(co["step"]), {k: v.tobytes() for k, v in co.items()})
         if self._hb:
             hb = dict(self._hb)
             hb["ts"] = np.full(1, now)
@@ -295,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--connections", type=int, default=8)
     p.add_argument("--ranks", type=int, default=64)
     p.add_argument("--collectives", type=int, default=20, help="collectives per step")
+    p.add_argument("--summaries", type=int, default=0,
+                   help="> 0: a step's collectives as this many summary rows (agent/summary.py), not a row per op")
     p.add_argument("--heartbeat", action="store_true", help="one heartbeat row per batch")
     p.add_argument("--duration", type=float, default=10.0, help="seconds")
     p.add_argument("--seq-start", type=int, default=0, help="first batch_seq of every rank")
@@ -315,11 +335,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.mode == "throughput":
         maker = BatchMaker(args.run_id, args.steps_per_batch, args.collectives, args.heartbeat,
-                           incarnation=args.incarnation)
+                           incarnation=args.incarnation, summaries=args.summaries)
         summary = asyncio.run(run_throughput(args, maker))
     else:
         steps = max(1, round(args.step_hz * args.flush_s))
-        maker = BatchMaker(args.run_id, steps, args.collectives, args.heartbeat, incarnation=args.incarnation)
+        maker = BatchMaker(args.run_id, steps, args.collectives, args.heartbeat, incarnation=args.incarnation,
+                           summaries=args.summaries)
         summary = asyncio.run(run_ranks(args, maker))
     print(json.dumps(summary) if args.json else "\n".join(f"{k:>22}: {v}" for k, v in summary.items()))
     return 0

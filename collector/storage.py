@@ -277,7 +277,7 @@ class Storage:
 
     def wants_ops(self, run_id: str) -> bool:
         """Whether `run_id`'s summarizing agents should ship op rows now: an incident whose
-        evidence is the collectives is open on it (known where the policy runs; agent/summary.py)."""
+        evidence is the collectives is open on it (known where detection runs; agent/summary.py)."""
         watch = self._incident_watch
         return watch is not None and watch.wants_ops(run_id)
 

@@ -62,9 +62,9 @@ def read_outcome(run: Run) -> Outcome:
     return Outcome(run=run, incidents=rows, step_end_ts=ends, last_ts=last)
 
 
-def run_scenario(run_dir: Path, *args: str) -> Outcome:
+def run_scenario(run_dir: Path, *args: str, env: dict | None = None) -> Outcome:
     """A run that ends by itself (cleanly, or through a crash the launcher handles)."""
-    run = run_trainer(run_dir, "--telemetry", *DETECT_ONLY, *args, timeout=E2E_TIMEOUT_S)
+    run = run_trainer(run_dir, "--telemetry", *DETECT_ONLY, *args, timeout=E2E_TIMEOUT_S, env=env)
     return read_outcome(run)
 
 
