@@ -108,9 +108,16 @@ class RollingBaselines:
 
 
 def median_of(values: Collection[float], least: int = 1) -> float | None:
-    """The median of a window of values (a deque), None with fewer than `least` of them."""
+    """The median of a window of values (a deque), None with fewer than `least` of them; NaN
+    when one is NaN. A sort in Python: for the few dozen values of a window ~5x faster than
+    np.median, which the detectors call per group and per member every step."""
     n = len(values)
-    return float(np.median(np.fromiter(values, float, n))) if n and n >= least else None
+    if not n or n < least:
+        return None
+    s = sorted(values)
+    m = n // 2
+    med = float(s[m]) if n % 2 else (float(s[m - 1]) + float(s[m])) / 2.0
+    return math.nan if any(v != v for v in values) else med
 
 
 def loo_median(values: np.ndarray, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -73,7 +73,7 @@ import numpy as np
 import polars as pl
 
 from analysis.findings import Finding, json_number
-from analysis.frames import compute_at_even_share, has, iter_steps, split_key, step_keys
+from analysis.frames import compute_at_even_share, has, ints, iter_steps, split_key, step_keys
 from analysis.registry import register
 from analysis.robust import loo_median, median_of
 from analysis.topology import _grow
@@ -135,45 +135,131 @@ def _latest_run_start(recent) -> int:
     return start
 
 
-class _Group:
-    __slots__ = ("axis", "group_id", "history", "recent", "calm", "judged", "key", "culprit", "onset", "fired_at",
-                 "last")
+class _Ring:
+    """Per row (a rank, or a group), its latest `width` values: a NaN-padded ring buffer per row,
+    written for many rows at once; its rows' medians in one call."""
 
-    def __init__(self, axis: str, group_id: int, baseline_steps: int, window_steps: int) -> None:
+    __slots__ = ("values", "count")
+
+    def __init__(self, width: int) -> None:
+        self.values = np.full((0, width), np.nan)
+        self.count = np.zeros(0, np.int64)  # values written to each row, ever
+
+    def ensure(self, n: int) -> None:
+        if n > len(self.count):
+            size = max(n, 2 * len(self.count))
+            grown = np.full((size, self.values.shape[1]), np.nan)
+            grown[:len(self.values)] = self.values
+            self.values, self.count = grown, _grow(self.count, size, 0)
+
+    def push(self, rows: np.ndarray, x: np.ndarray) -> None:
+        """Append x[i] to row rows[i] (rows distinct)."""
+        if len(rows):
+            self.values[rows, self.count[rows] % self.values.shape[1]] = x
+            self.count[rows] += 1
+
+    def medians(self, rows: np.ndarray, least: int = 1) -> np.ndarray:
+        """Each row's median, NaN with fewer than `least` values."""
+        out = np.full(len(rows), np.nan)
+        n = np.minimum(self.count[rows], self.values.shape[1])
+        ok = n >= max(1, least)
+        if ok.any():
+            v = np.sort(self.values[rows[ok]], axis=1)  # the NaN of a row not full yet sort last
+            k = n[ok]
+            i = np.arange(len(k))
+            out[ok] = 0.5 * (v[i, (k - 1) // 2] + v[i, k // 2])
+        return out
+
+    def latest(self, row: int) -> np.ndarray:
+        """The row's values, oldest first."""
+        n, w = int(self.count[row]), self.values.shape[1]
+        idx = np.arange(max(0, n - w), n) % w
+        return self.values[row, idx]
+
+
+class _Axis:
+    """One axis's members (by rank) and groups (by group id), as arrays."""
+
+    __slots__ = ("name", "link", "cost", "step_cost", "link_base", "history", "recent", "recent_steps", "calm",
+                 "judged", "last_lbw", "last_base", "last_peers", "member_gid", "member_rank")
+
+    def __init__(self, name: str, baseline_steps: int, window_steps: int) -> None:
+        self.name = name
+        # per rank
+        self.link = np.zeros(0)  # EWMA of its log link ratio, against its usual
+        self.cost = np.zeros(0)  # EWMA of its excess transfer s/step
+        self.step_cost = _Ring(window_steps)  # its excess transfer s at its latest judged steps
+        self.link_base = _Ring(baseline_steps)  # its log link ratio at its group's latest steps not low (its usual)
+        # per group id
+        self.history = _Ring(baseline_steps)  # log busbw of its steps that were not low
+        self.recent = _Ring(window_steps)  # 1.0 low / 0.0 not, at its latest judged steps
+        self.recent_steps = _Ring(window_steps)  # and those steps
+        self.calm = np.zeros(0, np.int64)  # judged steps in a row not low
+        self.judged = np.zeros(0, np.int64)
+        self.last_lbw = np.full(0, np.nan)  # what the last judged step measured
+        self.last_base = np.full(0, np.nan)
+        self.last_peers = np.full(0, np.nan)
+        # the members seen at the axis's last judged step, sorted by (group id, rank)
+        self.member_gid = np.zeros(0, np.int64)
+        self.member_rank = np.zeros(0, np.int64)
+
+    def members(self, gid: int) -> list[int]:
+        """The group's ranks at the axis's last judged step."""
+        lo, hi = np.searchsorted(self.member_gid, [gid, gid + 1])
+        return self.member_rank[lo:hi].tolist()
+
+    def ensure_ranks(self, n: int) -> None:
+        if n > len(self.link):
+            self.link, self.cost = _grow(self.link, n, 0.0), _grow(self.cost, n, 0.0)
+        self.step_cost.ensure(n)
+        self.link_base.ensure(n)
+
+    def ensure_groups(self, n: int) -> None:
+        if n > len(self.calm):
+            self.calm, self.judged = _grow(self.calm, n, 0), _grow(self.judged, n, 0)
+            self.last_lbw = _grow(self.last_lbw, n, np.nan)
+            self.last_base, self.last_peers = _grow(self.last_base, n, np.nan), _grow(self.last_peers, n, np.nan)
+        for ring in (self.history, self.recent, self.recent_steps):
+            ring.ensure(n)
+
+
+class _Group:
+    """A group with an open incident."""
+
+    __slots__ = ("axis", "group_id", "key", "culprit", "onset", "fired_at")
+
+    def __init__(self, axis: str, group_id: int) -> None:
         self.axis, self.group_id = axis, group_id
-        self.history: deque[float] = deque(maxlen=baseline_steps)  # log busbw of steps that were not low
-        self.recent: deque[tuple[int, bool]] = deque(maxlen=window_steps)  # (judged step, low)
-        self.calm = 0  # judged steps in a row not low
-        self.judged = 0
-        self.key: str | None = None  # the open incident
-        self.culprit = -1  # its rank
+        self.key: str | None = None
+        self.culprit = -1
         self.onset = -1
         self.fired_at = -1
-        self.last: dict = {}  # what the last judged step measured
 
 
 class _State:
-    __slots__ = ("rows", "groups", "link", "cost", "compute_ratio", "compute_excess", "step_s", "last_final",
-                 "step_cost", "recent_step_s", "link_base")
+    __slots__ = ("rows", "axes", "open", "compute_ratio", "compute_excess", "step_s", "last_final",
+                 "recent_step_s")
 
     def __init__(self, window_steps: int) -> None:
         self.rows: list[pl.DataFrame] = []  # collective rows of steps not final yet
-        self.groups: dict[tuple[str, int], _Group] = {}
-        self.link: dict[tuple[str, int], float] = {}  # (axis, rank) -> EWMA of log link ratio
-        self.cost: dict[tuple[str, int], float] = {}  # (axis, rank) -> EWMA of excess transfer s/step
-        # (axis, rank) -> its excess transfer s at each of its latest judged steps (window_steps of them)
-        self.step_cost: dict[tuple[str, int], deque[float]] = {}
+        self.axes: dict[str, _Axis] = {}
+        self.open: dict[tuple[str, int], _Group] = {}  # (axis, group id) -> its open incident
         self.recent_step_s: deque[float] = deque(maxlen=window_steps)  # the latest steps' median step_s
-        # (axis, rank) -> its log link ratio at its group's latest steps that were not low (its usual)
-        self.link_base: dict[tuple[str, int], deque[float]] = {}
         self.compute_ratio = np.ones(0)  # EWMA of compute / the others' median, per rank
         self.compute_excess = np.zeros(0)  # EWMA of compute - the others' median, s, per rank
         self.step_s = 0.0
         self.last_final = -1  # step key of the last final step
 
+    def axis(self, name: str, baseline_steps: int, window_steps: int) -> _Axis:
+        ax = self.axes.get(name)
+        if ax is None:
+            ax = self.axes[name] = _Axis(name, baseline_steps, window_steps)
+        return ax
+
     def footprint(self) -> dict[str, int]:
-        return {"open_collective_rows": sum(r.height for r in self.rows), "groups": len(self.groups),
-                "links": len(self.link)}
+        return {"open_collective_rows": sum(r.height for r in self.rows),
+                "groups": sum(int((a.judged > 0).sum()) for a in self.axes.values()),
+                "links": sum(int((a.link_base.count > 0).sum()) for a in self.axes.values())}
 
 
 @register
@@ -187,14 +273,6 @@ class SlowLinkDetector:
 
     def new_state(self) -> _State:
         return _State(self.cfg.window_steps)
-
-    def usual_link(self, st: _State, k: tuple[str, int]) -> float:
-        """The member's usual log link ratio: the median over its group's latest steps that were
-        not low, 0 before `min_history_steps` of them. Not every member of a healthy group moves
-        its bytes as fast: the pp stages' tied-embedding all-reduce had the first stage's member
-        at 1.2-1.9x its partner's on every step (two shared cores), so host noise on top of that
-        crossed `min_ratio`; a degraded link is slow against its own usual."""
-        return median_of(st.link_base.get(k, ()), self.cfg.min_history_steps) or 0.0
 
     def run(self, p, st: _State) -> None:
         coll = p.frames.collectives
@@ -258,6 +336,7 @@ class SlowLinkDetector:
         cfg, a = self.cfg, self.cfg.ewma_alpha
         key = ["axis", "group_id", "group_seq"]
         ops = rows.with_columns(
+            pl.col("axis").cast(pl.String),
             pl.col("transfer_s").sum().over(key).alias("_sum"), pl.len().over(key).alias("_n"),
             (pl.col("busbw") * pl.col("transfer_s")).alias("_bus_bytes"),
             pl.col("transfer_s").max().over(key).alias("_op_s"),
@@ -272,87 +351,111 @@ class SlowLinkDetector:
                                ((pl.col("transfer_s") - pl.col("_others")).clip(lower_bound=0.0) * times)
                                .alias("_excess"))
         per_rank = ops.group_by("axis", "group_id", "rank").agg(pl.col("_lr").median(), pl.col("_excess").sum())
-        link_of: dict[tuple[str, int], float] = {}
-        step_lr: dict[tuple[str, int], float] = {}  # (axis, rank) -> its log link ratio this step
-        for axis, gid, rank, lr, excess in per_rank.iter_rows():
-            k = (axis, int(rank))
-            step_lr[k] = float(lr)
-            rel = float(lr) - self.usual_link(st, k)  # its own transfers' usual share taken out
-            st.link[k] = a * rel + (1 - a) * st.link.get(k, 0.0)
-            st.cost[k] = a * float(excess) + (1 - a) * st.cost.get(k, 0.0)
-            st.step_cost.setdefault(k, deque(maxlen=cfg.window_steps)).append(float(excess))
-            g = (axis, int(gid))
-            link_of[g] = max(link_of.get(g, -math.inf), rel)
-        groups = (ops.unique(subset=key).group_by("axis", "group_id")
-                  .agg((pl.col("_bus_bytes").sum() / pl.col("_op_s").sum()).log().alias("lbw"))
-                  .sort("axis", "group_id"))
-        for axis, rows_axis in groups.group_by("axis", maintain_order=True):
-            gids = rows_axis["group_id"].to_numpy().astype(np.int64)
-            lbw = rows_axis["lbw"].to_numpy().astype(float)
-            peer_ref, npeers = loo_median(lbw, np.zeros(len(lbw), np.int64))
-            if len(gids) < 2 and (axis[0] if isinstance(axis, tuple) else axis) == "world":
+        groups = ops.unique(subset=key).group_by("axis", "group_id").agg(
+            (pl.col("_bus_bytes").sum() / pl.col("_op_s").sum()).log().alias("lbw"))
+        for (name,), members in per_rank.partition_by("axis", as_dict=True).items():
+            name = str(name)
+            mine = groups.filter(pl.col("axis") == name).sort("group_id")
+            if name == "world" and mine.height < 2:
                 continue  # the control broadcast: latency, and every rank's (no one member's link)
-            for gid, x, ref, n in zip(gids.tolist(), lbw.tolist(), peer_ref.tolist(), npeers.tolist()):
-                name = axis[0] if isinstance(axis, tuple) else axis
-                g = st.groups.get((name, gid))
-                if g is None:
-                    g = st.groups[(name, gid)] = _Group(name, gid, cfg.baseline_steps, cfg.window_steps)
-                members = ops.filter((pl.col("axis") == name) & (pl.col("group_id") == gid))["rank"].unique()
-                self._group_step(p, st, g, step, x, ref if n >= 1 else None, sorted(members.to_list()),
-                                 link_of.get((name, gid), 0.0), step_lr)
+            self._axis_step(p, st, st.axis(name, cfg.baseline_steps, cfg.window_steps), step, members, mine, a)
 
-    def _group_step(self, p, st: _State, g: _Group, step: int, lbw: float, peers: float | None,
-                    members: list[int], link: float, step_lr: dict[tuple[str, int], float]) -> None:
-        """`lbw`: the group's log bus bandwidth this step, `peers`: the other groups' median,
-        `link`: the highest log link ratio of a member this step (against its usual), `step_lr`:
-        (axis, rank) -> its log link ratio this step (not against its usual)."""
+    def _axis_step(self, p, st: _State, ax: _Axis, step: int, members: pl.DataFrame, groups: pl.DataFrame,
+                   a: float) -> None:
+        """One axis at one final step: every member's link ratio and cost, then every group's
+        bus bandwidth against its baseline and its peers (vectorised); then the few groups with
+        an open incident or enough low steps to open one."""
         cfg = self.cfg
-        base = median_of(g.history, cfg.min_history_steps)
+        r = ints(members["rank"])
+        gid_r = ints(members["group_id"])
+        lr = members["_lr"].to_numpy().astype(float)
+        excess = members["_excess"].to_numpy().astype(float)
+        ok = r >= 0
+        r, gid_r, lr, excess = r[ok], gid_r[ok], lr[ok], excess[ok]
+        if not len(r):
+            return
+        ax.ensure_ranks(int(r.max()) + 1)
+        # the member's usual log link ratio (the median over its group's latest steps that were not
+        # low, 0 before min_history_steps of them): not every member of a healthy group moves its
+        # bytes as fast (the pp stages' tied-embedding all-reduce had the first stage's member at
+        # 1.2-1.9x its partner's on every step, two shared cores); a degraded link is slow
+        # against its own usual
+        usual = np.nan_to_num(ax.link_base.medians(r, cfg.min_history_steps), nan=0.0)
+        rel = lr - usual
+        ax.link[r] = a * rel + (1 - a) * ax.link[r]
+        ax.cost[r] = a * excess + (1 - a) * ax.cost[r]
+        ax.step_cost.push(r, excess)
+
+        gids = ints(groups["group_id"])
+        lbw = groups["lbw"].to_numpy().astype(float)
+        keep = gids >= 0
+        gids, lbw = gids[keep], lbw[keep]
+        if not len(gids):
+            return
+        ax.ensure_groups(int(gids.max()) + 1)
+        # the members by group (sorted once: a group's members and its highest link ratio this step)
+        order = np.lexsort((r, gid_r))
+        ax.member_gid, ax.member_rank = gid_r[order], r[order]
+        first = np.flatnonzero(np.r_[True, ax.member_gid[1:] != ax.member_gid[:-1]])
+        link_of = np.full(len(ax.calm), -np.inf)
+        link_of[ax.member_gid[first]] = np.maximum.reduceat(rel[order], first)
+        peers, npeers = loo_median(lbw, np.zeros(len(lbw), np.int64))
+        peers = np.where(npeers >= 1, peers, np.nan)
+        base = ax.history.medians(gids, cfg.min_history_steps)
+        ref = np.where(np.isfinite(peers), np.minimum(base, peers), base)
         # below its own baseline, and the other groups' when there are any, and one member's own
         # transfers were the slow ones (host noise slows every member alike)
-        low = (base is not None and lbw <= (min(base, peers) if peers is not None else base) - self.log_min
-               and link >= self.log_min)
-        g.judged += 1
-        g.recent.append((step, low))
-        g.calm = 0 if low else g.calm + 1
-        if not low:
-            g.history.append(lbw)
-            for r in members:
-                k = (g.axis, r)
-                if k in step_lr:
-                    st.link_base.setdefault(k, deque(maxlen=cfg.baseline_steps)).append(step_lr[k])
-        g.last = {"busbw": math.exp(lbw), "baseline": math.exp(base) if base is not None else None,
-                  "peers": math.exp(peers) if peers is not None else None, "members": members}
-        if g.key is not None:
-            if g.calm >= cfg.resolve_after_steps:
+        low = np.isfinite(base) & (lbw <= ref - self.log_min) & (link_of[gids] >= self.log_min)
+        ax.judged[gids] += 1
+        ax.recent.push(gids, low.astype(float))
+        ax.recent_steps.push(gids, np.full(len(gids), float(step)))
+        ax.calm[gids] = np.where(low, 0, ax.calm[gids] + 1)
+        ax.history.push(gids[~low], lbw[~low])
+        quiet = np.isin(gid_r, gids[~low])  # the members of a group not low: their ratio is their usual
+        ax.link_base.push(r[quiet], lr[quiet])
+        ax.last_lbw[gids], ax.last_base[gids], ax.last_peers[gids] = lbw, base, peers
+        lows = np.nansum(ax.recent.values[gids], axis=1)
+        opened = np.array([g for (n, g) in st.open if n == ax.name], np.int64)
+        for i in np.flatnonzero((lows >= cfg.min_slow_steps) | np.isin(gids, opened)):
+            self._group_step(p, st, ax, int(gids[i]), step)
+
+    def _group_step(self, p, st: _State, ax: _Axis, gid: int, step: int) -> None:
+        """A group with an open incident (report it, or resolve it once calm), or with enough
+        low steps in its window to open one (when it has a culprit)."""
+        cfg = self.cfg
+        g = st.open.get((ax.name, gid))
+        if g is not None:
+            if ax.calm[gid] >= cfg.resolve_after_steps:
                 p.resolve(g.key, step_to=step, evidence={**p.book.get(g.key).evidence,
                                                          "resolved_because": "bus bandwidth back to its baseline"})
-                g.key, g.culprit, g.onset, g.fired_at = None, -1, -1, -1
+                del st.open[(ax.name, gid)]
                 return
-            self._report(p, st, g, step)
+            self._report(p, st, ax, g, step)
             return
-        if sum(lo for _, lo in g.recent) < cfg.min_slow_steps:
-            return
-        culprit = self._culprit(st, g)
+        culprit = self._culprit(st, ax, gid)
         if culprit is None:
             return
+        g = st.open[(ax.name, gid)] = _Group(ax.name, gid)
         g.fired_at, g.culprit = step, culprit
-        g.onset = _latest_run_start(g.recent)
+        g.onset = _latest_run_start(list(zip(ax.recent_steps.latest(gid).astype(int).tolist(),
+                                             (ax.recent.latest(gid) > 0).tolist())))
         node = p.topo.node_name(culprit)
         g.key = p.book.new_key(f"slow_link:{node}" if node else f"slow_link:rank{culprit}")
-        self._report(p, st, g, step)
+        self._report(p, st, ax, g, step)
 
-    def _culprit(self, st: _State, g: _Group) -> int | None:
+    def _culprit(self, st: _State, ax: _Axis, gid: int) -> int | None:
         """The member whose own ops are slow (link ratio at least min_ratio) while its compute is
         not: its compute's excess over the others' is below its transfers' excess."""
-        ranked = sorted(g.last["members"], key=lambda r: -st.link.get((g.axis, r), 0.0))
-        if not ranked or st.link.get((g.axis, ranked[0]), 0.0) < self.log_min:
+        members = ax.members(gid)
+        if not members:
             return None
-        r = ranked[0]
-        cost = st.cost.get((g.axis, r), 0.0)
+        r = max(members, key=lambda m: (ax.link[m], -m))
+        if ax.link[r] < self.log_min:
+            return None
+        cost = float(ax.cost[r])
         if r < len(st.compute_excess) and st.compute_excess[r] >= cost:
             return None  # its compute costs more than its link: a straggler, the straggler detector's
-        if self.typical_cost(st, g.axis, r) < self.cfg.min_share * self.typical_step_s(st):
+        if self.typical_cost(ax, r) < self.cfg.min_share * self.typical_step_s(st):
             # a sliver of the step: a compute straggler's pp peers' small collectives looked slow
             # at ~1.4x (costing 1% of the step); a degraded link costs far more. And on a typical
             # step, not on average: on an oversubscribed host a rank descheduled as its op ends
@@ -362,30 +465,33 @@ class SlowLinkDetector:
         return r
 
     @staticmethod
-    def typical_cost(st: _State, axis: str, rank: int) -> float:
+    def typical_cost(ax: _Axis, rank: int) -> float:
         """The rank's excess transfer s on a typical step of the window: the median of its latest."""
-        return median_of(st.step_cost.get((axis, rank), ())) or 0.0
+        return median_of(ax.step_cost.latest(rank).tolist()) or 0.0
 
     @staticmethod
     def typical_step_s(st: _State) -> float:
         """The median step_s over the window (0.0 before any step_s)."""
         return median_of(st.recent_step_s) or 0.0
 
-    def _report(self, p, st: _State, g: _Group, step: int) -> None:
-        culprit = g.culprit
+    def _report(self, p, st: _State, ax: _Axis, g: _Group, step: int) -> None:
+        culprit, gid = g.culprit, g.group_id
         topo = p.topo
         node = topo.node_name(culprit)
-        last = g.last
-        link = math.exp(st.link.get((g.axis, culprit), 0.0))
-        cost = max(0.0, st.cost.get((g.axis, culprit), 0.0))
+        link = math.exp(float(ax.link[culprit]))
+        cost = max(0.0, float(ax.cost[culprit]))
         share = cost / st.step_s if st.step_s > 0 else None
         cratio = float(st.compute_ratio[culprit]) if culprit < len(st.compute_ratio) else None
         cexcess = float(st.compute_excess[culprit]) if culprit < len(st.compute_excess) else None
-        vs_base = last["busbw"] / last["baseline"] if last["baseline"] else None
-        vs_peers = last["busbw"] / last["peers"] if last["peers"] else None
-        evidence = {"axis": g.axis, "group_id": g.group_id, "group_ranks": last["members"], "node": node,
-                    "busbw_Bps": json_number(last["busbw"], 4), "baseline_busbw_Bps": json_number(last["baseline"], 4),
-                    "peer_groups_busbw_Bps": json_number(last["peers"], 4),
+        busbw = math.exp(float(ax.last_lbw[gid]))
+        base, peers = float(ax.last_base[gid]), float(ax.last_peers[gid])
+        base = math.exp(base) if math.isfinite(base) else None
+        peers = math.exp(peers) if math.isfinite(peers) else None
+        vs_base = busbw / base if base else None
+        vs_peers = busbw / peers if peers else None
+        evidence = {"axis": g.axis, "group_id": gid, "group_ranks": ax.members(gid), "node": node,
+                    "busbw_Bps": json_number(busbw, 4), "baseline_busbw_Bps": json_number(base, 4),
+                    "peer_groups_busbw_Bps": json_number(peers, 4),
                     "busbw_vs_baseline": json_number(vs_base, 3), "busbw_vs_peer_groups": json_number(vs_peers, 3),
                     "link_ratio": json_number(link, 3), "compute_ratio": json_number(cratio, 3),
                     "compute_excess_s_per_step": json_number(cexcess, 3),

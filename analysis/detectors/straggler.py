@@ -123,6 +123,7 @@ counted in `num_unjudged_steps`).
 from __future__ import annotations
 
 import math
+import warnings
 from collections import deque
 
 import numpy as np
@@ -619,16 +620,20 @@ class StragglerDetector:
         n = len(st.cusum)
         ok = ~st.paired[:n] | (st.ratio >= self.cfg.max_step_ratio)
         w, m = self.cfg.window_steps, max(1, self.cfg.min_slow_steps)
-        for rank in np.flatnonzero(~ok).tolist():
-            recent = st.own_hist[rank, :m]
-            recent = recent[np.isfinite(recent)]
-            base = st.own_base[rank] if st.onset[rank] >= 0 else np.nan
-            if not np.isfinite(base):  # no climb, or too few steps before it: the steps window_steps and more ago
-                past = st.own_hist[rank, w:]
-                past = past[np.isfinite(past)]
-                base = float(np.median(past)) if len(past) >= w else np.nan
-            if len(recent) and np.isfinite(base):
-                ok[rank] = math.exp(float(np.median(recent)) - base) >= self.cfg.min_ratio
+        idx = np.flatnonzero(~ok)
+        if not len(idx):
+            return ok
+        with warnings.catch_warnings():  # a row of NaN (no judged step there) has no median: NaN
+            warnings.simplefilter("ignore", RuntimeWarning)
+            recent = np.nanmedian(st.own_hist[idx, :m], axis=1)
+            past = st.own_hist[idx, w:]
+            enough = np.isfinite(past).sum(axis=1) >= w
+            past_med = np.nanmedian(past, axis=1) if enough.any() else np.full(len(idx), np.nan)
+        base = np.where(st.onset[idx] >= 0, st.own_base[idx], np.nan)
+        # no climb, or too few steps before it: the steps window_steps and more ago
+        base = np.where(np.isfinite(base), base, np.where(enough, past_med, np.nan))
+        known = np.isfinite(recent) & np.isfinite(base)
+        ok[idx[known]] = np.exp(recent[known] - base[known]) >= self.cfg.min_ratio
         return ok
 
     def _persist_s(self, st: _State, level: np.ndarray) -> np.ndarray | float:
