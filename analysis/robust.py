@@ -120,6 +120,23 @@ def median_of(values: Collection[float], least: int = 1) -> float | None:
     return math.nan if any(v != v for v in values) else med
 
 
+def row_medians(m: np.ndarray, least: int = 1) -> np.ndarray:
+    """Each row's median over its values that are not NaN, NaN with fewer than `least` of them:
+    one sort for all rows (np.nanmedian goes row by row through np.median when there are NaN,
+    ~30 us a row)."""
+    out = np.full(len(m), np.nan)
+    if not m.size:
+        return out
+    k = np.isfinite(m).sum(axis=1)
+    ok = k >= max(1, least)
+    if ok.any():
+        v = np.sort(m[ok], axis=1)  # NaN sort last
+        k = k[ok]
+        i = np.arange(len(k))
+        out[ok] = 0.5 * (v[i, (k - 1) // 2] + v[i, k // 2])
+    return out
+
+
 def loo_median(values: np.ndarray, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For each element, the median of the *other* elements of its group, and how
     many there are (0: alone, the median is NaN). Leave-one-out so that in a small

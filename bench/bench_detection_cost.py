@@ -4,7 +4,10 @@ Each commit holds what a collector would have committed for one step of a
 `dp x tp x pp` run: a steps row and a heartbeat per rank, and every rank's
 collectives of the step (TP all-reduces in forward, backward and the norm,
 pipeline send/recv, the DP all-reduce, the PP all-reduce, the control
-broadcast): ~10 per rank, ~100,000 rows. The tables are built as Arrow tables
+broadcast): ~10 per rank, ~100,000 rows; each op waits for its group's last
+member and then transfers for ~2 ms (healthy links). `--summaries`: the
+collectives as agent/summary.py's rows instead, as a job of 256 ranks or more
+sends them. The tables are built as Arrow tables
 with dictionary-encoded strings, as `collector/ingest/columns.py` makes them, before
 the clock starts; the timed part is what the detection thread does per commit:
 `Frames.from_arrow` (zero copy) and `Analyzer.feed`. One rank is a 1.5x
@@ -118,6 +121,17 @@ def build_commits(dp: int, tp: int, pp: int, steps: int, seed: int, straggler: i
             "node": _dict(node_code, nodes)})
         start = t + tmpl["frac"] * c[tmpl["rank"]]
         per_group = np.where(tmpl["axis"] == 0, gseq_per_step[0], 1)
+        # each op waits for its group's last member, then moves its bytes in ~2 ms (a send or receive: no
+        # wait, its duration is its transfer): what real links do, so the slow-link detector sees a job
+        # with healthy links, not noise
+        instance = ((tmpl["axis"].astype(np.int64) * (world + 1) + tmpl["gid"]) * 8 + tmpl["gidx"]) * 2 + \
+            (tmpl["peer"] >= 0)
+        inst, at = np.unique(instance, return_inverse=True)
+        last_in = np.full(len(inst), -np.inf)
+        np.maximum.at(last_in, at, start)
+        p2p = tmpl["peer"] >= 0
+        wait = np.where(p2p, 0.0, last_in[at] - start)
+        transfer = 0.002 * rng.uniform(0.95, 1.05, n_ops)
         coll = pa.table({
             "run_id": _dict(np.zeros(n_ops), ["bench"]), "attempt": pa.array(np.zeros(n_ops, np.int32)),
             "step": pa.array(np.full(n_ops, step, np.int64)), "rank": pa.array(tmpl["rank"].astype(np.int32)),
@@ -126,7 +140,7 @@ def build_commits(dp: int, tp: int, pp: int, steps: int, seed: int, straggler: i
             "op": _dict(tmpl["op"], OPS), "axis": _dict(tmpl["axis"], AXES),
             "group_id": pa.array(tmpl["gid"].astype(np.int32)), "peer": pa.array(tmpl["peer"].astype(np.int32)),
             "bytes": pa.array(np.full(n_ops, 1 << 20, np.int64)), "start_ts": pa.array(start),
-            "duration_s": pa.array(rng.uniform(0.001, 0.05, n_ops)), "wait_s": pa.array(rng.uniform(0, 0.05, n_ops))})
+            "duration_s": pa.array(wait + transfer), "wait_s": pa.array(wait)})
         hb = pa.table({
             "run_id": _dict(np.zeros(world), ["bench"]), "rank": pa.array(np.arange(world, dtype=np.int32)),
             "ts": pa.array(end + rng.uniform(0, 0.5, world)), "node": _dict(node_code, nodes),
@@ -179,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"detector pass per step: median {statistics.median(times_ms):.1f} ms, p90 {p90:.1f} ms, "
           f"max {times_ms[-1]:.1f} ms over {len(times_ms)} steps (goal < 100 ms at 10,000 ranks, < 1 s at "
           f"100,000); the commits took {build_s:.1f} s to make")
-    for f in opened.values():
+    for f in list(opened.values())[:10]:
         print(f"  {f.summary()}")
     named = [f for f in opened.values() if f.kind == "straggler" and f.rank == straggler]
     print(f"straggler rank {straggler}: {'found' if named else 'NOT found'}; other incidents: "

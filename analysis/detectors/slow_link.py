@@ -75,7 +75,7 @@ import polars as pl
 from analysis.findings import Finding, json_number
 from analysis.frames import compute_at_even_share, has, ints, iter_steps, split_key, step_keys
 from analysis.registry import register
-from analysis.robust import loo_median, median_of
+from analysis.robust import loo_median, median_of, row_medians
 from analysis.topology import _grow
 
 _P2P = ("send", "recv")
@@ -160,15 +160,7 @@ class _Ring:
 
     def medians(self, rows: np.ndarray, least: int = 1) -> np.ndarray:
         """Each row's median, NaN with fewer than `least` values."""
-        out = np.full(len(rows), np.nan)
-        n = np.minimum(self.count[rows], self.values.shape[1])
-        ok = n >= max(1, least)
-        if ok.any():
-            v = np.sort(self.values[rows[ok]], axis=1)  # the NaN of a row not full yet sort last
-            k = n[ok]
-            i = np.arange(len(k))
-            out[ok] = 0.5 * (v[i, (k - 1) // 2] + v[i, k // 2])
-        return out
+        return row_medians(self.values[rows], least)
 
     def latest(self, row: int) -> np.ndarray:
         """The row's values, oldest first."""

@@ -123,7 +123,6 @@ counted in `num_unjudged_steps`).
 from __future__ import annotations
 
 import math
-import warnings
 from collections import deque
 
 import numpy as np
@@ -133,7 +132,7 @@ from analysis.attribution import WaitBook
 from analysis.findings import Finding, json_number
 from analysis.frames import even_share_compute, iter_steps, split_key, step_keys
 from analysis.registry import register
-from analysis.robust import MAD_TO_SIGMA, loo_median, median_of, popcount
+from analysis.robust import MAD_TO_SIGMA, loo_median, median_of, popcount, row_medians
 from analysis.topology import _grow
 
 _STAGE_LEVEL_STEPS = 32  # judged steps a stage's level (median of its per-step medians of log compute) is taken over
@@ -513,9 +512,8 @@ class StragglerDetector:
         ended = (before > 0) & (after <= 0)
         self._swings(st, r[ended], st.judged[r[ended]])
         st.onset[r[climbing]] = step
-        for rank in r[climbing].tolist():  # its own compute before the climb (this step's not in yet)
-            past = st.own_hist[rank][np.isfinite(st.own_hist[rank])]
-            st.own_base[rank] = float(np.median(past)) if len(past) >= self.cfg.window_steps else np.nan
+        # its own compute before the climb (this step's not in yet)
+        st.own_base[r[climbing]] = row_medians(st.own_hist[r[climbing]], self.cfg.window_steps)
         st.climb_peak[r[climbing]] = -np.inf
         st.onset[r[after <= 0]] = -1
         st.calm[r] = np.where(after < 0.5 * h, st.calm[r] + 1, 0)  # hysteresis: calm well below the threshold
@@ -623,15 +621,10 @@ class StragglerDetector:
         idx = np.flatnonzero(~ok)
         if not len(idx):
             return ok
-        with warnings.catch_warnings():  # a row of NaN (no judged step there) has no median: NaN
-            warnings.simplefilter("ignore", RuntimeWarning)
-            recent = np.nanmedian(st.own_hist[idx, :m], axis=1)
-            past = st.own_hist[idx, w:]
-            enough = np.isfinite(past).sum(axis=1) >= w
-            past_med = np.nanmedian(past, axis=1) if enough.any() else np.full(len(idx), np.nan)
+        recent = row_medians(st.own_hist[idx, :m])
         base = np.where(st.onset[idx] >= 0, st.own_base[idx], np.nan)
         # no climb, or too few steps before it: the steps window_steps and more ago
-        base = np.where(np.isfinite(base), base, np.where(enough, past_med, np.nan))
+        base = np.where(np.isfinite(base), base, row_medians(st.own_hist[idx, w:], w))
         known = np.isfinite(recent) & np.isfinite(base)
         ok[idx[known]] = np.exp(recent[known] - base[known]) >= self.cfg.min_ratio
         return ok

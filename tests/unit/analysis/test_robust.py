@@ -2,7 +2,25 @@
 
 import numpy as np
 
-from analysis.robust import RollingBaseline, RollingBaselines, loo_median, popcount
+from analysis.robust import RollingBaseline, RollingBaselines, loo_median, median_of, popcount, row_medians
+
+
+def test_row_medians_and_median_of_match_numpy():
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        m = rng.normal(size=(int(rng.integers(1, 40)), int(rng.integers(1, 33))))
+        m[rng.random(m.shape) < 0.3] = np.nan
+        least = int(rng.integers(1, 6))
+        got = row_medians(m, least)
+        for row, g in zip(m, got):
+            finite = row[np.isfinite(row)]
+            if len(finite) >= least:
+                assert np.isclose(g, np.median(finite))
+                assert np.isclose(median_of(list(finite)), np.median(finite))
+            else:
+                assert np.isnan(g)
+    assert median_of([]) is None and median_of([1.0, 2.0], least=3) is None
+    assert np.isnan(median_of([1.0, float("nan"), 3.0]))
 
 
 def test_loo_median_matches_brute_force():
