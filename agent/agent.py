@@ -747,12 +747,12 @@ class Agent(Recorder):
             return
         every, asked = self.config.raw_every_steps, time.monotonic() < self._raw_ops_until
         hold = math.inf if self._stopping or self._done_step is None else self._done_step
-        raw, cols, n, held = summary.summarize(rows, lambda step: asked or step % every == 0, hold)
+        raw, cols, n, held, plain = summary.summarize(rows, lambda step: asked or step % every == 0, hold)
         if len(held) > coll.capacity:  # steps that never finish (no record_step for them): not held forever
             raw, held = raw + held[:-coll.capacity], held[-coll.capacity:]
         self._held_ops = held
-        if raw:
-            sections[wire.COLLECTIVE] = (len(raw), summary.op_section(raw))
+        if raw or plain:
+            sections[wire.COLLECTIVE] = (len(raw) + len(plain), summary.op_section(raw + plain, len(plain)))
         if n:
             sections[wire.COLLECTIVE_SUMMARY] = (n, cols)
             self._recorded[wire.COLLECTIVE_SUMMARY] += n

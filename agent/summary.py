@@ -19,6 +19,11 @@ Op rows still go out, flagged `sampled`, for
 A step's ops are shipped one way or the other, never both, so the tables' totals stay
 exact.
 
+Ops without a measured wait (torch's Flight Recorder's, agent/flight.py: a job we did not
+write) go out as they are, unflagged: who waited for whom is inferred from their arrivals
+op by op (analysis/attribution.py), and from the means of a summary it is not (a DDP
+loop's straggler went unnamed: its peer's inferred waits exceeded its step).
+
 When: `AgentConfig.collectives` ("ops", "summary", or "auto": summarize in a job of
 `summarize_from_ranks` ranks or more). Below that every op row is cheap: a 256-rank
 job at 1 step/s and 20 ops a step offers 5,000 rows/s, a few per cent of one
@@ -44,19 +49,23 @@ _OP_COLS = wire.RECORDED[wire.COLLECTIVE]
 
 
 def summarize(rows: Iterable[tuple], raw_step: Callable[[int], bool], hold_after: float = math.inf
-              ) -> tuple[list[tuple], dict[str, memoryview], int, list[tuple]]:
-    """Op rows (tuples in `wire.RECORDED[COLLECTIVE]` order) as (the rows to ship as they
-    are, the summary section's columns, its row count, the rows held back). `raw_step(step)`:
-    this step's ops go out as op rows. Rows of a step after `hold_after` (the newest step
-    the rank finished) are held back for the next batch: a step is summarized whole, so
-    every member's row of it stands for the same ops (a row per flush would cut each
-    rank's step at its own point)."""
+              ) -> tuple[list[tuple], dict[str, memoryview], int, list[tuple], list[tuple]]:
+    """Op rows (tuples in `wire.RECORDED[COLLECTIVE]` order) as (the rows to ship as sampled
+    op rows, the summary section's columns, its row count, the rows held back, the rows
+    without a measured wait, shipped as plain op rows). `raw_step(step)`: this step's ops go
+    out as op rows. Rows of a step after `hold_after` (the newest step the rank finished) are
+    held back for the next batch: a step is summarized whole, so every member's row of it
+    stands for the same ops (a row per flush would cut each rank's step at its own point)."""
     raw: list[tuple] = []
     held: list[tuple] = []
+    plain: list[tuple] = []
     acc: dict[tuple, list] = {}
     raw_of: dict[int, bool] = {}
     for row in rows:
         step, attempt, seq, gseq, op, axis, gid, peer, nbytes, start, dur, wait = row
+        if wait != wait:  # not measured: inferred from op-level arrivals at the collector
+            plain.append(row)
+            continue
         if step > hold_after:
             held.append(row)
             continue
@@ -102,13 +111,13 @@ def summarize(rows: Iterable[tuple], raw_step: Callable[[int], bool], hold_after
                                   NULL_F64 if wnull else wsum, NULL_F64 if wnull else wmax,
                                   first, last_end, base + starts / num, base + ends / num, mseq, mgseq)):
             col.append(value)
-    return raw, {k: memoryview(v) for k, v in out.items()}, len(acc), held
+    return raw, {k: memoryview(v) for k, v in out.items()}, len(acc), held, plain
 
 
-def op_section(rows: list[tuple]) -> dict[str, memoryview]:
-    """The op section's columns of `rows`, flagged `sampled`."""
+def op_section(rows: list[tuple], plain: int = 0) -> dict[str, memoryview]:
+    """The op section's columns of `rows`, flagged `sampled` but for the last `plain` of them."""
     out = {c.name: memoryview(array(c.fmt, col)) for c, col in zip(_OP_COLS, zip(*rows))}
-    out["sampled"] = memoryview(array("b", [1]) * len(rows))
+    out["sampled"] = memoryview(array("b", [1]) * (len(rows) - plain) + array("b", [wire.NOT_MEASURED]) * plain)
     return out
 
 

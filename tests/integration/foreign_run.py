@@ -60,6 +60,7 @@ class ForeignRun:
     steps: dict[int, float] = field(default_factory=dict)  # step -> when its last rank reported it
     num_steps_rows: int = 0
     num_collectives: int = 0
+    num_summarized_ops: int = 0  # ops a summarizing agent sent as summary rows (agent/summary.py)
     config: dict = field(default_factory=dict)
 
     def of(self, kind: str) -> list[dict]:
@@ -106,21 +107,22 @@ class Collectors:
 
 def run_loop(tmp: Path, loop: str, *, faults: str = "", steps: int = 60, nproc: int = 2,
              collector_args: tuple[str, ...] = ("--policy", "off"), stop_when: str | None = None,
-             collectors: Collectors | None = None) -> ForeignRun:
+             collectors: Collectors | None = None, env: dict[str, str] | None = None) -> ForeignRun:
     """Run `loop` with `faults` to its end (or until the SQL `stop_when`, `{run_id}` in it
     filled in, answers true) and read what the collector stored: a collector of
-    `collectors` for `collector_args`, or one of its own started for the run."""
+    `collectors` for `collector_args`, or one of its own started for the run. `env`: more of the
+    job's environment (the harness passes none of the caller's LLMWATCH_ variables)."""
     tmp.mkdir(parents=True, exist_ok=True)
     run_id = f"{loop}-{tmp.name}"
     own = collectors is None
     col = CollectorProcess(tmp / "tel.duckdb", args=collector_args).start() if own \
         else collectors.get(collector_args)
     try:
-        cmd, env = _command(loop, nproc, run_id, col)
-        env.update(LOOP_FAULTS=faults, LOOP_STEPS=str(steps), LOOP_TRUTH=str(tmp / "truth"), LOOP_OUT=str(tmp / "out"),
-                   TMPDIR=str(tmp))
+        cmd, job_env = _command(loop, nproc, run_id, col)
+        job_env.update(LOOP_FAULTS=faults, LOOP_STEPS=str(steps), LOOP_TRUTH=str(tmp / "truth"), LOOP_OUT=str(tmp / "out"),
+                   TMPDIR=str(tmp), **(env or {}))
         with open(tmp / "job.log", "w+") as log:
-            proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen(cmd, cwd=tmp, env=job_env, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
             deadline = time.monotonic() + RUN_TIMEOUT_S
             while proc.poll() is None and time.monotonic() < deadline:
@@ -155,11 +157,12 @@ def _read(col: CollectorProcess, loop: str, run_id: str, returncode: int | None,
     ends = {r["step"]: r["ts"] for r in rows("SELECT step, max(ts) AS ts FROM steps WHERE run_id = ? GROUP BY step")}
     (n_steps,) = rows("SELECT count(*) AS n FROM steps WHERE run_id = ?")
     (n_coll,) = rows("SELECT count(*) AS n FROM collectives WHERE run_id = ?")
+    (n_summ,) = rows("SELECT coalesce(sum(num_ops), 0) AS n FROM collectives_rollup WHERE run_id = ?")
     config = rows("SELECT config::VARCHAR AS config FROM runs WHERE run_id = ?")
     for r in incidents + actions:
         for key in ("evidence", "detail"):
             if isinstance(r.get(key), str):
                 r[key] = json.loads(r[key])
     return ForeignRun(loop=loop, run_id=run_id, returncode=returncode, output=output, incidents=incidents,
-                      actions=actions, steps=ends, num_steps_rows=n_steps["n"], num_collectives=n_coll["n"],
+                      actions=actions, steps=ends, num_steps_rows=n_steps["n"], num_collectives=n_coll["n"], num_summarized_ops=int(n_summ["n"]),
                       config=json.loads(config[0]["config"]) if config and config[0]["config"] else {})

@@ -89,6 +89,23 @@ def test_a_slow_rank_is_named_a_straggler_with_its_cost(runs, loop):
     assert {i["kind"] for i in run.incidents} <= {"straggler"}, run.summary()
 
 
+@pytest.mark.parametrize("loop", ["ddp", "fsdp2"])
+def test_a_summarizing_agent_ships_the_flight_recorders_ops_and_the_slow_rank_is_named(tmp_path, collectors, loop):
+    """The agent of a job of 256 ranks or more summarizes its collectives per step (agent/summary.py);
+    on two ranks `LLMWATCH_COLLECTIVES=summary` makes it. The Flight Recorder's ops have no wait: who
+    waited for whom is inferred from their arrivals op by op, which a summary's means cannot give (a
+    DDP loop's straggler went unnamed from them), so they go out as they are, and the slow rank is
+    named as in test_a_slow_rank_is_named_a_straggler_with_its_cost."""
+    run = run_loop(tmp_path / loop, loop, collectors=collectors, env={"LLMWATCH_COLLECTIVES": "summary"},
+                   **scenario(loop, "straggler"))
+    _finished(run, STRAGGLER_STEPS)
+    assert run.num_summarized_ops == 0, run.num_summarized_ops
+    found = run.of("straggler")
+    assert found and found[0]["rank"] == 1, run.summary()
+    assert STRAGGLER_FROM - 10 <= found[0]["step_from"] <= STRAGGLER_FROM + 20, run.summary()
+    assert {i["kind"] for i in run.incidents} <= {"straggler"}, run.summary()
+
+
 @pytest.mark.parametrize("loop", LOOPS)
 def test_a_hung_rank_is_named_with_its_collective_within_10_s(runs, loop):
     run = runs(loop, "hang")

@@ -71,11 +71,11 @@ def _as_dicts(cols: dict, n: int, ops_codes=None) -> dict[tuple, dict]:
     return out
 
 
-@pytest.mark.parametrize("null_waits", [False, True])
-def test_a_summary_row_holds_its_ops_totals_maxima_span_and_means(null_waits):
-    rows = _ops(range(1, 9), 25, seed=3, null_waits=null_waits)
-    raw, cols, n, held = summary.summarize(rows, raw_step=lambda s: s == 4, hold_after=7)
+def test_a_summary_row_holds_its_ops_totals_maxima_span_and_means():
+    rows = _ops(range(1, 9), 25, seed=3)
+    raw, cols, n, held, plain = summary.summarize(rows, raw_step=lambda s: s == 4, hold_after=7)
     assert [r[0] for r in raw] == [4] * 25 and [r[0] for r in held] == [8] * 25  # sampled step; not finished
+    assert plain == []
     want = _reference([r for r in rows if r[0] not in (4, 8)])
     got = _as_dicts(cols, n)
     assert got.keys() == want.keys() and n == len(want)
@@ -85,10 +85,19 @@ def test_a_summary_row_holds_its_ops_totals_maxima_span_and_means(null_waits):
                 else got[key][col] is None, (key, col)
 
 
-def test_op_rows_go_out_flagged_sampled():
+def test_ops_without_a_measured_wait_go_out_as_they_are():
+    """A Flight Recorder's ops (agent/flight.py) have no wait: who waited for whom is inferred from
+    their arrivals op by op, which their summary's means cannot give. They are shipped unflagged,
+    whatever the step, and never held."""
+    rows = _ops(range(1, 5), 10, seed=3, null_waits=True)
+    raw, cols, n, held, plain = summary.summarize(rows, raw_step=lambda s: s == 2, hold_after=3)
+    assert (raw, n, held, plain) == ([], 0, [], rows)
+
+
+def test_op_rows_go_out_flagged_sampled_but_the_plain_ones():
     rows = _ops([5], 4)
-    cols = summary.op_section(rows)
-    assert list(cols["sampled"]) == [1] * 4
+    cols = summary.op_section(rows, plain=1)
+    assert list(cols["sampled"]) == [1, 1, 1, -1]  # -1: NULL
     assert [tuple(cols[c.name][i] for c in wire.RECORDED[wire.COLLECTIVE]) for i in range(4)] == rows
 
 

@@ -41,7 +41,7 @@ def summarized(commits: list[tuple[float, Frames]]) -> list[tuple[float, Frames]
 
 def test_the_collectors_summaries_are_the_agents():
     rows = _ops(range(1, 6), 30, seed=1)
-    _, cols, n, _ = summary.summarize(rows, raw_step=lambda s: False)
+    _, cols, n, _, _ = summary.summarize(rows, raw_step=lambda s: False)
     names = [c.name for c in wire.RECORDED[wire.COLLECTIVE]]
     ops = pl.DataFrame([dict(zip(names, r)) for r in rows]).with_columns(
         pl.col("op").replace_strict(dict(enumerate(OP_NAMES))), pl.col("axis").replace_strict(dict(enumerate(AXES))),
