@@ -4,20 +4,13 @@ The collector is absent (a closed port on 127.0.0.1), so each flush spools its
 batch; the test reads the spool back. No thread is started: flush() runs the
 cycle inline."""
 
-import socket
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from agent import Agent, AgentConfig, wire
-from agent.spool import Spool
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from agent import Agent, AgentConfig
+from tests.unit.agent.spooled import closed_port, spooled_batches
 
 
 class Clock:
@@ -31,7 +24,7 @@ class Clock:
 
 @pytest.fixture
 def spooled(tmp_path):
-    cfg = AgentConfig(url=f"http://127.0.0.1:{_closed_port()}", spool_dir=str(tmp_path), capacity=64,
+    cfg = AgentConfig(url=f"http://127.0.0.1:{closed_port()}", spool_dir=str(tmp_path), capacity=64,
                       timeout_s=0.5)
     agent = Agent(cfg, run_id="r1", rank=3, node="node1", coords={"dp": 1, "tp": 0, "pp": 1}, world_size=8,
                   run_info={"config": {"lr": 3e-4}, "nan": float("nan")}, clock=Clock())
@@ -40,12 +33,7 @@ def spooled(tmp_path):
         """The spooled batches before close(); close()'s own last batch, which carries
         the agent_closed event (and nothing else here), is checked and left out."""
         agent.close()
-        spool = Spool(str(tmp_path), max_bytes=1 << 30)
-        out = []
-        while (payload := spool.peek()) is not None:
-            out.append(wire.decode_batch(payload))
-            spool.pop()
-        spool.close()
+        out = spooled_batches(tmp_path)
         closing = out.pop()
         assert [e["kind"] for e in closing.header["events"]] == ["agent_closed"]
         assert closing.header["events"][0]["data"] == {} and not closing.columns.get("step")
@@ -121,7 +109,7 @@ def test_batches_are_numbered_and_only_the_first_carries_the_run(spooled):
 
 
 def test_buffer_drops_are_reported_once_in_headers_and_in_stats(tmp_path):
-    cfg = AgentConfig(url=f"http://127.0.0.1:{_closed_port()}", spool_dir=str(tmp_path), capacity=2, timeout_s=0.5)
+    cfg = AgentConfig(url=f"http://127.0.0.1:{closed_port()}", spool_dir=str(tmp_path), capacity=2, timeout_s=0.5)
     agent = Agent(cfg, run_id="r1", rank=0)
     for step in range(5):
         agent.record_scalar(step, "x", 1.0)
@@ -132,11 +120,7 @@ def test_buffer_drops_are_reported_once_in_headers_and_in_stats(tmp_path):
     agent.close()
     assert stats["dropped"]["scalar"] == 3 and stats["recorded"]["scalar"] == 3
     assert stats["spooled"]["scalar"] == 3 and stats["batches"]["spooled"] == 2
-    spool = Spool(str(tmp_path), max_bytes=1 << 30)
-    first = wire.decode_batch(spool.peek())
-    spool.pop()
-    second = wire.decode_batch(spool.peek())
-    spool.close()
+    first, second = spooled_batches(tmp_path)[:2]
     # headers carry drops not yet carried by a sent or spooled batch: the collector sums them
     assert first.header["stats"]["dropped"]["scalar"] == 3
     assert second.header["stats"]["dropped"]["scalar"] == 0
@@ -146,7 +130,7 @@ def test_while_spooling_rows_wait_for_a_larger_batch_but_never_overflow_the_buff
     """Collector away: a periodic cycle holds the rows back (one spooled batch per
     spool_flush_interval_s, each replay costs a round trip) unless a buffer is half
     full or filling fast enough to overflow before the next cycle."""
-    cfg = AgentConfig(url=f"http://127.0.0.1:{_closed_port()}", spool_dir=str(tmp_path), capacity=100,
+    cfg = AgentConfig(url=f"http://127.0.0.1:{closed_port()}", spool_dir=str(tmp_path), capacity=100,
                       timeout_s=0.5, spool_flush_interval_s=3600.0)
     agent = Agent(cfg, run_id="r", rank=0)
     agent.record_scalar(0, "x", 1.0)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import sys
 import types
 
@@ -16,7 +15,7 @@ import pytest
 
 from agent import Agent, AgentConfig, wire
 from agent.device_health import FIELDS, DeviceHealthSampler, main
-from agent.spool import Spool
+from tests.unit.agent.spooled import closed_port, spooled_batches
 
 
 class NVMLError(Exception):
@@ -189,28 +188,17 @@ def test_probe_prints_one_sample(capsys):
     assert out["nvml"]  # "ok", or why there are no GPU columns (none here)
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_the_agent_ships_one_sample_per_heartbeat(tmp_path, monkeypatch, no_cuda_env):
     nvml = fake_nvml()
     nvml.ecc = 1
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
-    cfg = AgentConfig(url=f"http://127.0.0.1:{_closed_port()}", spool_dir=str(tmp_path), capacity=16,
+    cfg = AgentConfig(url=f"http://127.0.0.1:{closed_port()}", spool_dir=str(tmp_path), capacity=16,
                       timeout_s=0.5, gpu_index=2)
     agent = Agent(cfg, run_id="r1", rank=1, node="n1", clock=lambda: 1_700_000_000.0)
     agent.set_phase("forward", 7)
     agent.flush(1.0)  # the first cycle heartbeats: one sample
     agent.close()
-    spool = Spool(str(tmp_path), max_bytes=1 << 30)
-    batches = []
-    while (payload := spool.peek()) is not None:
-        batches.append(wire.decode_batch(payload))
-        spool.pop()
-    spool.close()
+    batches = spooled_batches(tmp_path)
     rows = [dict(zip(cols, vals)) for b in batches if (cols := b.columns.get(wire.DEVICE_HEALTH))
             for vals in zip(*(list(v) for v in cols.values()))]
     assert len(rows) == 1
@@ -224,14 +212,12 @@ def test_the_agent_ships_one_sample_per_heartbeat(tmp_path, monkeypatch, no_cuda
 
 def test_a_host_without_nvml_ships_null_gpu_columns(tmp_path, monkeypatch, no_cuda_env):
     monkeypatch.setitem(sys.modules, "pynvml", None)
-    cfg = AgentConfig(url=f"http://127.0.0.1:{_closed_port()}", spool_dir=str(tmp_path), capacity=16,
+    cfg = AgentConfig(url=f"http://127.0.0.1:{closed_port()}", spool_dir=str(tmp_path), capacity=16,
                       timeout_s=0.5)
     agent = Agent(cfg, run_id="r1", rank=0, node="n0")
     agent.flush(1.0)
     agent.close()
-    spool = Spool(str(tmp_path), max_bytes=1 << 30)
-    batch = wire.decode_batch(spool.peek())
-    spool.close()
+    batch = spooled_batches(tmp_path)[0]
     cols = batch.columns[wire.DEVICE_HEALTH]
     assert list(cols["gpu_index"]) == [wire.NOT_MEASURED] and list(cols["ecc_uncorrectable"]) == [-1]
     (temp,) = cols["temperature_c"].cast("B").cast("q")  # the float NULL is a bit pattern
@@ -240,12 +226,10 @@ def test_a_host_without_nvml_ships_null_gpu_columns(tmp_path, monkeypatch, no_cu
 
 
 def test_device_health_off_ships_no_samples(tmp_path):
-    cfg = AgentConfig(url=f"http://127.0.0.1:{_closed_port()}", spool_dir=str(tmp_path), capacity=16,
+    cfg = AgentConfig(url=f"http://127.0.0.1:{closed_port()}", spool_dir=str(tmp_path), capacity=16,
                       timeout_s=0.5, device_health=False)
     agent = Agent(cfg, run_id="r1", rank=0, node="n0")
     agent.flush(1.0)
     agent.close()
-    spool = Spool(str(tmp_path), max_bytes=1 << 30)
-    batch = wire.decode_batch(spool.peek())
-    spool.close()
+    batch = spooled_batches(tmp_path)[0]
     assert wire.HEARTBEAT in batch.columns and wire.DEVICE_HEALTH not in batch.columns

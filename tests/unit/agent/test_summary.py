@@ -5,21 +5,14 @@ collector asks, a step summarized whole, nothing lost at close."""
 from __future__ import annotations
 
 import random
-import socket
 
 import pytest
 
 from agent import Agent, AgentConfig, summary, wire
-from agent.spool import Spool
+from tests.unit.agent.spooled import closed_port, spooled_batches
 
 OPS = [("all_reduce", "dp", 0, -1), ("all_gather", "tp", 2, -1), ("send", "pp", 0, 1), ("recv", "pp", 0, 1)]
 OP_NAMES, AXES = ["all_reduce", "all_gather", "send", "recv"], ["dp", "tp", "pp"]  # the agent's dictionary codes
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ops(steps, per_step: int, seed: int = 0, null_waits: bool = False) -> list[tuple]:
@@ -112,19 +105,13 @@ def test_auto_summarizes_from_the_rank_threshold_and_the_mode_is_checked(monkeyp
 
 @pytest.fixture
 def agent(tmp_path):
-    cfg = AgentConfig(url=f"http://127.0.0.1:{_closed_port()}", spool_dir=str(tmp_path), capacity=4096,
+    cfg = AgentConfig(url=f"http://127.0.0.1:{closed_port()}", spool_dir=str(tmp_path), capacity=4096,
                       timeout_s=0.5, collectives="summary", raw_every_steps=5, device_health=False)
     a = Agent(cfg, run_id="r1", rank=2, node="node1", world_size=4)
 
     def batches():
         a.close()
-        spool = Spool(str(tmp_path), max_bytes=1 << 30)
-        out = []
-        while (payload := spool.peek()) is not None:
-            out.append(wire.decode_batch(payload))
-            spool.pop()
-        spool.close()
-        return out
+        return spooled_batches(tmp_path)
 
     return a, batches
 
@@ -183,14 +170,12 @@ def test_while_the_collector_asks_every_step_goes_out_as_op_rows(agent):
 
 
 def test_a_job_below_the_threshold_ships_every_op(tmp_path):
-    cfg = AgentConfig(url=f"http://127.0.0.1:{_closed_port()}", spool_dir=str(tmp_path), timeout_s=0.5,
+    cfg = AgentConfig(url=f"http://127.0.0.1:{closed_port()}", spool_dir=str(tmp_path), timeout_s=0.5,
                       collectives="auto", device_health=False)
     a = Agent(cfg, run_id="r1", rank=0, world_size=8)
     _record(a, _ops(range(1, 4), 5))
     a.record_step(3, loss=1.0)
     a.close()
-    spool = Spool(str(tmp_path), max_bytes=1 << 30)
-    batch = wire.decode_batch(spool.peek())
-    spool.close()
+    batch = spooled_batches(tmp_path)[0]
     assert len(batch.columns[wire.COLLECTIVE]["step"]) == 15 and wire.COLLECTIVE_SUMMARY not in batch.columns
     assert "sampled" not in batch.columns[wire.COLLECTIVE]  # NULL in the table: an agent that ships every op

@@ -7,32 +7,25 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 
 import pytest
 
 from agent import Agent, AgentConfig, wire
-from agent.spool import Spool
 from analysis.policy import Policy
 from analysis.rules import load_rules
 from collector.ingest.decode import decode
 from collector.settings import Settings, WriterSettings
 from collector.storage import Storage
+from tests.unit.agent.spooled import closed_port, spooled_payloads
 from tests.unit.agent.test_summary import AXES, OP_NAMES, _ops
 
 STEPS, PER_STEP = 12, 20
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _payloads(tmp_path, mode: str, rank: int) -> list[bytes]:
     """One rank's batches of the same ops and steps, through a real Agent that spools them."""
     spool_dir = tmp_path / f"{mode}{rank}"
-    cfg = AgentConfig(url=f"http://127.0.0.1:{_closed_port()}", spool_dir=str(spool_dir), timeout_s=0.5,
+    cfg = AgentConfig(url=f"http://127.0.0.1:{closed_port()}", spool_dir=str(spool_dir), timeout_s=0.5,
                       collectives=mode, raw_every_steps=5, device_health=False)
     a = Agent(cfg, run_id="run1", rank=rank, node=f"node{rank}", world_size=2)
     for step, attempt, seq, g, op, axis, gid, peer, nbytes, start, dur, wait in _ops(range(1, STEPS + 1), PER_STEP,
@@ -43,13 +36,7 @@ def _payloads(tmp_path, mode: str, rank: int) -> list[bytes]:
             if step % 4 == 0:
                 a.flush(1.0)
     a.close()
-    spool = Spool(str(spool_dir), max_bytes=1 << 30)
-    out = []
-    while (p := spool.peek()) is not None:
-        out.append(p)
-        spool.pop()
-    spool.close()
-    return out
+    return spooled_payloads(spool_dir)
 
 
 def _store(tmp_path, name: str, payloads: list[bytes]) -> Storage:
