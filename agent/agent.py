@@ -234,7 +234,7 @@ class Agent(Recorder):
         self._followup_until = -math.inf  # monotonic: the collector asked for a follow-up until then
         self._summarize = summary.summarizes(config.collectives, self.world_size, config.summarize_from_ranks)
         self._raw_ops_until = -math.inf  # monotonic: the collector asked for op rows until then
-        self._done_step: int | None = None  # flusher: the newest step record_step was given
+        self._done_step: int | None = None  # flusher: the step record_step was given last
         self._held_ops: list[tuple] = []  # flusher: op rows of a step not finished at the last batch
         self._recorded = {k: 0 for k in STATS_KINDS}
         self._buffer_dropped = {k: 0 for k in STATS_KINDS}
@@ -739,9 +739,8 @@ class Agent(Recorder):
         coll = bufs.collective
         sections.pop(wire.COLLECTIVE, None)
         steps = bufs.step
-        if steps.n:
-            newest = max(steps.cols[0][:steps.n])
-            self._done_step = newest if self._done_step is None else max(self._done_step, newest)
+        if steps.n:  # the step recorded last (not the highest: after a rollback the steps run again)
+            self._done_step = steps.cols[0][steps.n - 1]
         rows = self._held_ops + list(zip(*(col[:coll.n] for col in coll.cols))) if coll.n else self._held_ops
         if not rows:
             return

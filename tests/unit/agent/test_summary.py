@@ -179,3 +179,22 @@ def test_a_job_below_the_threshold_ships_every_op(tmp_path):
     batch = spooled_batches(tmp_path)[0]
     assert len(batch.columns[wire.COLLECTIVE]["step"]) == 15 and wire.COLLECTIVE_SUMMARY not in batch.columns
     assert "sampled" not in batch.columns[wire.COLLECTIVE]  # NULL in the table: an agent that ships every op
+
+
+def test_after_a_rollback_the_step_in_progress_is_held_again(agent):
+    """The steps run again from the checkpoint: what is held is what comes after the step recorded
+    last, not after the highest step ever recorded."""
+    a, batches = agent
+    rows = _ops(range(1, 11), 4)
+    _record(a, rows)
+    for step in range(1, 11):
+        a.record_step(step, loss=1.0)
+    a.flush(1.0)
+    a.set_attempt(1)  # rolled back to the checkpoint at 5: steps 6 and 7 again, 7 not finished
+    again = _ops(range(6, 8), 4, seed=9)
+    _record(a, again)
+    a.record_step(6, loss=1.0)
+    a.flush(1.0)
+    first, second, closing = batches()
+    assert _steps_in(second, wire.COLLECTIVE_SUMMARY) == [6] and _steps_in(closing, wire.COLLECTIVE_SUMMARY) == [7]
+    assert set(second.columns[wire.COLLECTIVE_SUMMARY]["attempt"].tolist()) == {1}
