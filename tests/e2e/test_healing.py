@@ -481,9 +481,15 @@ def test_a_spare_takes_the_straggling_nodes_place_and_the_job_keeps_its_size(spa
     node1 for its straggler; the cost model chose `replace`, node2 takes rank 1, dp stays 2 and
     the slowness, which was node1's hardware, does not follow."""
     o = spare
-    (s,) = o.of("straggler")
+    stragglers = o.of("straggler")
+    assert stragglers, o.report()
+    s = stragglers[0]  # the injected straggler's
     assert (s["rank"], s["node"]) == (1, "node1"), o.report()
     iso = assert_isolated(o, "node1", s, "straggler")
+    # and nothing else until its node was replaced: after that the job is a clean dp2 job on two shared
+    # cores, where a short swing is named now and then (the clean-run tests judge that; CI once saw a
+    # second straggler incident here)
+    assert all(i["opened_ts"] > iso["requested_ts"] for i in stragglers[1:]), o.report()
     predicted, realized = iso["detail"]["predicted"], iso["detail"].get("realized")
     assert predicted["best"] == "replace" and predicted["inputs"]["spares"] == 1, o.report()
     assert predicted["seconds"]["replace"] < predicted["seconds"]["shrink"], o.report()
