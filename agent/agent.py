@@ -133,6 +133,14 @@ class AgentConfig:
             raise ValueError(f"prometheus_port {self.prometheus_port} is not a TCP port")
 
 
+def _seconds(body: dict, key: str) -> float | None:
+    """A finite, non-negative number of seconds the collector's answer gives under `key`, else None."""
+    x = body.get(key)
+    if isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < float("inf"):
+        return float(x)
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class Command:
     """A control command from the collector, read at a step boundary."""
@@ -777,15 +785,15 @@ class Agent(Recorder):
                 self._clean_through = (int(mark["attempt"]), step, max(step, int(mark.get("judged", step))))
             except (KeyError, TypeError, ValueError):
                 pass
-        follow = body.get("followup_s")
-        if isinstance(follow, (int, float)) and not isinstance(follow, bool) and 0 < follow < float("inf"):
-            self._followup_until = time.monotonic() + min(float(follow), _MAX_FOLLOWUP_S)
-        raw = body.get("raw_ops_s")
-        if isinstance(raw, (int, float)) and not isinstance(raw, bool) and 0 < raw < float("inf"):
-            self._raw_ops_until = time.monotonic() + min(float(raw), _MAX_RAW_OPS_S)
-        wait = body.get("end_wait_s")
-        if isinstance(wait, (int, float)) and not isinstance(wait, bool) and 0 <= wait < float("inf"):
-            self._end_wait_s = float(wait)
+        follow = _seconds(body, "followup_s")
+        if follow:
+            self._followup_until = time.monotonic() + min(follow, _MAX_FOLLOWUP_S)
+        raw = _seconds(body, "raw_ops_s")
+        if raw:
+            self._raw_ops_until = time.monotonic() + min(raw, _MAX_RAW_OPS_S)
+        wait = _seconds(body, "end_wait_s")
+        if wait is not None:
+            self._end_wait_s = wait
         for c in body.get("commands") or ():
             if not isinstance(c, dict) or c.get("id") is None:
                 continue

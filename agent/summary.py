@@ -122,7 +122,6 @@ def op_section(rows: list[tuple], plain: int = 0) -> dict[str, memoryview]:
 
 
 def summarizes(mode: str, world_size: int, from_ranks: int) -> bool:
-    """Whether an agent in `mode` summarizes in a job of `world_size` ranks."""
-    if mode not in MODES:
-        raise ValueError(f"collectives must be one of {', '.join(MODES)}, not {mode!r}")
+    """Whether an agent in `mode` (one of MODES, checked by AgentConfig) summarizes in a job of
+    `world_size` ranks."""
     return mode == "summary" or (mode == "auto" and world_size >= from_ranks)
