@@ -505,7 +505,7 @@ class StragglerDetector:
             # (recovered on 1 of 6 micro-batches, a rank read 1.1-1.3x scaled to an even share: its step's
             # fixed costs counted 3 times). Its sum does not climb towards a new incident until the split
             # is undone; while its incident is open it goes on as every rank's
-            ongoing = np.array([any(rank in ep.members for ep in st.episodes.values()) for rank in r.tolist()])
+            ongoing = np.isin(r, [m for ep in st.episodes.values() for m in ep.members])
             after = np.where(lighter & ~ongoing, 0.0, after)
         st.cusum[r] = after
         climbing = (before <= 0) & (after > 0)
