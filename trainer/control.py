@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed
 
 from trainer.data import balanced_shares
 from trainer.diagnosis import ProbePlan
@@ -230,8 +231,8 @@ class RollbackHandler(Handler):
     def act(self, ctx: RunContext, cmd: AgreedCommand, step: int) -> Outcome:
         args = cmd.args
         suspect = int(args["step"])
-        known_good = args.get("known_good_step")
-        before = suspect if known_good is None else min(suspect, int(known_good) + 1)
+        known_good = _agreed_known_good(ctx, args.get("known_good_step"), suspect)
+        before = suspect if known_good is None else known_good + 1
         loaded = ctx.ckpt.load_latest(before_step=before)  # collective: every rank, same answer
         if loaded is None and before < suspect:
             ctx.log(f"rollback: no verified checkpoint at or below the known-good step {known_good}; "
@@ -265,6 +266,30 @@ class RollbackHandler(Handler):
             " with the replicas swapped" if shift else " (one replica: its samples cannot move)")
         ctx.log(f"rollback: step {past} -> checkpoint of step {loaded.step}, attempt {ctx.state.attempt}{rerun}")
         return Outcome(f"restored step {loaded.step} as attempt {ctx.state.attempt}")
+
+
+def _agreed_known_good(ctx: RunContext, decided: int | None, suspect: int) -> int | None:
+    """The newest step every rank holds known-good now, below the suspect step; None: none.
+
+    The command carries the collector's watermark when it decided; by the time the ranks
+    act (a second or more later, dozens of tiny steps) the watermark has often moved on,
+    and each rank's agent has its own newest answer. Each rank offers the newer of the
+    two, and one all-reduce MIN (the rank that heard least) makes it the same on every
+    rank, as `load_latest`, a collective, needs. Every rank runs this."""
+    mine = max(-1 if decided is None else int(decided), _or_minus_one(ctx.agent.clean_through()))
+    mine = min(mine, suspect - 1)
+    vote = torch.tensor([mine], dtype=torch.int64, device=ctx.comm.device)
+    ctx.comm.all_reduce(vote, Axis.WORLD, op=torch.distributed.ReduceOp.MIN)
+    agreed = int(vote.item())  # host sync: once per rollback
+    if agreed < 0:  # no watermark in the command, and a rank has none either
+        return None
+    if decided is not None and agreed > int(decided):
+        ctx.log(f"rollback: the known-good watermark moved from step {decided} to {agreed} since the decision")
+    return agreed
+
+
+def _or_minus_one(step: int | None) -> int:
+    return -1 if step is None else int(step)
 
 
 class RepairHandler(Handler):

@@ -41,6 +41,7 @@ class Wire:
     def __init__(self) -> None:
         self.sent: list[torch.Tensor] = []  # rank 0's buffers, in order
         self.num_broadcasts = 0
+        self.peers: list[list[int]] = []  # what the other ranks offer to an all-reduce (MIN), one list each
 
 
 class FakeComm:
@@ -62,8 +63,16 @@ class FakeComm:
                     me.copy_(wire.sent[seq])
         return Handle()
 
+    device = torch.device("cpu")
+
     def barrier(self, axis):
         self.calls.append(("barrier", axis))
+
+    def all_reduce(self, tensor, axis, *, op):
+        assert axis is Axis.WORLD and op == torch.distributed.ReduceOp.MIN
+        self.calls.append(("all_reduce", tensor.tolist()))
+        for offer in self.wire.peers:
+            torch.minimum(tensor, torch.tensor(offer, dtype=tensor.dtype), out=tensor)
 
 
 class FakeAgent:
@@ -71,6 +80,10 @@ class FakeAgent:
         self.mailbox: list[Command] = []
         self.acks: list[tuple[str, str, str]] = []
         self.events: list[tuple[str, dict]] = []
+        self.watermark: int | None = None  # clean_through(): None, no collector's answer
+
+    def clean_through(self):
+        return self.watermark
 
     def commands(self) -> list[Command]:
         out, self.mailbox = self.mailbox, []
@@ -476,8 +489,8 @@ ROLLBACK_ARGS = {"step": 7, "incident_id": 3, "kind": "loss_spike", "rank": 1, "
 def test_a_rollback_restores_the_checkpoint_before_the_suspect_step():
     h = make_ctx(None, step=10, attempt=0, loaded_attempt=2)
     out = run(RollbackHandler(), h, "rollback", ROLLBACK_ARGS, step=10, cid="rb")
-    assert h.calls == [("load_latest", 7), ("restore", 4), ("note_attempt", 3), ("seek", "pos@4", 5),
-                       ("swap_at", 7, 1)]
+    assert h.calls == [("all_reduce", [-1]), ("load_latest", 7), ("restore", 4), ("note_attempt", 3),
+                       ("seek", "pos@4", 5), ("swap_at", 7, 1)]
     st = h.ctx.state
     assert (st.step, st.attempt, st.position) == (4, 3, "pos@4")  # attempt: max(0, 2) + 1
     assert h.ctx.probe == ProbePlan(incident_id=3, kind="loss_spike", step=7, rank=1, shift=1, loss_above=4.5,
@@ -546,12 +559,43 @@ def test_the_rollback_restores_the_newest_known_good_checkpoint_else_the_newest_
     assert h.ctx.agent.acks[-1][1] == "rejected"
 
 
+def test_the_rollback_takes_the_watermark_the_ranks_agree_on_when_they_act_not_the_one_it_was_decided_on():
+    """A spike at 40 detected late: the policy decided with the watermark at 29, and by the time
+    the ranks acted checkpoint 36 was known-good; restoring 28 redid 8 steps for nothing (CI,
+    tests/e2e/test_healing.py). Each rank offers its agent's newer watermark; the least wins."""
+    h = make_ctx(None, step=50)
+    h.ctx.agent.watermark = 37
+    h.ctx.comm.wire.peers = [[36]]  # the other rank heard one answer fewer
+    run(RollbackHandler(), h, "rollback", {"step": 40, "known_good_step": 29})
+    assert [c for c in h.calls if c[0] in ("all_reduce", "load_latest")] == [("all_reduce", [37]),
+                                                                            ("load_latest", 37)]
+    assert any("watermark moved from step 29 to 36" in m for m in h.logs)
+    # a watermark past the suspect step (its incident is not the watermark's concern) stops below it
+    h = make_ctx(None, step=50)
+    h.ctx.agent.watermark, h.ctx.comm.wire.peers = 45, [[60]]
+    run(RollbackHandler(), h, "rollback", {"step": 40, "known_good_step": 29})
+    assert [c for c in h.calls if c[0] in ("all_reduce", "load_latest")] == [("all_reduce", [39]),
+                                                                            ("load_latest", 40)]
+    # a rank whose agent has heard nothing newer offers the command's
+    h = make_ctx(None, step=50)
+    h.ctx.agent.watermark, h.ctx.comm.wire.peers = 37, [[29]]
+    run(RollbackHandler(), h, "rollback", {"step": 40, "known_good_step": 29})
+    assert ("load_latest", 30) in h.calls and not any("moved" in m for m in h.logs)
+    # no watermark anywhere (no detection): the newest checkpoint before the suspect step
+    h = make_ctx(None, step=50)
+    h.ctx.comm.wire.peers = [[12]]
+    run(RollbackHandler(), h, "rollback", {"step": 40})
+    assert [c for c in h.calls if c[0] in ("all_reduce", "load_latest")] == [("all_reduce", [-1]),
+                                                                            ("load_latest", 40)]
+    assert h.ctx.agent.acks[-1][1] == "done"
+
+
 def test_no_checkpoint_before_the_suspect_step_fails_the_rollback():
     h = make_ctx(None, loaded=False)
     out = run(RollbackHandler(), h, "rollback", {"step": 7})
     assert out == Outcome()
     assert h.ctx.agent.acks == [("c1", "failed", "no verified checkpoint before step 7")]
-    assert h.calls == [("load_latest", 7)]  # nothing restored
+    assert h.calls == [("all_reduce", [-1]), ("load_latest", 7)]  # nothing restored
     assert (h.ctx.state.step, h.ctx.state.attempt, h.ctx.probe, h.ctx.recovery) == (10, 0, None, None)
 
 
