@@ -55,8 +55,12 @@ steps cost nothing). That member is the culprit, with its node. The cost is the
 seconds per step the job loses: the culprit's transfer time in excess of its
 partners' in the group's ops of a step, summed (the others wait that long),
 smoothed; and its share of the step time. The incident's range starts at the
-first step of the latest run of low steps (a lone low step before is noise). It
-resolves after
+first step of the latest run of low steps of the culprit's group (a lone low step
+before is noise), over its last `2 x window_steps` judged steps; a lone step not
+low within the run bridges it when the culprit's own link ratio was at least the
+square root of `min_ratio` there (a degraded link read slow but not quite low once
+amid its low steps on a loaded host, and CI dated a slow link from step 20 at 24).
+It resolves after
 `resolve_after_steps` judged steps in a row that were not low.
 
 The rows of a step are final once the step `collective_lag_steps` after it is
@@ -124,14 +128,22 @@ def bus_bandwidth(coll: pl.DataFrame) -> pl.DataFrame:
     return df.with_columns(algbw.alias("algbw"), (algbw * factor).alias("busbw")).filter(pl.col("busbw") > 0)
 
 
-def _latest_run_start(recent) -> int:
-    """The first step of the latest run of low steps (a low step before a steady one was noise)."""
+def _onset(steps: np.ndarray, low: np.ndarray, link: np.ndarray, k: float) -> int:
+    """The first step of the latest run of low steps (oldest first, at `steps`) that a lone step
+    not low bridges when the culprit's own link ratio (`link`, in logs, against its usual) was at
+    least `k` there: a degraded link read slow but not low once amid its low steps on a loaded host
+    (a 4x link at 2.1x, its group's bandwidth not quite low), and the run that started after it
+    dated a slow link from step 20 at 24 (CI). A low step before a steady one is noise, and so
+    is one before a bridged step whose next is not low. -1: no low step."""
     start = -1
-    for step, low in reversed(recent):
-        if low:
-            start = step
-        elif start >= 0:
-            break
+    i = len(steps) - 1
+    while i >= 0:
+        if low[i] > 0:
+            start = int(steps[i])
+        elif start < 0 or not (link[i] >= k and i > 0 and low[i - 1] > 0):
+            if start >= 0:
+                break
+        i -= 1
     return start
 
 
@@ -172,8 +184,8 @@ class _Ring:
 class _Axis:
     """One axis's members (by rank) and groups (by group id), as arrays."""
 
-    __slots__ = ("name", "link", "cost", "step_cost", "link_base", "history", "recent", "recent_steps", "calm",
-                 "judged", "last_lbw", "last_base", "last_peers", "member_gid", "member_rank")
+    __slots__ = ("name", "link", "cost", "step_cost", "link_base", "step_link", "link_steps", "link_low", "history",
+                 "recent", "recent_steps", "calm", "judged", "last_lbw", "last_base", "last_peers", "member_gid", "member_rank")
 
     def __init__(self, name: str, baseline_steps: int, window_steps: int) -> None:
         self.name = name
@@ -182,6 +194,9 @@ class _Axis:
         self.cost = np.zeros(0)  # EWMA of its excess transfer s/step
         self.step_cost = _Ring(window_steps)  # its excess transfer s at its latest judged steps
         self.link_base = _Ring(baseline_steps)  # its log link ratio at its group's latest steps not low (its usual)
+        self.step_link = _Ring(2 * window_steps)  # its log link ratio against its usual at its latest judged steps
+        self.link_steps = _Ring(2 * window_steps)  # and those steps
+        self.link_low = _Ring(2 * window_steps)  # and whether its group was low there (1.0) or not (the onset)
         # per group id
         self.history = _Ring(baseline_steps)  # log busbw of its steps that were not low
         self.recent = _Ring(window_steps)  # 1.0 low / 0.0 not, at its latest judged steps
@@ -203,8 +218,8 @@ class _Axis:
     def ensure_ranks(self, n: int) -> None:
         if n > len(self.link):
             self.link, self.cost = _grow(self.link, n, 0.0), _grow(self.cost, n, 0.0)
-        self.step_cost.ensure(n)
-        self.link_base.ensure(n)
+        for ring in (self.step_cost, self.link_base, self.step_link, self.link_steps, self.link_low):
+            ring.ensure(n)
 
     def ensure_groups(self, n: int) -> None:
         if n > len(self.calm):
@@ -404,6 +419,9 @@ class SlowLinkDetector:
         ax.calm[gids] = np.where(low, 0, ax.calm[gids] + 1)
         ax.history.push(gids[~low], lbw[~low])
         quiet = np.isin(gid_r, gids[~low])  # the members of a group not low: their ratio is their usual
+        ax.step_link.push(r, rel)
+        ax.link_steps.push(r, np.full(len(r), float(step)))
+        ax.link_low.push(r, (~quiet & np.isin(gid_r, gids)).astype(float))
         ax.link_base.push(r[quiet], lr[quiet])
         ax.last_lbw[gids], ax.last_base[gids], ax.last_peers[gids] = lbw, base, peers
         lows = np.nansum(ax.recent.values[gids], axis=1)
@@ -429,8 +447,10 @@ class SlowLinkDetector:
             return
         g = st.open[(ax.name, gid)] = _Group(ax.name, gid)
         g.fired_at, g.culprit = step, culprit
-        g.onset = _latest_run_start(list(zip(ax.recent_steps.latest(gid).astype(int).tolist(),
-                                             (ax.recent.latest(gid) > 0).tolist())))
+        g.onset = _onset(ax.link_steps.latest(culprit), ax.link_low.latest(culprit), ax.step_link.latest(culprit),
+                         self.log_min / 2)
+        if g.onset < 0:
+            g.onset = step
         node = p.topo.node_name(culprit)
         g.key = p.book.new_key(f"slow_link:{node}" if node else f"slow_link:rank{culprit}")
         self._report(p, st, ax, g, step)

@@ -11,7 +11,7 @@ import polars as pl
 import pytest
 
 from analysis import Analyzer
-from analysis.detectors.slow_link import bus_bandwidth, bus_factor
+from analysis.detectors.slow_link import _onset, bus_bandwidth, bus_factor
 from analysis.frames import Frames, collectives_frame
 from analysis.policy import ISOLATE, Policy, RunPolicy
 from analysis.rules import rules_from_dict
@@ -177,6 +177,29 @@ def test_slow_link_named_with_its_rank_node_and_cost(rank, axis, factor):
     assert 0.7 * expected < last["cost_s_per_step"] < 1.3 * expected
     assert 0 < last["share_of_step"] < 1
     assert last["compute_ratio"] < 1.1
+
+
+def test_the_onset_is_the_latest_run_of_low_steps_bridged_by_a_lone_step_its_link_was_slow_at():
+    """What CI and a replay saw on a loaded host: a 4x link from step 20 read 2.1x at step 22 with
+    its group's bandwidth not quite low; the run of low steps after it dated the link 24 (23 here).
+    A lone slow step, as slow, bridges; a lone noisy low step before a steady one does not count."""
+    steps = np.arange(12, 24, dtype=float)
+    low = np.zeros(12)
+    low[[5, 8, 9, 11]] = 1.0  # steps 17 (noise), 20, 21, 23
+    link = np.array([0.0, 0.1, -0.3, 0.2, 0.0, 0.9, 0.1, -0.4, 1.2, 3.2, 0.5, 2.8])
+    k = np.log(1.5) / 2
+    assert _onset(steps, low, link, k) == 20
+    link[10] = 0.1  # step 22 as fast as its partner: the run starts after it
+    assert _onset(steps, low, link, k) == 23
+    link[10], link[6] = 0.5, 0.5  # step 18, slow-ish, bridges to the noisy 17 only if 19 were low: it is not
+    assert _onset(steps, low, link, k) == 20
+    low[7] = 1.0  # 17, 18 bridged, 19 low: one run from 17
+    assert _onset(steps, low, link, k) == 17
+    low[:], link[-1] = 0.0, 0.0  # two steps not low in a row end a run; none low: none
+    assert _onset(steps, low, link, k) == -1
+    low[[8, 11]] = 1.0
+    link[9] = link[10] = 1.0
+    assert _onset(steps, low, link, k) == 23
 
 
 def test_silent_on_a_clean_run():
