@@ -226,7 +226,7 @@ def run_worker(cfg: JobConfig, *, token: str | None = None) -> int:
         comm = Comm(dims, device=device, sink=agent)
         agent.bind_seq_source(lambda: comm.last_entered)  # the heartbeat names the collective it entered last
         engine = TrainEngine(cfg, dims, comm, device)
-        pad_multiple = dims.tp if dims.sp else 1
+        pad_multiple = data_mod.pad_multiple_for(cfg.model.seq_len, dims.tp if dims.sp else 1)
 
         def loader_factory(position, start_step, bad_windows=()):
             return data_mod.DataLoader(
