@@ -16,8 +16,8 @@ rank issues the same collectives in the same order. `finish()` launches what is
 left and waits for all of them.
 
 `local_finite()` says whether this rank's own gradients were all finite: each
-bucket is checked on the device right before its all-reduce (one isfinite
-reduction per bucket, no sync), so a NaN a peer contributed does not count.
+bucket is checked on the device right before its all-reduce (one reduction per
+bucket, `all_finite`, no sync), so a NaN a peer contributed does not count.
 
 `sync_s` counts the host seconds (the compute thread's CPU time on a CPU device)
 spent in that bookkeeping inside backward: the engine books it as grad sync
@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from trainer.comm import Comm, Handle
+from trainer.optim import all_finite
 from trainer.parallel_dims import Axis
 
 FP32_BYTES = 4
@@ -75,7 +76,7 @@ class GradBuckets:
         self._seen: set[int] = set()
         self._next_launch = 0
         self._handles: list[Handle] = []
-        self._finite: list[torch.Tensor] = []  # per launched bucket: isfinite(...).all() before the reduction
+        self._finite: list[torch.Tensor] = []  # per launched bucket: all_finite(...) before the reduction
         self._clock = time.thread_time if device.type == "cpu" else time.perf_counter
         self.sync_s = 0.0  # seconds in the bookkeeping of the armed backward (the module doc), all steps
         if self.overlap:
@@ -115,7 +116,7 @@ class GradBuckets:
         t0 = None  # the clock is read only around launches: this runs for every parameter's grad
         while self._next_launch < len(self.buffers) and (force or self._pending[self._next_launch] == 0):
             t0 = self._clock() if t0 is None else t0
-            self._finite.append(torch.isfinite(self.buffers[self._next_launch]).all())
+            self._finite.append(all_finite(self.buffers[self._next_launch]))
             self._handles.append(self.comm.all_reduce(self.buffers[self._next_launch], Axis.DP, async_op=True))
             self._next_launch += 1
         if t0 is not None:
@@ -137,7 +138,7 @@ class GradBuckets:
         if self.overlap and len(self._finite) == len(self.buffers):
             flags = self._finite
         else:  # dp == 1 (nothing is reduced), or finish() was not reached: the buffers as they are
-            flags = [torch.isfinite(buffer).all() for buffer in self.buffers]
+            flags = [all_finite(buffer) for buffer in self.buffers]
         if not flags:
             return torch.ones((), dtype=torch.bool, device=self.comm.device)
         if len(flags) == 1:

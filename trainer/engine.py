@@ -41,7 +41,15 @@ from trainer.data_parallel import GradBuckets
 from trainer.faults import NO_FAULTS, StepFaults
 from trainer.integrity import shard_checksum
 from trainer.model import GPTStage
-from trainer.optim import DynamicLossScaler, build_adamw, clip_coef, counts_in_norm, global_grad_sq_norm, lr_at
+from trainer.optim import (
+    DynamicLossScaler,
+    all_finite,
+    build_adamw,
+    clip_coef,
+    counts_in_norm,
+    global_grad_sq_norm,
+    lr_at,
+)
 from trainer.parallel_dims import Axis, ParallelDims
 from trainer.pipeline import Pipeline
 
@@ -98,7 +106,7 @@ class TrainEngine:
         self._checksum: float | None = None  # read at the last step's host sync (train_step(checksum=True))
         self.scaler = DynamicLossScaler(cfg.precision, enabled=precision == "fp16")
         self.pipeline = Pipeline(comm, device=device)
-        # AND of isfinite over the step's forward outputs, on the device; None outside train_step
+        # AND of all_finite over the step's forward outputs, on the device; None outside train_step
         self._fwd_ok: torch.Tensor | None = None
         if dims.is_last_stage:  # the hidden state entering the loss head, before its TP reductions
             self.model.final_ln.register_forward_pre_hook(self._check_head_input)
@@ -107,9 +115,9 @@ class TrainEngine:
         self._note_finite(args[0])
 
     def _note_finite(self, x: torch.Tensor) -> None:
-        """Fold `isfinite(x).all()` into the step's forward flag (device ops, no sync)."""
+        """Fold "x is all finite" into the step's forward flag (device ops, no sync)."""
         if self._fwd_ok is not None:
-            self._fwd_ok = self._fwd_ok & torch.isfinite(x.detach()).all()
+            self._fwd_ok = self._fwd_ok & all_finite(x.detach())
 
     @property
     def shard_key(self) -> str:

