@@ -193,6 +193,8 @@ class RowParallelLinear(nn.Module):
         self.bias = make_param(out_features, tp_dim=None, init="zeros", seq_partial=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _tp_size(self.comm) == 1:  # nothing to reduce: the bias in the matmul (addmm), as nn.Linear
+            return F.linear(x, self.weight, self.bias)
         return leave_tp_region(F.linear(x, self.weight), self.comm, self.sp) + self.bias
 
 
