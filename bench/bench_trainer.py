@@ -4,8 +4,10 @@
 
 `peer`: the trainer against bench/plain_gpt.py (the same GPT in plain torch: torch
 DDP over gloo, `no_sync` accumulation, bf16 autocast, AdamW, clip 1.0) at dp1 and
-dp2 with the same global batch, interleaved, telemetry off. The ratio is the
-peer's median step time over the trainer's (above 1: the trainer is faster).
+dp2 with the same global batch, interleaved, telemetry off. Both run micro-batches
+of the same widths: the trainer's samples vary in length, and the peer is handed
+the widths the trainer's own loader gives each rank's micro-batches. The ratio is
+the peer's median step time over the trainer's (above 1: the trainer is faster).
 
 Every figure is the median tokens/s of steps after a warm-up, read from the
 run's metrics.jsonl, and every comparison is a ratio between runs made in this
@@ -49,15 +51,40 @@ def run(args: list[str], steps: int, workdir: Path, *, field: str = "tokens_per_
 PEER_SHAPES = ["--layers", "4", "--d-model", "128", "--heads", "4", "--seq-len", "128", "--micro-batch-size", "4"]
 
 
+def trainer_widths(dp: int, micro_batches: int, steps: int) -> list[list[list[int]]]:
+    """Per dp rank, per step, the width of each micro-batch the trainer runs (its samples vary
+    in length; each micro-batch is padded to its longest, rounded up: trainer/data.py), read
+    from the trainer's own data loader with the bench's config, so the peer does the same work."""
+    from trainer import data as data_mod
+    from trainer.config import JobConfig
+
+    cfg = JobConfig()
+    seq_len, mbs = int(PEER_SHAPES[PEER_SHAPES.index("--seq-len") + 1]), int(
+        PEER_SHAPES[PEER_SHAPES.index("--micro-batch-size") + 1])
+    corpus = data_mod.build_corpus(cfg.data, seq_len=seq_len, seed=cfg.seed)
+    widths = []
+    for rank in range(dp):
+        loader = data_mod.DataLoader(corpus, seq_len=seq_len, micro_batch_size=mbs, micro_batches=micro_batches,
+                                     dp_size=dp, dp_rank=rank, seed=cfg.seed, position=data_mod.DataPosition(),
+                                     group_window=cfg.data.group_window, prefetch=0,
+                                     pad_multiple=data_mod.pad_multiple_for(seq_len), start_step=1)
+        widths.append([[int(mb.inputs.shape[1]) for mb in loader.next().micro_batches] for _ in range(steps)])
+        loader.close()
+    return widths
+
+
 def peer_run(dp: int, micro_batches: int, steps: int, workdir: Path) -> float:
-    """bench/plain_gpt.py's median step seconds after the warm-up (torchrun for dp > 1)."""
+    """bench/plain_gpt.py's median step seconds after the warm-up (torchrun for dp > 1), on
+    micro-batches of the trainer's widths."""
     out = Path(tempfile.mkdtemp(dir=workdir)) / "peer.json"
+    widths = out.with_name("widths.json")
+    widths.write_text(json.dumps(trainer_widths(dp, micro_batches, steps)))
     from trainer.launch import free_port
 
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(dp), "--rdzv-backend",
                  "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"] if dp > 1 else [sys.executable])
     cmd = [*launcher, str(ROOT / "bench" / "plain_gpt.py"), *PEER_SHAPES, "--micro-batches", str(micro_batches),
-           "--steps", str(steps), "--out", str(out)]
+           "--steps", str(steps), "--widths", str(widths), "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                           env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(max(1, 2 // dp))))
     if proc.returncode != 0:

@@ -7,8 +7,9 @@ accumulation under `no_sync`, bf16 autocast, AdamW, clip 1.0).
 
 Same shapes as the trainer's (pre-LN blocks, causal SDPA, GELU MLP x4, learned
 positions, the token embedding tied to the head, vocab 320), a global batch of
-`world x micro_batches x micro_batch_size` samples of `seq_len` random tokens
-built in memory before the loop (the trainer's data path is part of what it is
+`world x micro_batches x micro_batch_size` samples of random tokens, each
+micro-batch `seq_len` wide or as wide as `--widths` says (the trainer's own, from
+bench/bench_trainer.py), built in memory before the loop (the trainer's data path is part of what it is
 measured on; this peer's costs nothing). It writes each step's wall seconds to
 `--out` (rank 0), which the bench compares with the trainer's metrics.jsonl `step_s`.
 """
@@ -67,6 +68,7 @@ def main() -> None:
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--micro-batches", type=int, default=4, help="per replica")
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--widths", help="JSON: per rank, per step, each micro-batch's width (default: all seq-len)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -77,13 +79,16 @@ def main() -> None:
     model = GPT(a.vocab, a.d_model, a.heads, a.layers, a.seq_len)
     ddp = nn.parallel.DistributedDataParallel(model) if world > 1 else model
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
-    g = torch.Generator().manual_seed(int(os.environ.get("RANK", "0")))
-    data = torch.randint(0, a.vocab, (a.steps, a.micro_batches, a.micro_batch_size, a.seq_len + 1), generator=g)
+    rank = int(os.environ.get("RANK", "0"))
+    g = torch.Generator().manual_seed(rank)
+    widths = (json.load(open(a.widths))[rank] if a.widths
+              else [[a.seq_len] * a.micro_batches for _ in range(a.steps)])
+    data = [[torch.randint(0, a.vocab, (a.micro_batch_size, w + 1), generator=g) for w in step] for step in widths]
     times = []
     for step in range(a.steps):
         t0 = time.perf_counter()
         for m in range(a.micro_batches):
-            batch = data[step, m]
+            batch = data[step][m]
             sync = m == a.micro_batches - 1 or world == 1
             with (ddp.no_sync() if not sync else torch.enable_grad()), torch.autocast("cpu", torch.bfloat16):
                 loss = ddp(batch[:, :-1], batch[:, 1:]) / a.micro_batches
