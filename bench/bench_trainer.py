@@ -1,6 +1,6 @@
 """Trainer throughput: against plain PyTorch, layouts side by side, and telemetry on vs off.
 
-    python bench/bench_trainer.py [--steps 30] [--repeats 3] [--only peer|layouts|telemetry]
+    python bench/bench_trainer.py [--steps 30] [--repeats 3] [--only peer|layouts|telemetry] [--embedded]
 
 `peer`: the trainer against bench/plain_gpt.py (the same GPT in plain torch: torch
 DDP over gloo, `no_sync` accumulation, bf16 autocast, AdamW, clip 1.0) at dp1 and
@@ -138,13 +138,17 @@ def _proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def telemetry(steps: int, repeats: int, workdir: Path, flush_s: float | None = None) -> None:
+def telemetry(steps: int, repeats: int, workdir: Path, flush_s: float | None = None, embedded: bool = False) -> None:
     """Interleaved off/on pairs. "on" ships to a collector process started here, the
-    same command the embedded launcher runs, so its CPU can be read from /proc.
+    same command the embedded launcher runs, so its CPU can be read from /proc; with
+    `embedded`, "on" is plain `--telemetry`, as a user runs it: the launcher's own
+    collector and dashboard on the same cores (their CPU is in the trainer's).
 
     Two figures: tokens/s (wall clock, what the goal is stated in; on 2 saturated
     cores every CPU-second of telemetry is taken from training) and CPU-seconds per
     step, trainer ranks plus collector (much less noisy than wall time)."""
+    if embedded:
+        return _telemetry_embedded(steps, repeats, workdir, flush_s)
     from trainer.launch import free_port
 
     port = free_port()
@@ -181,12 +185,33 @@ def telemetry(steps: int, repeats: int, workdir: Path, flush_s: float | None = N
     print(f"CPU ratio off/(on + collector): {ms['off'] / (ms['on'] + ms['collector']):.3f}")
 
 
+def _telemetry_embedded(steps: int, repeats: int, workdir: Path, flush_s: float | None) -> None:
+    layout = ["--dp", "2", "--micro-batches", "2"]
+    on_args = layout + ["--telemetry"] + (["--telemetry-flush-s", str(flush_s)] if flush_s is not None else [])
+    tput = {"off": [], "on": []}
+    cpu = {"off": [], "on": []}
+    for _ in range(repeats):
+        for mode, args in (("off", layout), ("on", on_args)):
+            c0 = _children_cpu_s()
+            tput[mode].append(run(args, steps, workdir))
+            cpu[mode].append((_children_cpu_s() - c0) / steps)
+    m_off, m_on = statistics.median(tput["off"]), statistics.median(tput["on"])
+    print(f"telemetry off: {m_off:,.0f} tokens/s  {['%.0f' % x for x in tput['off']]}")
+    print(f"telemetry on (embedded collector and dashboard): {m_on:,.0f} tokens/s  {['%.0f' % x for x in tput['on']]}")
+    print(f"ratio on/off:  {m_on / m_off:.3f}   (goal >= 0.99)")
+    ms = {k: 1e3 * statistics.median(v) for k, v in cpu.items()}
+    print(f"CPU per step (whole job, incl. start-up and the collector's and dashboard's), off: {ms['off']:.1f} ms   "
+          f"on: {ms['on']:.1f} ms")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--only", choices=("peer", "layouts", "telemetry"))
     p.add_argument("--flush-s", type=float, help="the agents' flush interval (default: the trainer's, 1.0 s)")
+    p.add_argument("--embedded", action="store_true",
+                   help="telemetry on = plain --telemetry: the embedded collector and dashboard on the same cores")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         if a.only in (None, "peer"):
@@ -194,7 +219,7 @@ def main() -> None:
         if a.only in (None, "layouts"):
             layouts(a.steps, a.repeats, Path(tmp))
         if a.only in (None, "telemetry"):
-            telemetry(a.steps, a.repeats, Path(tmp), a.flush_s)
+            telemetry(a.steps, a.repeats, Path(tmp), a.flush_s, a.embedded)
 
 
 if __name__ == "__main__":
