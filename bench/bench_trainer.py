@@ -175,14 +175,18 @@ def telemetry(steps: int, repeats: int, workdir: Path, flush_s: float | None = N
     finally:
         collector.terminate()
         collector.wait()
-    m_off, m_on = statistics.median(tput["off"]), statistics.median(tput["on"])
-    print(f"telemetry off: {m_off:,.0f} tokens/s  {['%.0f' % x for x in tput['off']]}")
-    print(f"telemetry on:  {m_on:,.0f} tokens/s  {['%.0f' % x for x in tput['on']]}")
-    print(f"ratio on/off:  {m_on / m_off:.3f}   (goal >= 0.99)")
+    _print_tokens(tput, "on")
     ms = {k: 1e3 * statistics.median(v) for k, v in cpu.items()}
     print(f"CPU per step (whole trainer, incl. start-up), off: {ms['off']:.1f} ms   on: {ms['on']:.1f} ms "
           f"+ collector {ms['collector']:.2f} ms")
     print(f"CPU ratio off/(on + collector): {ms['off'] / (ms['on'] + ms['collector']):.3f}")
+
+
+def _print_tokens(tput: dict[str, list[float]], on: str) -> None:
+    m_off, m_on = statistics.median(tput["off"]), statistics.median(tput["on"])
+    print(f"telemetry off: {m_off:,.0f} tokens/s  {['%.0f' % x for x in tput['off']]}")
+    print(f"telemetry {on}: {m_on:,.0f} tokens/s  {['%.0f' % x for x in tput['on']]}")
+    print(f"ratio on/off:  {m_on / m_off:.3f}   (goal >= 0.99)")
 
 
 def _telemetry_embedded(steps: int, repeats: int, workdir: Path, flush_s: float | None) -> None:
@@ -195,10 +199,7 @@ def _telemetry_embedded(steps: int, repeats: int, workdir: Path, flush_s: float 
             c0 = _children_cpu_s()
             tput[mode].append(run(args, steps, workdir))
             cpu[mode].append((_children_cpu_s() - c0) / steps)
-    m_off, m_on = statistics.median(tput["off"]), statistics.median(tput["on"])
-    print(f"telemetry off: {m_off:,.0f} tokens/s  {['%.0f' % x for x in tput['off']]}")
-    print(f"telemetry on (embedded collector and dashboard): {m_on:,.0f} tokens/s  {['%.0f' % x for x in tput['on']]}")
-    print(f"ratio on/off:  {m_on / m_off:.3f}   (goal >= 0.99)")
+    _print_tokens(tput, "on (embedded collector and dashboard)")
     ms = {k: 1e3 * statistics.median(v) for k, v in cpu.items()}
     print(f"CPU per step (whole job, incl. start-up and the collector's and dashboard's), off: {ms['off']:.1f} ms   "
           f"on: {ms['on']:.1f} ms")
