@@ -292,9 +292,13 @@ class WaitBook:
             known = at < len(self._pair_keys)
             known[known] = self._pair_keys[at[known]] == uk[known]
             value[at[known]] += sums[known]
-            # new pairs go in at their sorted places (both arrays are sorted: one O(n) insert)
-            self._pair_keys = np.insert(self._pair_keys, at[~known], uk[~known])
-            self._pair_s = np.insert(value, at[~known], sums[~known])
+            # new pairs go in at their sorted places (both arrays are sorted: one O(n) insert; none
+            # in a steady job, where np.insert would still copy both)
+            new = ~known
+            if new.any():
+                self._pair_keys = np.insert(self._pair_keys, at[new], uk[new])
+                value = np.insert(value, at[new], sums[new])
+            self._pair_s = value
             self._pairs_at = self.num_final
         self._prune(size)
 

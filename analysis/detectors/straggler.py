@@ -363,7 +363,7 @@ class StragglerDetector:
         level, out, scale = np.zeros(n), np.zeros(n), np.zeros(n)
         got = cnt > 0
         if got.any():
-            level[got] = np.nanmedian(hist[got], axis=1)
+            level[got] = row_medians(hist[got])  # np.nanmedian: row by row through numpy.ma here
             c = cnt[got]
             settled = 2 * self.cfg.window_steps  # swings of a shared host last up to a few blocks
             scale[got] = np.maximum(drift * np.sqrt(settled / np.maximum(c, settled)), 1.25 * sigma / np.sqrt(c))
