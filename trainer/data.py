@@ -7,7 +7,9 @@ Order of epoch `e` (the same on every rank, whatever dp is):
 2. consecutive windows of `group_window * micro_batch_size` samples are sorted by
    length and cut into micro-batches, whose order inside the window is shuffled
    (seeded), so a micro-batch holds samples of similar length (little padding)
-   while the steps still see a mix of lengths.
+   while the steps still see a mix of lengths. Each micro-batch is padded to its
+   longest sample rounded up to a multiple of 8 (`pad_multiple_for`): a handful of
+   widths, kernel-friendly, instead of a new odd one every step.
 
 Micro-batch k of the epoch is samples [k*mbs, (k+1)*mbs) of that order. A step's
 global batch is the next `dp * micro_batches` micro-batches; dp rank d takes the
