@@ -276,7 +276,8 @@ def _agreed_known_good(ctx: RunContext, decided: int | None, suspect: int) -> in
     and each rank's agent has its own newest answer. Each rank offers the newer of the
     two, and one all-reduce MIN (the rank that heard least) makes it the same on every
     rank, as `load_latest`, a collective, needs. Every rank runs this."""
-    mine = max(-1 if decided is None else int(decided), _or_minus_one(ctx.agent.clean_through()))
+    heard = ctx.agent.clean_through()
+    mine = max(-1 if decided is None else int(decided), -1 if heard is None else int(heard))
     mine = min(mine, suspect - 1)
     vote = torch.tensor([mine], dtype=torch.int64, device=ctx.comm.device)
     ctx.comm.all_reduce(vote, Axis.WORLD, op=torch.distributed.ReduceOp.MIN)
@@ -286,10 +287,6 @@ def _agreed_known_good(ctx: RunContext, decided: int | None, suspect: int) -> in
     if decided is not None and agreed > int(decided):
         ctx.log(f"rollback: the known-good watermark moved from step {decided} to {agreed} since the decision")
     return agreed
-
-
-def _or_minus_one(step: int | None) -> int:
-    return -1 if step is None else int(step)
 
 
 class RepairHandler(Handler):

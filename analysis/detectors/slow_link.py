@@ -136,14 +136,11 @@ def _onset(steps: np.ndarray, low: np.ndarray, link: np.ndarray, k: float) -> in
     dated a slow link from step 20 at 24 (CI). A low step before a steady one is noise, and so
     is one before a bridged step whose next is not low. -1: no low step."""
     start = -1
-    i = len(steps) - 1
-    while i >= 0:
+    for i in range(len(steps) - 1, -1, -1):
         if low[i] > 0:
             start = int(steps[i])
-        elif start < 0 or not (link[i] >= k and i > 0 and low[i - 1] > 0):
-            if start >= 0:
-                break
-        i -= 1
+        elif start >= 0 and not (link[i] >= k and i > 0 and low[i - 1] > 0):
+            break
     return start
 
 
@@ -194,7 +191,7 @@ class _Axis:
     """One axis's members (by rank) and groups (by group id), as arrays."""
 
     __slots__ = ("name", "link", "cost", "step_cost", "link_base", "step_link", "link_steps", "link_low", "history",
-                 "recent", "recent_steps", "calm", "judged", "last_lbw", "last_base", "last_peers", "member_gid", "member_rank")
+                 "recent", "calm", "judged", "last_lbw", "last_base", "last_peers", "member_gid", "member_rank")
 
     def __init__(self, name: str, baseline_steps: int, window_steps: int) -> None:
         self.name = name
@@ -209,7 +206,6 @@ class _Axis:
         # per group id
         self.history = _Ring(baseline_steps)  # log busbw of its steps that were not low
         self.recent = _Ring(window_steps)  # 1.0 low / 0.0 not, at its latest judged steps
-        self.recent_steps = _Ring(window_steps)  # and those steps
         self.calm = np.zeros(0, np.int64)  # judged steps in a row not low
         self.judged = np.zeros(0, np.int64)
         self.last_lbw = np.full(0, np.nan)  # what the last judged step measured
@@ -235,7 +231,7 @@ class _Axis:
             self.calm, self.judged = _grow(self.calm, n, 0), _grow(self.judged, n, 0)
             self.last_lbw = _grow(self.last_lbw, n, np.nan)
             self.last_base, self.last_peers = _grow(self.last_base, n, np.nan), _grow(self.last_peers, n, np.nan)
-        for ring in (self.history, self.recent, self.recent_steps):
+        for ring in (self.history, self.recent):
             ring.ensure(n)
 
 
@@ -380,11 +376,10 @@ class SlowLinkDetector:
         g_gid, g_lbw = ints(groups["group_id"]), floats(groups["lbw"])
         m_bounds = _runs(m_key, m_axis)
         g_at = {(int(g_key[lo]), g_axis[lo]): (lo, hi) for lo, hi in _runs(g_key, g_axis)}
-        excluded: dict[int, bool] = {}
         for lo, hi in m_bounds:
             k, name = int(m_key[lo]), str(m_axis[lo])
             attempt, step = split_key(k)
-            if excluded.setdefault(k, p.run.marks.is_excluded(attempt, step, p.topo)):
+            if p.run.marks.is_excluded(attempt, step, p.topo):
                 continue
             glo, ghi = g_at.get((k, m_axis[lo]), (0, 0))
             if name == "world" and ghi - glo < 2:
@@ -436,7 +431,6 @@ class SlowLinkDetector:
         low = np.isfinite(base) & (lbw <= ref - self.log_min) & (link_of[gids] >= self.log_min)
         ax.judged[gids] += 1
         ax.recent.push(gids, low.astype(float))
-        ax.recent_steps.push(gids, np.full(len(gids), float(step)))
         ax.calm[gids] = np.where(low, 0, ax.calm[gids] + 1)
         ax.history.push(gids[~low], lbw[~low])
         quiet = np.isin(gid_r, gids[~low])  # the members of a group not low: their ratio is their usual
