@@ -29,8 +29,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = ["--layers", "4", "--d-model", "128", "--heads", "4", "--seq-len", "128", "--micro-batch-size", "4",
-         "--precision", "bf16", "--no-progress"]
+SEQ_LEN, MICRO_BATCH_SIZE = 128, 4
+PEER_SHAPES = ["--layers", "4", "--d-model", "128", "--heads", "4", "--seq-len", str(SEQ_LEN),
+               "--micro-batch-size", str(MICRO_BATCH_SIZE)]
+MODEL = [*PEER_SHAPES, "--precision", "bf16", "--no-progress"]
 WARMUP = 5
 
 
@@ -48,9 +50,6 @@ def run(args: list[str], steps: int, workdir: Path, *, field: str = "tokens_per_
     return statistics.median(r[field] for r in rows[WARMUP:])
 
 
-PEER_SHAPES = ["--layers", "4", "--d-model", "128", "--heads", "4", "--seq-len", "128", "--micro-batch-size", "4"]
-
-
 def trainer_widths(dp: int, micro_batches: int, steps: int) -> list[list[list[int]]]:
     """Per dp rank, per step, the width of each micro-batch the trainer runs (its samples vary
     in length; each micro-batch is padded to its longest, rounded up: trainer/data.py), read
@@ -59,15 +58,13 @@ def trainer_widths(dp: int, micro_batches: int, steps: int) -> list[list[list[in
     from trainer.config import JobConfig
 
     cfg = JobConfig()
-    seq_len, mbs = int(PEER_SHAPES[PEER_SHAPES.index("--seq-len") + 1]), int(
-        PEER_SHAPES[PEER_SHAPES.index("--micro-batch-size") + 1])
-    corpus = data_mod.build_corpus(cfg.data, seq_len=seq_len, seed=cfg.seed)
+    corpus = data_mod.build_corpus(cfg.data, seq_len=SEQ_LEN, seed=cfg.seed)
     widths = []
     for rank in range(dp):
-        loader = data_mod.DataLoader(corpus, seq_len=seq_len, micro_batch_size=mbs, micro_batches=micro_batches,
+        loader = data_mod.DataLoader(corpus, seq_len=SEQ_LEN, micro_batch_size=MICRO_BATCH_SIZE, micro_batches=micro_batches,
                                      dp_size=dp, dp_rank=rank, seed=cfg.seed, position=data_mod.DataPosition(),
                                      group_window=cfg.data.group_window, prefetch=0,
-                                     pad_multiple=data_mod.pad_multiple_for(seq_len), start_step=1)
+                                     pad_multiple=data_mod.pad_multiple_for(SEQ_LEN), start_step=1)
         widths.append([[int(mb.inputs.shape[1]) for mb in loader.next().micro_batches] for _ in range(steps)])
         loader.close()
     return widths
