@@ -34,3 +34,52 @@ def test_pairs_merge_new_and_known_waits_with_the_moving_average():
     assert book.net_wait(0, 2) > 0 and book.net_wait(2, 0) < 0
     assert book.waits_most_for(0, 0.01) == 2 and book.waits_most_for(2, 0.0) is None
     assert book.footprint()["wait_pairs"] == 3
+
+
+def test_collectives_group_by_step_axis_group_and_seq_and_name_the_last_to_enter():
+    """The packed one-key sort and the lexsort it falls back to (keys too wide to pack) give the
+    same collectives and the same last member: the latest start, the later row on a tie."""
+    import numpy as np
+
+    from analysis import attribution
+
+    rng = np.random.default_rng(3)
+    n = 400
+    step = (1 << 40) + rng.integers(5, 8, n)
+    axis, gseq = rng.integers(0, 3, n), rng.integers(0, 4, n)
+    start = rng.integers(0, 6, n).astype(float)  # many ties
+    for gid in (rng.integers(0, 5, n), rng.integers(0, 5, n) << 40):  # the second cannot be packed
+        order, starts, last = attribution._collectives(step, axis, gid, gseq, start)
+        assert sorted(order.tolist()) == list(range(n))
+        keys = list(zip(step[order], axis[order], gid[order], gseq[order]))
+        bounds = [*starts.tolist(), n]
+        assert len(set(keys)) == len(starts)  # one run per collective
+        for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+            rows = order[lo:hi]
+            assert len({keys[j] for j in range(lo, hi)}) == 1
+            assert rows.tolist() == sorted(rows.tolist())  # given order kept within
+            latest = start[rows].max()
+            assert order[last[i]] == max(r for r in rows.tolist() if start[r] == latest)
+    empty = np.zeros(0, np.int64)
+    assert all(len(x) == 0 for x in attribution._collectives(empty, empty, empty, empty, np.zeros(0)))
+
+
+def test_the_pairs_decay_lazily_across_many_steps_and_stay_exact():
+    """The pairs are kept as of an older step and decayed by one factor when read; a long run
+    renormalizes them before the factor underflows, and a pair's value is the same EWMA."""
+    alpha = 0.5
+    book = WaitBook(alpha=alpha)
+    expect = expect_1 = 0.0
+    for step in range(1, 400):  # (1 - 0.5) ** 400 is far below the renormalizing bar
+        waited = 0.1 if step % 3 else 0.0
+        rows = [_op(step, 2, 10.0 * step + 0.2, 0.0, gseq=step)]
+        if waited:
+            rows.append(_op(step, 0, 10.0 * step + 0.1, 0.5, gseq=step))
+        else:
+            rows.append(_op(step, 1, 10.0 * step, 0.5, gseq=step))
+        book.add(collectives_frame(rows))
+        book.finalize(0, step)
+        expect = alpha * waited + (1 - alpha) * expect
+        expect_1 = alpha * (0.0 if waited else 0.2) + (1 - alpha) * expect_1
+        assert book.waited_for(0, 2) == pytest.approx(expect, rel=1e-9)
+        assert book.waited_for(1, 2) == pytest.approx(expect_1, rel=1e-9)
