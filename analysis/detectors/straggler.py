@@ -195,6 +195,37 @@ def _change_sigma(changes: deque, min_samples: int) -> float | None:
     return None if med is None else MAD_TO_SIGMA * med / math.sqrt(2.0)
 
 
+class _Columns:
+    """A value per rank at each of the latest `width` judged steps, newest first (column 0 the
+    latest), NaN where a rank was not judged. `view` is a slice of a buffer twice as wide: a
+    step writes its column to the left of the last one, and the buffer moves back once every
+    `width` steps (shifting the whole matrix a column every step moved 77 MB a step at
+    100,000 ranks)."""
+
+    __slots__ = ("buf", "head", "width")
+
+    def __init__(self, width: int) -> None:
+        self.buf = np.full((0, 2 * width), np.nan)
+        self.head = width
+        self.width = width
+
+    @property
+    def view(self) -> np.ndarray:
+        return self.buf[:, self.head:self.head + self.width]
+
+    def push(self, rows: np.ndarray, values: np.ndarray) -> None:
+        """A new newest column: `values` for `rows`, NaN for every other rank."""
+        if self.head == 0:
+            self.buf[:, self.width:] = self.buf[:, :self.width]
+            self.head = self.width
+        self.head -= 1
+        self.buf[:, self.head] = np.nan
+        self.buf[rows, self.head] = values
+
+    def ensure(self, n: int) -> None:
+        self.buf = _grow_rows(self.buf, n)
+
+
 def _grow_rows(a: np.ndarray, n: int) -> np.ndarray:
     """`a` (a row per rank) with at least `n` rows, the new ones NaN (doubling, as _grow)."""
     if len(a) >= n:
@@ -220,8 +251,8 @@ class _Episode:
 class _State:
     __slots__ = ("cusum", "mask", "calm", "ratio", "excess", "compute", "onset", "judged", "last_lr", "noise",
                  "episodes", "waits", "last_judged", "step_s", "num_steps_judged", "stage_levels", "split_levels", "kh",
-                 "lr_hist", "hist_steps", "block_sum", "block_n", "last_block", "drift",
-                 "own_hist", "own_base", "paired", "held", "num_unjudged_steps", "climb_peak", "swings")
+                 "lr_cols", "hist_steps", "block_sum", "block_n", "last_block", "drift",
+                 "own_cols", "own_base", "paired", "held", "num_unjudged_steps", "climb_peak", "swings")
 
     def __init__(self, alpha: float, noise_window: int, async_min_share: float = 0.05,
                  clock_error_s: float = 0.0, swing_memory: int = 64) -> None:
@@ -249,9 +280,9 @@ class _State:
         self.split_levels: dict[int, deque] = {}  # and of the ranks carrying more than an even share, under a split
         self.kh = (0.0, 0.0)  # the CUSUM reference and threshold of the last judged step
         # column i: log ratio (not clipped) at the i-th latest judged step
-        self.lr_hist = np.full((0, _ONSET_STEPS), np.nan)
+        self.lr_cols = _Columns(_ONSET_STEPS)
         self.hist_steps: deque[int] = deque(maxlen=_ONSET_STEPS)  # the judged steps those columns are for
-        self.own_hist = np.full((0, _LEVEL_MAX_STEPS), np.nan)  # column i: log compute at the i-th latest judged step
+        self.own_cols = _Columns(_LEVEL_MAX_STEPS)  # column i: log compute at the i-th latest judged step
         self.own_base = np.full(0, np.nan)  # median log compute before the current climb began (NaN: too few steps)
         self.paired = np.zeros(0, bool)  # judged against a single peer at its last step
         self.held: deque[tuple[int, int, pl.DataFrame]] = deque()  # released steps waiting for their waits
@@ -260,6 +291,16 @@ class _State:
         # the run's healthy swings: (judged steps, peak level, rank, last climbing step) of the latest
         # climbs that ended with no incident
         self.swings: deque[tuple[int, float, int, int]] = deque(maxlen=max(1, swing_memory))
+
+    @property
+    def lr_hist(self) -> np.ndarray:
+        """Per rank, its log ratio (not clipped) at the latest judged steps, newest first."""
+        return self.lr_cols.view
+
+    @property
+    def own_hist(self) -> np.ndarray:
+        """Per rank, its log compute at the latest judged steps, newest first."""
+        return self.own_cols.view
 
     def ensure(self, n: int) -> None:
         self.cusum = _grow(self.cusum, n, 0.0)
@@ -274,8 +315,8 @@ class _State:
         self.block_sum = _grow(self.block_sum, n, 0.0)
         self.block_n = _grow(self.block_n, n, 0)
         self.last_block = _grow(self.last_block, n, np.nan)
-        self.lr_hist = _grow_rows(self.lr_hist, n)
-        self.own_hist = _grow_rows(self.own_hist, n)
+        self.lr_cols.ensure(n)
+        self.own_cols.ensure(n)
         self.own_base = _grow(self.own_base, n, np.nan)
         self.paired = _grow(self.paired, n, False)
         self.climb_peak = _grow(self.climb_peak, n, 0.0)
@@ -519,10 +560,8 @@ class StragglerDetector:
         st.calm[r] = np.where(after < 0.5 * h, st.calm[r] + 1, 0)  # hysteresis: calm well below the threshold
         slow = (ratio >= self.cfg.min_ratio).astype(np.int64)
         st.mask[r] = ((st.mask[r] << 1) | slow) & self.full
-        for hist, now in ((st.lr_hist, np.log(ratio)), (st.own_hist, np.log(c))):
-            hist[:, 1:] = hist[:, :-1]  # every rank's row, so a column is one judged step: NaN where it was not judged
-            hist[:, 0] = np.nan
-            hist[r, 0] = now
+        st.lr_cols.push(r, np.log(ratio))  # a column is one judged step: NaN where a rank was not judged
+        st.own_cols.push(r, np.log(c))
         st.paired[r] = single
         st.hist_steps.appendleft(step)
         a = self.cfg.ewma_alpha

@@ -475,3 +475,24 @@ def test_a_straggler_after_a_milder_slow_stretch_is_dated_from_its_own_rise(seed
         fired = f.evidence["fired_at_step"]
         want = dated if dated is not None else (onset if fired >= onset else 41)
         assert f.step_from == want, (pre, fired, f.step_from)
+
+
+def test_the_per_rank_columns_are_newest_first_across_the_buffers_wrap():
+    """A step's column goes to the left of the last one in a buffer twice as wide, moved back
+    once every `width` steps: the view reads as if every row were shifted each step."""
+    from analysis.detectors.straggler import _Columns
+
+    cols = _Columns(4)
+    cols.ensure(3)
+    shifted = np.full((3, 4), np.nan)
+    for step in range(11):  # past two wraps
+        rows = np.array([0, 2]) if step % 2 else np.array([1])
+        values = 10.0 * step + rows
+        cols.push(rows, values)
+        shifted[:, 1:] = shifted[:, :-1]
+        shifted[:, 0] = np.nan
+        shifted[rows, 0] = values
+        np.testing.assert_array_equal(cols.view, shifted)
+    cols.ensure(5)  # more ranks: their rows NaN, the others kept
+    assert cols.view.shape[0] >= 5 and cols.view.shape[1] == 4 and np.isnan(cols.view[3:]).all()
+    np.testing.assert_array_equal(cols.view[:3], shifted)
