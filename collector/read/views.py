@@ -300,7 +300,11 @@ def comm_waits(cur: Cursor, run_id: str, *, step_from: int | None = None, step_t
     channel's broadcast, a bucketed all-reduce) overlapped compute, and cost nothing.
     Summed per (waiter, waited_for) over the range, in seconds per step. Rolled-up
     steps contribute the same pairs, computed the same way when they were rolled up
-    (collective_waits_rollup)."""
+    (collective_waits_rollup). Steps a large job's agents summarized (docs/scale.md) have
+    no op rows: there each summary's mean op stands for its `num_ops` ops, matched across
+    the group by the highest group_seq, as the detectors read them (analysis/frames.py
+    `ops_from_summaries`): exact where one member is the last in at every op (a straggler
+    is), else the waits read smaller, alike for every member."""
     r = _comm_range(cur, run_id, step_from, step_to, last_steps)
     if r is None:
         return []
@@ -310,12 +314,25 @@ def comm_waits(cur: Cursor, run_id: str, *, step_from: int | None = None, step_t
                           max(start_ts) AS last_ts
                    FROM c WHERE group_seq IS NOT NULL AND op NOT IN ('send', 'recv')
                    GROUP BY ALL HAVING count(*) > 1),
+             -- the agents' summaries: the summary rows of steps the rollup did not write waits for
+             s AS (SELECT * FROM cr WHERE max_group_seq IS NOT NULL AND mean_start_ts IS NOT NULL
+                       AND op NOT IN ('send', 'recv')
+                       AND NOT EXISTS (SELECT 1 FROM collective_waits_rollup w WHERE w.run_id = $r
+                                       AND w.attempt = cr.attempt AND w.step = cr.step)),
+             gs AS (SELECT step, axis, group_id, max_group_seq, arg_max(rank, mean_start_ts) AS last_rank,
+                           max(mean_start_ts) AS last_ts
+                    FROM s GROUP BY ALL HAVING count(*) > 1),
              n AS (SELECT greatest(1, count(DISTINCT step)) AS num_steps FROM (
                        SELECT step FROM c UNION ALL SELECT step FROM cr)),
              pairs AS (
                 SELECT c.rank AS waiter, g.last_rank AS waited_for, 1 AS num_ops,
                        least(g.last_ts - c.start_ts, coalesce(c.wait_s, g.last_ts - c.start_ts)) AS wait_s
                 FROM c JOIN g USING (step, axis, group_id, group_seq) WHERE c.rank <> g.last_rank
+                UNION ALL
+                SELECT s.rank, gs.last_rank, s.num_ops,
+                       s.num_ops * least(gs.last_ts - s.mean_start_ts,
+                                         coalesce(s.wait_s / s.num_ops, gs.last_ts - s.mean_start_ts))
+                FROM s JOIN gs USING (step, axis, group_id, max_group_seq) WHERE s.rank <> gs.last_rank
                 UNION ALL
                 SELECT w.waiter, w.waited_for, w.num_ops, w.wait_s
                 FROM collective_waits_rollup w JOIN ceff e ON e.step = w.step AND e.rank = w.waiter

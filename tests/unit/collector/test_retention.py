@@ -186,6 +186,52 @@ def test_rollup_keeps_the_totals_and_the_comm_views(filled):
                       skip=("p5_s", "p25_s", "p50_s", "p75_s", "p99_s"))
 
 
+def test_who_waited_for_whom_reads_the_agents_summaries(filled):
+    """A large job's agents ship summaries, not op rows, and no wait pairs: comm_waits matches
+    each summary's mean op across its group as the detectors do, and gives what the op rows
+    gave (one op per summary here, so exactly; before, summarized steps gave no pairs)."""
+    with filled.cursor() as cur:
+        before = views.comm_waits(cur, "done1", step_from=0, step_to=10_000)
+
+    def as_agent_summaries(ctx):
+        for chunk in retention.plan(ctx.con, NOW - retention.DAY_S):
+            retention.rollup_chunk(ctx.con, chunk)
+        ctx.con.execute("DELETE FROM collective_waits_rollup")  # the agents write none
+
+    filled.write(as_agent_summaries).result(timeout=60)
+    with filled.cursor() as cur:
+        assert _counts(cur)["collectives"] == 0 and _counts(cur)["collective_waits_rollup"] == 0
+        after = views.comm_waits(cur, "done1", step_from=0, step_to=10_000)
+    assert before and after[0]["waited_for"] == 3  # the straggler
+    assert_rows_close(before, after, keys=("waiter", "waited_for"))
+
+
+def test_a_summary_of_several_ops_waits_for_its_groups_last_member_num_ops_times(storage):
+    """Two ranks, three all-reduces a step in one summary row each: rank 1 enters every one
+    0.1 s after rank 0, which waits for it (0.1 s blocked each, measured 0.12: the transfer
+    counts only up to the last entry). 0.3 s a step, from one row of each."""
+    rows = []
+    for step in range(4):
+        t = 100.0 + step
+        for rank, entries in ((0, [t, t + 1 / 3, t + 2 / 3]), (1, [t + 0.1, t + 0.1 + 1 / 3, t + 0.1 + 2 / 3])):
+            rows.append({"run_id": "big", "attempt": 0, "step": step, "rank": rank, "axis": "dp",
+                         "op": "all_reduce", "group_id": 0, "peer": -1, "num_ops": 3, "bytes": 3 << 20,
+                         "duration_s": 0.36 if rank == 0 else 0.06, "wait_s": 0.36 if rank == 0 else 0.0,
+                         "start_ts": entries[0], "mean_start_ts": float(np.mean(entries)),
+                         "max_group_seq": 3 * step + 2, "max_seq": 3 * step + 2})
+
+    def insert(ctx):
+        for r in rows:
+            ctx.con.execute(f"INSERT INTO collectives_rollup ({', '.join(r)}) VALUES ({', '.join('?' * len(r))})",
+                            list(r.values()))
+
+    storage.write(insert).result(timeout=30)
+    with storage.cursor() as cur:
+        waits = views.comm_waits(cur, "big", step_from=0, step_to=3)
+    assert [(w["waiter"], w["waited_for"], w["num_ops"]) for w in waits] == [(0, 1, 12)]
+    assert waits[0]["wait_s"] == pytest.approx(0.3)
+
+
 def test_only_steps_older_than_the_age_are_rolled_up_and_rerun_is_idempotent(filled, tmp_path):
     fill_run(filled, "recent", num_steps=10, rollback_at=None, t0=NOW - 3600.0)
     filled.close()
