@@ -39,7 +39,7 @@ def _json(value):
 
 class Topology:
     __slots__ = ("world_size", "mesh", "node_of", "dp", "tp", "pp", "seen", "node_names", "_node_index",
-                 "eval_every", "ckpt_every")
+                 "eval_every", "ckpt_every", "_node_map_text", "_node_ranks_text")
 
     def __init__(self) -> None:
         self.world_size = 0  # from the runs row; 0: unknown
@@ -53,6 +53,10 @@ class Topology:
         self._node_index: dict[str, int] = {}
         self.eval_every = 0  # from the run's config; 0: unknown or never
         self.ckpt_every = 0
+        # the meta rows' JSON as last read: a collector re-reads a run's meta every pass until every rank
+        # has reported, and a 100,000-rank node map parsed each time was most of a pass
+        self._node_map_text: str | None = None
+        self._node_ranks_text: dict[str, tuple[str, np.ndarray]] = {}
 
     # -- sizes -----------------------------------------------------------------
     @property
@@ -130,16 +134,11 @@ class Topology:
             mesh = _json(row.get("mesh"))
             if isinstance(mesh, dict):
                 self.mesh = {k: int(v) for k, v in mesh.items() if k in ("dp", "tp", "pp") and v}
-            node_map = _json(row.get("node_map"))
+            text = row.get("node_map")
+            node_map = _json(text) if text is None or text != self._node_map_text else None
             if isinstance(node_map, dict):
-                for r, node in node_map.items():
-                    try:
-                        rank = int(r)
-                    except ValueError:
-                        continue
-                    self.ensure(rank + 1)
-                    if self.node_of[rank] < 0 and node:
-                        self.node_of[rank] = self.node_code(str(node))
+                self._set_node_map(node_map)
+                self._node_map_text = text if isinstance(text, str) else None
             config = _json(row.get("config"))
             if isinstance(config, dict):
                 self.eval_every = int(config.get("eval_every") or 0)
@@ -162,16 +161,51 @@ class Topology:
         self.seen[r] = True
         self._coords_from_mesh()
 
-    def _from_nodes(self, nodes: pl.DataFrame) -> None:
-        for row in nodes.iter_rows(named=True):
-            members = _json(row.get("ranks"))
-            if not isinstance(members, list) or not row.get("node"):
+    def _set_node_map(self, node_map: dict) -> None:
+        """The runs row's {rank: node}, where a rank's node is not known yet."""
+        ranks, names = [], []
+        for r, node in node_map.items():
+            try:
+                rank = int(r)
+            except ValueError:
                 continue
-            code = self.node_code(str(row["node"]))
-            for rank in members:
-                if isinstance(rank, int) and rank >= 0:
-                    self.ensure(rank + 1)
-                    self.node_of[rank] = code
+            if rank >= 0 and node:
+                ranks.append(rank)
+                names.append(str(node))
+        if not ranks:
+            return
+        r = np.array(ranks, np.int64)
+        self.ensure(int(r.max()) + 1)
+        codes = np.array([self.node_code(n) for n in names], np.int32)
+        unknown = self.node_of[r] < 0
+        self.node_of[r[unknown]] = codes[unknown]
+
+    def _from_nodes(self, nodes: pl.DataFrame) -> None:
+        if not has(nodes, "node") or not has(nodes, "ranks"):
+            return
+        seen = self._node_ranks_text  # node -> (its ranks' JSON as last read, those ranks)
+        parts: list[np.ndarray] = []
+        codes: list[np.ndarray] = []
+        for node, text in zip(nodes["node"].to_list(), nodes["ranks"].to_list()):
+            if not node:
+                continue
+            got = seen.get(node)
+            if got is not None and isinstance(text, str) and got[0] == text:
+                r = got[1]  # as last read: not parsed again
+            else:
+                members = _json(text)  # JSON text as stored (a list when not from DuckDB)
+                if not isinstance(members, list):
+                    continue
+                r = np.array([m for m in members if isinstance(m, int) and m >= 0], np.int64)
+                if isinstance(text, str):
+                    seen[node] = (text, r)
+            if len(r):
+                parts.append(r)
+                codes.append(np.full(len(r), self.node_code(str(node)), np.int32))
+        if parts:  # in the rows' order, as one assignment: a later row's claim on a rank wins, as before
+            r, c = np.concatenate(parts), np.concatenate(codes)
+            self.ensure(int(r.max()) + 1)
+            self.node_of[r] = c
 
     def _mark_seen(self, df: pl.DataFrame) -> None:
         r = df["rank"].to_numpy().astype(np.int64)
