@@ -53,7 +53,8 @@ class _State:
         self.source = ""
         self.opened_s = 0.0
         self.first_silent_s = 0.0  # last arrival of the first rank to go silent
-        self.members: set[int] = set()
+        # the incident's silent ranks, sorted (an array: a job's every rank can go silent at once)
+        self.members = np.zeros(0, np.int64)
         self.exit: dict | None = None
         self.stopped: set[int] = set()  # ranks the launcher stopped (not culprits)
         self.silent_for_s = 0.0  # the culprit's silence when the incident opened (or its culprit changed)
@@ -115,10 +116,10 @@ class CrashDetector:
             age = np.concatenate([age, np.full(max(0, culprit + 1 - len(age)), np.nan)])
         st.key = p.book.new_key("crash")
         st.culprit, st.source, st.opened_s = culprit, source, p.now
-        st.members = {int(r) for r in np.flatnonzero(silent)}
+        st.members = np.flatnonzero(silent).astype(np.int64)
         if culprit is not None:
-            st.members.add(culprit)
-        arrivals = live.arrival_s[list(st.members)] if st.members else np.array([p.now])
+            st.members = np.union1d(st.members, [culprit])
+        arrivals = live.arrival_s[st.members] if len(st.members) else np.array([p.now])
         st.first_silent_s = float(np.nanmin(arrivals)) if np.isfinite(arrivals).any() else p.now
         st.exit = ({"exit_code": exit_info.exit_code, "signal": exit_info.signal, "ts": exit_info.ts}
                    if exit_info is not None else None)  # not an earlier incident's
@@ -141,14 +142,14 @@ class CrashDetector:
             st.culprit, st.source = e.rank, "launcher"
             st.exit = {"exit_code": e.exit_code, "signal": e.signal, "ts": e.ts}
             st.silent_for_s = float(age[e.rank]) if e.rank < len(age) and np.isfinite(age[e.rank]) else 0.0
-        st.members.update(int(r) for r in np.flatnonzero(silent))
-        back = [r for r in st.members if live.arrival_s[r] > st.opened_s]
+        st.members = np.union1d(st.members, np.flatnonzero(silent))
+        back = st.members[live.arrival_s[st.members] > st.opened_s]
         if p.run.marks.finished and st.source != "launcher":
             p.resolve(st.key, evidence={**p.book.get(st.key).evidence, "resolved_because": "the run finished normally"})
             st.key = None
             return
-        if st.members and len(back) == len(st.members):
-            pids = {str(r): int(live.pid[r]) for r in back[:16]}
+        if len(st.members) and len(back) == len(st.members):
+            pids = {str(r): int(live.pid[r]) for r in back[:16].tolist()}
             p.resolve(st.key, evidence={**p.book.get(st.key).evidence, "resolved_because": "heartbeats again",
                                         "pids": pids})
             st.key = None
@@ -158,13 +159,12 @@ class CrashDetector:
     def _report(self, p, st: _State, age) -> None:
         live, topo = p.run.live, p.topo
         c = st.culprit
-        members = sorted(st.members)
-        arrival = live.arrival_s
-        cascade = [r for r in members if r != c and arrival[r] - st.first_silent_s <= self.cfg.cascade_s]
+        members = st.members
+        cascade = members[(members != c) & (live.arrival_s[members] - st.first_silent_s <= self.cfg.cascade_s)]
         if st.source == "launcher":
             confidence = 1.0
         elif st.source == "silence":
-            confidence = 0.9 if not cascade else 0.5
+            confidence = 0.9 if not len(cascade) else 0.5
         else:
             confidence = 0.5 if c is not None else 0.3
         node = topo.node_name(c)
@@ -173,7 +173,8 @@ class CrashDetector:
         stalled = int(live.last_step.max()) + 1 if len(live.last_step) and live.last_step.max() >= 0 else step
         step_to = max(step, stalled) if step is not None and stalled is not None else (step or stalled)
         evidence = {"source": st.source, "silence_s": self.cfg.silence_s,
-                    "silent_ranks": members[:32], "num_silent": len(members), "went_silent_together": cascade[:32],
+                    "silent_ranks": members[:32].tolist(), "num_silent": len(members),
+                    "went_silent_together": cascade[:32].tolist(),
                     "exit": st.exit}
         if c is not None:
             evidence["culprit"] = {"rank": c, "node": node, "silent_for_s": json_number(st.silent_for_s, 3),

@@ -75,6 +75,41 @@ def test_every_rank_silent_without_run_finished_is_one_crash_and_a_restart_resol
     assert [f.resolved for f in back] == [True]
 
 
+def test_a_large_jobs_ranks_going_silent_one_node_after_another_are_one_incident():
+    """20,000 ranks; the first node's 8 go silent, then the rest of the job within the cascade
+    window: one crash, its silent ranks counted and listed in order, the ones that went with
+    the first named, and every rank beating again resolves it."""
+    import numpy as np
+
+    world = 20_000
+    a = Analyzer()
+    ranks = np.arange(world)
+
+    def beat(t: float, who: np.ndarray):
+        rows = {"run_id": ["r"] * len(who), "rank": who.tolist(), "ts": [t] * len(who),
+                "node": [f"n{r // 8}" for r in who.tolist()], "pid": (100 + who).tolist(), "phase": ["train"] * len(who),
+                "step": [5] * len(who), "last_seq": [int(t)] * len(who)}
+        return a.feed(Frames(heartbeats=heartbeats_frame(rows)), now=t)
+
+    out = []
+    for t in range(5):
+        out += beat(float(t), ranks)
+    out += beat(5.0, ranks[8:])  # node n0 silent from 4 s
+    out += beat(5.5, ranks[8:])
+    for t in np.arange(6.0, 10.0, 0.5):  # the rest beat at 5.5 s last: silent 0.5 s after the first
+        out += a.tick(now=float(t))
+    for t in range(10, 20):
+        out += a.tick(now=float(t))
+    crashes = opened(out)
+    assert [f.kind for f in crashes.values()] == ["crash"], [f.summary() for f in out]
+    last = last_of(out)[next(iter(crashes))]
+    assert last.evidence["num_silent"] == world
+    assert last.evidence["silent_ranks"] == list(range(32))
+    assert last.evidence["went_silent_together"] and all(r != last.rank for r in last.evidence["went_silent_together"])
+    back = beat(30.0, ranks)
+    assert [f.resolved for f in back if f.kind == "crash"] == [True]
+
+
 def test_a_rank_not_yet_at_its_first_step_gets_the_startup_slack_then_is_a_crash():
     # Before step 1 a rank imports, rendezvous and compiles: its heartbeat thread can go
     # without the interpreter for seconds. 5 s of silence there is no crash; 15 s is.
