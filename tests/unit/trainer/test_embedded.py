@@ -47,7 +47,8 @@ def test_argv_and_env_carry_no_token(tmp_path):
     assert "--token" not in argv
     env = collector_env({"PATH": "/bin", "LLMWATCH_TOKEN": rank_token, "LLMWATCH_READ_TOKEN": "x" * 20,
                          "LLMWATCH_INGEST_TOKEN": "y" * 20, "LLMWATCH_CONTROL_TOKEN": "z" * 20})
-    assert env == {"PATH": "/bin", "OMP_NUM_THREADS": "1"}
+    assert env == {"PATH": "/bin", "OMP_NUM_THREADS": "1", "POLARS_MAX_THREADS": "1"}
+    assert collector_env({"POLARS_MAX_THREADS": "4"})["POLARS_MAX_THREADS"] == "4"  # the user's own setting kept
     blob = " ".join(argv) + " ".join(f"{k}={v}" for k, v in env.items())
     assert not any(s in blob for s in secrets_)
     _, one = write_tokens(tmp_path / "tokens", token="users-own-token-0123456789")
