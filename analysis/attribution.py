@@ -293,8 +293,8 @@ class WaitBook:
                                     "op", "seq")}
         c_key = step_key[~p2p]
         # one collective = (step, axis, group_id, group_seq); the last to enter it within each
-        order, starts, ends = _collectives(c_key, c["axis"], c["group_id"], c["group_seq"], c["start_ts"])
-        last = order[ends]
+        order, starts, last_at = _collectives(c_key, c["axis"], c["group_id"], c["group_seq"], c["start_ts"])
+        last = order[last_at]
         of = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, len(order)]))  # collective of each sorted row
         last_in = c["start_ts"][last][of]  # L: the last member's arrival
         gap = np.maximum(0.0, last_in - c["start_ts"][order])
@@ -303,7 +303,7 @@ class WaitBook:
         waited = np.minimum(measured, gap)  # measured: blocked, less the transfer once all were in
         if inferred.any():
             waited[inferred] = self._infer(c, c_key, order[inferred], last_in[inferred], gap[inferred])
-        waited[ends] = 0.0  # the last one waited for nobody
+        waited[last_at] = 0.0  # the last one waited for nobody
         times = c["n"][order]
         waited = waited * times  # a summary's mean op stands for num_ops
         caused_s = np.add.reduceat(waited, starts) if len(order) else waited
