@@ -127,6 +127,8 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "PYTHONPATH": ("launcher", "`llmwatch-instrument` puts its `sitecustomize` folder first, before yours."),
     "OMP_NUM_THREADS": ("you", "Threads per rank for torch on CPU (the embedded launcher sets it from the "
                         "cores per rank unless you did)."),
+    "POLARS_MAX_THREADS": ("you", "Threads of polars' pool. The embedded collector and dashboard run with 1 "
+                           "unless you set it: they share the ranks' cores (trainer/embedded.py)."),
 }
 _ENV_NAME = re.compile(r"(LLMWATCH|TORCHELASTIC)_[A-Z0-9_]+")
 
