@@ -71,15 +71,17 @@ def test_a_straggler_is_named_from_summaries_and_its_incident_gets_op_rows(strag
     (total,), = _query(o, "SELECT sum(num_ops) FROM collective_summary")
     assert total == ops + sampled
     # who waited for whom, over the summarized steps of the straggle (no op rows there): its tp partner
-    # and dp peer waited for it
+    # and dp peer waited for it, so it is the rank waited for most. Not always the largest single pair:
+    # its tp partner, held by it, enters the dp all-reduce late in turn (1 -> 3 at 0.020 s/step against
+    # 3 -> 2 and 0 -> 2 summing to 0.032 in one CI run)
     con = duckdb.connect(str(o.run.run_dir / "telemetry.duckdb"), read_only=True)
     try:
         (run_id,), = con.execute("SELECT DISTINCT run_id FROM steps").fetchall()
-        waits = views.comm_waits(con, run_id, step_from=54, step_to=s["evidence"]["fired_at_step"] - 1)
+        waits = views.comm_waits(con, run_id, step_from=52, step_to=s["evidence"]["fired_at_step"] - 1)
     finally:
         con.close()
     by_rank = {r: sum(w["wait_s"] for w in waits if w["waited_for"] == r) for r in range(4)}
-    assert max(by_rank, key=by_rank.get) == 2 and waits[0]["waited_for"] == 2, waits
+    assert max(by_rank, key=by_rank.get) == 2, (by_rank, waits)
 
 
 def test_a_slow_link_is_named_from_summaries(slow_link):
