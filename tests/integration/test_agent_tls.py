@@ -10,6 +10,7 @@ nothing raises. `agent.replay --ca-file` then ships that spool.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import ssl
 import subprocess
@@ -25,6 +26,8 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def cert(tmp_path_factory) -> tuple[str, str]:
     if shutil.which("openssl") is None:
+        if os.environ.get("CI"):
+            pytest.fail("needs the openssl command: .ci/system-deps --require installs it in CI")
         pytest.skip("needs the openssl command")
     d = tmp_path_factory.mktemp("tls")
     cert_file, key_file = str(d / "cert.pem"), str(d / "key.pem")

@@ -11,8 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-transformers = pytest.importorskip("transformers")
+import transformers
 
 from agent.integrations.hf import LlmwatchCallback  # noqa: E402
 from tests.integration.framework_run import agent_config, deliver, post_command, settled  # noqa: E402

@@ -3,9 +3,8 @@ against a real collector: one row per step, stop, rollback to a ModelCheckpoint 
 
 from __future__ import annotations
 
+import lightning.pytorch as L
 import pytest
-
-L = pytest.importorskip("lightning.pytorch")
 import torch  # noqa: E402
 
 from agent.integrations.lightning import LlmwatchCallback  # noqa: E402

@@ -439,7 +439,8 @@ def test_enable_env_keeps_what_the_user_set():
 
 # -- real torch -----------------------------------------------------------------------------
 def test_a_real_gloo_groups_all_reduces_become_rows(tmp_path):
-    torch = pytest.importorskip("torch")
+    import torch
+
     dist = torch.distributed
     # every other test initializes its process groups in processes of its own: one left here is a leak
     assert dist.is_available() and not dist.is_initialized(), "torch.distributed is initialized in the test process"

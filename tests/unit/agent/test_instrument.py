@@ -158,7 +158,6 @@ def test_the_flight_recorder_settings_the_user_made_stay(launch):
 @pytest.fixture
 def discovery(monkeypatch):
     """`arm()`'s discovery with torch imported: the global hooks in, and out again after."""
-    pytest.importorskip("torch")
     from torch.nn.modules import module as module_mod
 
     from agent.instrument import _Discovery

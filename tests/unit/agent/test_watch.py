@@ -11,10 +11,9 @@ import struct
 from dataclasses import dataclass
 
 import pytest
-
-torch = pytest.importorskip("torch")
-from torch import nn  # noqa: E402
-from torch.nn import functional as F  # noqa: E402
+import torch
+from torch import nn
+from torch.nn import functional as F
 
 from agent import Agent, AgentConfig, wire  # noqa: E402
 from agent.watch import _BOUNDS, Watch, _Bounds, _Patches, watch  # noqa: E402
