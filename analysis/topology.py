@@ -135,7 +135,7 @@ class Topology:
             if isinstance(mesh, dict):
                 self.mesh = {k: int(v) for k, v in mesh.items() if k in ("dp", "tp", "pp") and v}
             text = row.get("node_map")
-            node_map = _json(text) if text is None or text != self._node_map_text else None
+            node_map = _json(text) if text != self._node_map_text else None  # as last read: applied already
             if isinstance(node_map, dict):
                 self._set_node_map(node_map)
                 self._node_map_text = text if isinstance(text, str) else None
