@@ -358,50 +358,27 @@ def decode_batch(data: bytes | memoryview, *, check_codes: bool = True) -> Batch
         if not isinstance(values, list) or len(values) > MAX_DICT_ENTRIES or not all(isinstance(v, str) for v in values):
             raise WireError(f"dict {name!r} must be a list of at most {MAX_DICT_ENTRIES} strings")
     columns: dict[str, dict[str, memoryview]] = {}
+    # A layout is checked against the one canonical layout for its kind, row count and
+    # columns (cached: an agent sends the same few again and again) in one comparison,
+    # and its numbers for being ints (1.0 and true compare equal to 1); only one that
+    # differs goes through the column-by-column check that says what is wrong.
     pos = 0  # where the next column must start: the columns tile the column area
     for kind, sec in sections.items():
-        spec = SCHEMA.get(kind)
-        if spec is None:
-            raise WireError(f"unknown record kind {kind!r} (known: {', '.join(KINDS)})")
-        if not isinstance(sec, dict):
-            raise WireError(f"section {kind!r} must be an object")
-        n = sec.get("n")
-        layout = sec.get("columns")
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0 or not isinstance(layout, dict):
-            raise WireError(f"section {kind!r} needs an integer n >= 0 and a columns object")
-        missing = [c.name for c in spec if c.name not in layout and not c.optional]
-        extra = sorted(set(layout) - {c.name for c in spec})
-        if missing or extra:
-            raise WireError(f"section {kind!r}: missing columns {missing}, unknown columns {extra}")
-        cols = {}
-        for col in spec:
-            loc = layout.get(col.name)
-            if loc is None:  # an optional column the sender left out: NULL
-                continue
-            if (not isinstance(loc, list) or len(loc) != 2
-                    or not all(isinstance(x, int) and not isinstance(x, bool) for x in loc)):
-                raise WireError(f"{kind}.{col.name}: location must be [offset, nbytes]")
-            off, nbytes = loc
-            if nbytes != n * col.itemsize:
-                raise WireError(f"{kind}.{col.name}: {nbytes} bytes for {n} rows of {col.itemsize} bytes")
-            if off != pos:
-                raise WireError(f"{kind}.{col.name}: starts at {off}, but the previous column's padding ends at "
-                                f"{pos} (columns follow each other in header and SCHEMA order, without gaps)")
-            pad = _pad8(nbytes)
-            pos = off + nbytes + pad
-            if pos > len(body):
-                raise WireError(f"{kind}.{col.name}: [{off}, {nbytes}] and its padding run past the column area "
-                                f"({len(body)} bytes)")
-            if pad and body[pos - pad:pos] != _ZEROS[:pad]:
-                raise WireError(f"{kind}.{col.name}: the padding after the column is not zero")
-            view = body[off:off + nbytes].cast(col.fmt)
-            if check_codes and col.dict_encoded and n:
-                size = len(dicts.get(col.dict_name, ()))
-                lo, hi = min(view), max(view)
-                if lo < (-1 if col.null == -1 else 0) or hi >= size:
-                    raise WireError(f"{kind}.{col.name}: code {hi if hi >= size else lo} outside its dictionary of {size}")
-            cols[col.name] = view
-        columns[kind] = cols
+        if type(sec) is dict:
+            n, layout = sec.get("n"), sec.get("columns")
+            if type(n) is int and n >= 0 and type(layout) is dict:
+                plan = _plan(kind, n, tuple(layout))
+                if (plan is not None and pos + plan.span <= len(body)
+                        and layout == {name: [pos + rel, nb] for name, rel, nb, _ in plan.cols}
+                        and {type(x) for loc in layout.values() for x in loc} <= _INT
+                        and all(body[pos + a:pos + b] == _ZEROS[:b - a] for a, b in plan.pads)):
+                    cols = {name: body[pos + rel:pos + rel + nb].cast(fmt) for name, rel, nb, fmt in plan.cols}
+                    if check_codes and n:
+                        _check_codes(kind, cols, dicts)
+                    columns[kind] = cols
+                    pos += plan.span
+                    continue
+        columns[kind], pos = _section(kind, sec, body, pos, dicts, check_codes)
     if header["rank"] == LAUNCHER_RANK and any(sec["n"] for sec in sections.values()):
         raise WireError(f"rank {LAUNCHER_RANK} (the launcher) sends events only, no rows")
     if pos != len(body):
@@ -411,3 +388,154 @@ def decode_batch(data: bytes | memoryview, *, check_codes: bool = True) -> Batch
         if key in header and not isinstance(header[key], list):
             raise WireError(f"{key} must be a list")
     return Batch(header=header, columns=columns)
+
+
+def _section(kind: str, sec, body: memoryview, pos: int, dicts: dict, check_codes: bool
+             ) -> tuple[dict[str, memoryview], int]:
+    """One section's columns, checked one by one (the error says what is wrong); and
+    where the next section's columns must start."""
+    spec = SCHEMA.get(kind)
+    if spec is None:
+        raise WireError(f"unknown record kind {kind!r} (known: {', '.join(KINDS)})")
+    if not isinstance(sec, dict):
+        raise WireError(f"section {kind!r} must be an object")
+    n = sec.get("n")
+    layout = sec.get("columns")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0 or not isinstance(layout, dict):
+        raise WireError(f"section {kind!r} needs an integer n >= 0 and a columns object")
+    missing = [c.name for c in spec if c.name not in layout and not c.optional]
+    extra = sorted(set(layout) - {c.name for c in spec})
+    if missing or extra:
+        raise WireError(f"section {kind!r}: missing columns {missing}, unknown columns {extra}")
+    cols = {}
+    for col in spec:
+        loc = layout.get(col.name)
+        if loc is None:  # an optional column the sender left out: NULL
+            continue
+        if (not isinstance(loc, list) or len(loc) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in loc)):
+            raise WireError(f"{kind}.{col.name}: location must be [offset, nbytes]")
+        off, nbytes = loc
+        if nbytes != n * col.itemsize:
+            raise WireError(f"{kind}.{col.name}: {nbytes} bytes for {n} rows of {col.itemsize} bytes")
+        if off != pos:
+            raise WireError(f"{kind}.{col.name}: starts at {off}, but the previous column's padding ends at "
+                            f"{pos} (columns follow each other in header and SCHEMA order, without gaps)")
+        pad = _pad8(nbytes)
+        pos = off + nbytes + pad
+        if pos > len(body):
+            raise WireError(f"{kind}.{col.name}: [{off}, {nbytes}] and its padding run past the column area "
+                            f"({len(body)} bytes)")
+        if pad and body[pos - pad:pos] != _ZEROS[:pad]:
+            raise WireError(f"{kind}.{col.name}: the padding after the column is not zero")
+        view = body[off:off + nbytes].cast(col.fmt)
+        if check_codes and col.dict_encoded and n:
+            size = len(dicts.get(col.dict_name, ()))
+            lo, hi = min(view), max(view)
+            if lo < (-1 if col.null == -1 else 0) or hi >= size:
+                raise WireError(f"{kind}.{col.name}: code {hi if hi >= size else lo} outside its dictionary of {size}")
+        cols[col.name] = view
+    return cols, pos
+
+
+def _check_codes(kind: str, cols: dict[str, memoryview], dicts: dict) -> None:
+    for col in SCHEMA[kind]:
+        view = cols.get(col.name)
+        if col.dict_encoded and view is not None and len(view):
+            size = len(dicts.get(col.dict_name, ()))
+            lo, hi = min(view), max(view)
+            if lo < (-1 if col.null == -1 else 0) or hi >= size:
+                raise WireError(f"{kind}.{col.name}: code {hi if hi >= size else lo} outside its dictionary of {size}")
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    cols: tuple[tuple[str, int, int, str], ...]  # (name, offset from the section's start, bytes, format)
+    pads: tuple[tuple[int, int], ...]  # the padding's [start, end) after each column that has some
+    span: int  # the section's bytes, padding included
+
+
+_PLANS: dict[tuple, _Plan | None] = {}
+_MAX_PLANS = 4096
+
+
+def _plan(kind: str, n: int, names: tuple[str, ...]) -> _Plan | None:
+    """The canonical layout of `kind` with `n` rows and the columns `names` (SCHEMA order,
+    no gaps, each padded to 8 bytes); None when `names` is not a valid set of columns."""
+    key = (kind, n, names)
+    plan = _PLANS.get(key, _MISSING)
+    if plan is not _MISSING:
+        return plan
+    spec = SCHEMA.get(kind)
+    given = set(names)
+    plan = None
+    if spec is not None and len(given) == len(names) and given <= {c.name for c in spec} \
+            and all(c.optional or c.name in given for c in spec):
+        cols, pads, rel = [], [], 0
+        for c in spec:
+            if c.name in given:
+                nb = n * c.itemsize
+                cols.append((c.name, rel, nb, c.fmt))
+                pad = _pad8(nb)
+                if pad:
+                    pads.append((rel + nb, rel + nb + pad))
+                rel += nb + pad
+        plan = _Plan(tuple(cols), tuple(pads), rel)
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
+
+
+_MISSING = object()
+_INT = {int}
+
+
+# -- bundles: several batches in one request (a node's relay, collector/relay.py) -------------
+#
+#   "LWN1" | u32 count | count x (u32 length | batch bytes)
+#
+# Each item is a whole batch, decoded and answered on its own: a bundle only saves the
+# per-request cost (HTTP, the gate, one hop to the writer per batch), never merges batches.
+BUNDLE_MAGIC = b"LWN1"
+BUNDLE_CONTENT_TYPE = "application/x-llmwatch-bundle"
+BUNDLE_PATH = "/v1/ingest/bundle"
+_BUNDLE_HDR = struct.Struct("<4sI")
+_ITEM_LEN = struct.Struct("<I")
+
+
+def encode_bundle(batches: list[bytes | memoryview]) -> bytes:
+    """Frame `batches` (encoded batches, each as sent to /v1/ingest) as one bundle."""
+    parts = [_BUNDLE_HDR.pack(BUNDLE_MAGIC, len(batches))]
+    for b in batches:
+        parts += (_ITEM_LEN.pack(len(b)), b)
+    return b"".join(parts)
+
+
+def decode_bundle(data: bytes | memoryview, *, max_items: int, max_item_bytes: int) -> list[memoryview]:
+    """The items of a bundle, as views of `data` (not decoded: each is a batch to
+    `decode_batch`). Checks the framing only: the count against `max_items`, each
+    length against `max_item_bytes` and what is left, and that the items tile the body."""
+    mv = memoryview(data)
+    if len(mv) < _BUNDLE_HDR.size:
+        raise WireError(f"bundle too short ({len(mv)} bytes)")
+    magic, count = _BUNDLE_HDR.unpack_from(mv, 0)
+    if magic != BUNDLE_MAGIC:
+        raise WireError(f"bad magic {bytes(magic)!r}: not an llmwatch bundle (expected {BUNDLE_MAGIC!r})")
+    if not 0 < count <= max_items:
+        raise WireError(f"a bundle holds 1..{max_items} batches, not {count}")
+    items, pos = [], _BUNDLE_HDR.size
+    for i in range(count):
+        if pos + _ITEM_LEN.size > len(mv):
+            raise WireError(f"bundle ends inside item {i}'s length")
+        (n,) = _ITEM_LEN.unpack_from(mv, pos)
+        pos += _ITEM_LEN.size
+        if n > max_item_bytes:
+            raise WireError(f"item {i} is {n} bytes, over the limit of {max_item_bytes}")
+        if pos + n > len(mv):
+            raise WireError(f"item {i} ({n} bytes) runs past the bundle's end")
+        items.append(mv[pos:pos + n])
+        pos += n
+    if pos != len(mv):
+        raise WireError(f"{len(mv) - pos} bytes after the bundle's last item")
+    return items

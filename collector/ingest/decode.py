@@ -226,6 +226,11 @@ def decode(body: bytes | memoryview) -> DecodedBatch:
     for name, text in (("run_id", run_id), ("incarnation", meta.incarnation), ("node", meta.node)):
         _check_utf8(name, text)
     dicts = header.get("dicts", {})
+    try:  # every dictionary string at once (wire.decode_batch checked they are strings); else one by one below
+        "".join(v for values in dicts.values() for v in values).encode("utf-8")
+        dicts_utf8 = True
+    except UnicodeEncodeError:
+        dicts_utf8 = False
     sections = {}
     for kind, cols in batch.columns.items():
         n = batch.num_rows(kind)
@@ -246,8 +251,9 @@ def decode(body: bytes | memoryview) -> DecodedBatch:
                 bad = (top - 65536 if top >= 32768 else top) if top >= len(values) else None
             if bad is not None:
                 raise BatchRejected(f"{kind}.{name}: code {bad} outside its dictionary of {len(values)}", 400)
-            for v in values:
-                _check_utf8(f"dicts.{col.dict_name}", v)
+            if not dicts_utf8:
+                for v in values:
+                    _check_utf8(f"dicts.{col.dict_name}", v)
             sec_dicts[name] = values
         sections[kind] = Section(kind=kind, n=n, views=cols, dicts=sec_dicts)
     events = [_decode_event(i, ev) for i, ev in enumerate(meta.events)]

@@ -198,3 +198,67 @@ def test_the_byte_scan_agrees_with_the_parser(value, ascii_only):
     finally:
         wire.MAX_HEADER_DEPTH = old
     assert accepted == (1 + _depth(value) <= limit)
+
+
+# -- the canonical layout, checked in one comparison ---------------------------------------
+def _decoded(body: bytes) -> dict:
+    b = wire.decode_batch(body)
+    return {kind: {name: (v.format, v.tolist()) for name, v in cols.items()} for kind, cols in b.columns.items()}
+
+
+@pytest.mark.parametrize("optional", [True, False])
+def test_the_one_comparison_path_decodes_what_the_column_by_column_path_does(monkeypatch, optional):
+    kinds = {kind: n for kind, n in zip(wire.SCHEMA, (3, 5, 1, 2, 4, 6, 7, 8))}
+    body = batch(optional=optional, **kinds)
+    fast = _decoded(body)
+    monkeypatch.setattr(wire, "_plan", lambda kind, n, names: None)  # every section the long way
+    assert _decoded(body) == fast and set(fast) == set(kinds)
+
+
+def test_a_layout_listed_in_another_order_is_the_same_layout():
+    header, area = split(batch(step=3, collective=2))
+    cols = header["sections"]["step"]["columns"]
+    header["sections"]["step"]["columns"] = dict(reversed(list(cols.items())))
+    assert _decoded(reframe(header, area)) == _decoded(batch(step=3, collective=2))
+
+
+@pytest.mark.parametrize("where, value", [(0, 8.0), (1, True)])
+def test_numbers_that_only_compare_equal_are_refused(where, value):
+    """8.0 == 8 and True == 1 in Python: the one comparison alone would take them."""
+    header, area = split(batch(step=1, optional=False))
+    loc = header["sections"]["step"]["columns"]["skipped" if value is True else "attempt"]
+    assert loc[where] == value  # skipped: 1 byte (n=1, int8); attempt: starts at 8
+    loc[where] = value
+    refused(reframe(header, area), "location must be [offset, nbytes]")
+
+
+# -- bundles -------------------------------------------------------------------------------
+def test_a_bundle_frames_whole_batches_and_gives_them_back_as_they_were():
+    bodies = [batch(step=n) for n in (1, 2, 3)]
+    items = wire.decode_bundle(wire.encode_bundle(bodies), max_items=3, max_item_bytes=max(map(len, bodies)))
+    assert [bytes(i) for i in items] == bodies
+    assert [wire.decode_batch(i).num_rows("step") for i in items] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda b: b"LWB1" + b[4:], "not an llmwatch bundle"),
+    (lambda b: b[:5], "bundle too short"),
+    (lambda b: b[:-1], "runs past the bundle's end"),
+    (lambda b: b + b"x", "1 bytes after the bundle's last item"),
+    (lambda b: b[:4] + struct.pack("<I", 0) + b[8:], "1..4 batches, not 0"),
+    (lambda b: b[:4] + struct.pack("<I", 5) + b[8:], "1..4 batches, not 5"),
+    (lambda b: b[:4] + struct.pack("<I", 3) + b[8:], "ends inside item 2's length"),
+    (lambda b: b[:4] + struct.pack("<I", 1) + b[8:], "5 bytes after the bundle's last item"),
+])
+def test_a_bundle_that_is_not_one_is_refused(edit, match):
+    good = wire.encode_bundle([b"x" * 16, b"y"])
+    with pytest.raises(wire.WireError, match=match):
+        wire.decode_bundle(edit(good), max_items=4, max_item_bytes=100)
+
+
+def test_a_bundle_item_over_the_batch_limit_is_refused_before_it_is_read():
+    body = wire.encode_bundle([b"x" * 10, b"y" * 101])
+    with pytest.raises(wire.WireError, match="item 1 is 101 bytes, over the limit of 100"):
+        wire.decode_bundle(body, max_items=4, max_item_bytes=100)
+    with pytest.raises(wire.WireError, match="ends inside item 1's length"):
+        wire.decode_bundle(body[:8 + 4 + 10 + 2], max_items=4, max_item_bytes=200)
