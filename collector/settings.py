@@ -21,6 +21,10 @@ class GateSettings:
     """What the gate (collector/http/gate.py) checks before a route runs."""
 
     max_batch_bytes: int = 32 * MiB  # one ingest or OTLP request body (413 above)
+    # POST /v1/ingest/bundle (a node relay's batches, collector/relay.py): the whole body, and
+    # how many batches it may hold (each also within max_batch_bytes)
+    max_bundle_bytes: int = 64 * MiB
+    max_bundle_items: int = 1024
     max_sql_request_bytes: int = 1 * MiB
     max_command_request_bytes: int = 64 * 1024
     max_inflight_requests: int = 2048  # past this, 503 + Retry-After (/healthz exempt)

@@ -292,9 +292,14 @@ class Storage:
     # -- writes ----------------------------------------------------------------
     async def ingest(self, batch: DecodedBatch) -> IngestOutcome:
         """Store a batch; returns once it is committed (or known to be stored)."""
+        return await self.submit(batch)
+
+    def submit(self, batch: DecodedBatch) -> asyncio.Future:
+        """Queue a batch for the next group commit (QueueFull at once past the write queue's
+        budget); the future gives its `IngestOutcome` once committed. Call on the event loop."""
         fut = asyncio.get_running_loop().create_future()
         self._writer.submit_batch(batch, fut)
-        return await fut
+        return fut
 
     async def ingest_tables(self, tables: dict[str, pa.Table]) -> int:
         """Append prepared tables (OTLP scalars) in the next group commit."""

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from agent import wire
 from collector.http.auth import Role
 from collector.http.routes.common import dumps
 from collector.metrics import CollectorMetrics
@@ -57,6 +58,8 @@ def rule_for(method: str, path: str, settings: Settings) -> Rule:
     if method == "POST":
         if path == "/v1/ingest":
             return Rule(Role.INGEST, settings.gate.max_batch_bytes, streamed=True)
+        if path == wire.BUNDLE_PATH:
+            return Rule(Role.INGEST, settings.gate.max_bundle_bytes, streamed=True)
         if path == "/v1/metrics":
             return Rule(Role.INGEST, settings.gate.otlp_max_bytes)
         if path == "/v1/sql":

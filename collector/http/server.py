@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from agent import wire
 from collector.http.gate import Gate
 from collector.http.routes import commands, ingest, ops, query, sql
 from collector.http.routes.common import error_response
@@ -35,15 +36,21 @@ class CollectorApp:
     middleware, no routing: it is the one hot path, thousands of requests a second
     with ranks flushing often), everything else to the FastAPI app."""
 
-    def __init__(self, api: FastAPI, ingest_endpoint: ingest.IngestEndpoint) -> None:
+    def __init__(self, api: FastAPI, ingest_endpoint: ingest.IngestEndpoint,
+                 bundle_endpoint: ingest.BundleEndpoint) -> None:
         self.api = api
         self._ingest = ingest_endpoint
+        self._bundle = bundle_endpoint
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] == "/v1/ingest" and scope["method"] == "POST":
-            await self._ingest(scope, receive, send)
-        else:
-            await self.api(scope, receive, send)
+        if scope["type"] == "http" and scope["method"] == "POST":
+            if scope["path"] == "/v1/ingest":
+                await self._ingest(scope, receive, send)
+                return
+            if scope["path"] == wire.BUNDLE_PATH:
+                await self._bundle(scope, receive, send)
+                return
+        await self.api(scope, receive, send)
 
 
 def create_app(storage: Storage, *, close_storage: bool = True) -> Gate:
@@ -60,7 +67,9 @@ def create_app(storage: Storage, *, close_storage: bool = True) -> Gate:
     app.state.storage = storage
     app.state.settings = storage.settings
     endpoint = ingest.IngestEndpoint(storage)
+    bundle = ingest.BundleEndpoint(storage)
     app.router.routes.append(Route("/v1/ingest", endpoint, methods=["POST"]))
+    app.router.routes.append(Route(wire.BUNDLE_PATH, bundle, methods=["POST"]))
     for r in (ingest.router, query.router, sql.router, commands.router, ops.router):
         app.include_router(r)
 
@@ -74,4 +83,4 @@ def create_app(storage: Storage, *, close_storage: bool = True) -> Gate:
         where = ".".join(str(p) for p in first.get("loc", ()))
         return error_response(422, f"{where}: {first.get('msg')}" if where else str(first.get("msg")))
 
-    return Gate(CollectorApp(app, endpoint), storage.settings, storage.metrics)
+    return Gate(CollectorApp(app, endpoint, bundle), storage.settings, storage.metrics)

@@ -26,6 +26,7 @@ bounds `otlp.decode_request` enforces (413 past them).
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from fastapi import APIRouter, Request
@@ -34,25 +35,22 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from agent import wire
-from collector.http.routes.common import BodyTooLarge, dumps, error_response, read_limited
+from collector.http.routes.common import BodyTooLarge, dumps, error_response, read_limited, receive_body
 from collector.ingest import otlp
-from collector.ingest.decode import BatchRejected, decode
+from collector.ingest.decode import BatchRejected, DecodedBatch, decode
 from collector.storage import Storage
-from collector.store.writer import QueueFull, StorageError
+from collector.store.writer import IngestOutcome, QueueFull, StorageError
 
 _REASONS = {400: "bad_batch", 401: "unauthorized", 409: "conflict", 413: "too_large", 415: "content_type",
             422: "invalid", 503: "busy"}
 _BATCH_TYPES = (wire.CONTENT_TYPE.encode(), b"application/octet-stream")
+_BUNDLE_TYPES = (wire.BUNDLE_CONTENT_TYPE.encode(),)
 # how long a rank 0 told that an action may come any moment flushes more often (renewed with each answer
 # while the policy watches; agent/agent.py `followup_s`)
 FOLLOWUP_S = 2.0
 # how long a summarizing agent ships op rows, told while an incident whose evidence is the collectives is
 # open on its run (renewed with each answer; agent/summary.py `raw_ops_s`)
 RAW_OPS_S = 5.0
-
-
-class _Disconnected(Exception):
-    pass
 
 
 class IngestEndpoint:
@@ -76,24 +74,9 @@ class IngestEndpoint:
         await send({"type": "http.response.body", "body": content})
 
     async def _handle(self, scope: Scope, receive: Receive) -> tuple[int, bytes, list]:
-        content_type = content_length = None  # the token was checked by collector/http/gate.py
-        for name, value in scope["headers"]:
-            if name == b"content-type":
-                content_type = value
-            elif name == b"content-length":
-                content_length = value
-        limit = self.settings.gate.max_batch_bytes
-        if content_type is not None and content_type.split(b";")[0].strip().lower() not in _BATCH_TYPES:
-            return 415, dumps({"error": f"Content-Type must be {wire.CONTENT_TYPE}"}), []
-        declared = int(content_length) if content_length is not None and content_length.isdigit() else None
-        if declared is not None and declared > 2 * limit:
-            return 413, dumps({"error": f"body of {declared} bytes exceeds the limit of {limit}"}), [(b"connection", b"close")]
-        try:
-            body = await self._read(receive, limit)
-        except BodyTooLarge:
-            return 413, dumps({"error": f"body exceeds the limit of {limit} bytes"}), [(b"connection", b"close")]
-        except _Disconnected:
-            return 400, dumps({"error": "client disconnected"}), []
+        body = await receive_body(scope, receive, _BATCH_TYPES, wire.CONTENT_TYPE, self.settings.gate.max_batch_bytes)
+        if isinstance(body, tuple):
+            return body
         try:
             if len(body) <= self.settings.gate.inline_decode_max_bytes:
                 batch = decode(body)
@@ -104,11 +87,14 @@ class IngestEndpoint:
             return e.status, dumps({"error": str(e)}), []
         except QueueFull as e:
             return 503, dumps({"error": f"busy, retry later: {e}"}), [(b"retry-after", b"1")]
+        return 200, dumps(self._answer(batch, outcome, time.time())), []
+
+    def _answer(self, batch: DecodedBatch, outcome: IngestOutcome, now: float) -> dict:
         # server_ts: this collector's clock, for the agents' offset estimates (agent/clock.py);
         # clean_through: the run's known-good watermark (collector/live/watermark.py), for the trainer
         # (present, maybe null, only when this collector runs detection: the trainer then keeps checkpoints for it)
         answer = {"accepted": outcome.accepted, "duplicate": outcome.duplicate, "commands": outcome.commands,
-                  "server_ts": time.time()}
+                  "server_ts": now}
         marks = self.storage.watermarks
         if marks is not None:
             answer["clean_through"], answer["end_wait_s"] = marks.get(batch.run_id), marks.end_wait_s
@@ -120,26 +106,65 @@ class IngestEndpoint:
             answer["followup_s"] = FOLLOWUP_S
         if self.storage.wants_ops(batch.run_id):
             answer["raw_ops_s"] = RAW_OPS_S
-        return 200, dumps(answer), []
+        return answer
 
-    @staticmethod
-    async def _read(receive: Receive, limit: int) -> bytes:
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise _Disconnected
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            more = message.get("more_body", False)
-            if size > limit:
-                while more and size <= 2 * limit:  # drain so the client can read our 413
-                    message = await receive()
-                    size += len(message.get("body", b""))
-                    more = message.get("more_body", False) and message["type"] != "http.disconnect"
-                raise BodyTooLarge
-            chunks.append(chunk)
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+def _decode_items(items: list[memoryview]) -> list[DecodedBatch | BatchRejected]:
+    out: list[DecodedBatch | BatchRejected] = []
+    for item in items:
+        try:
+            out.append(decode(item))
+        except BatchRejected as e:
+            out.append(e)
+    return out
+
+
+class BundleEndpoint(IngestEndpoint):
+    """ASGI app for POST /v1/ingest/bundle: a node relay's batches (collector/relay.py).
+
+    Each item is decoded, stored and answered exactly as if it had been posted alone
+    to /v1/ingest: the answer is `{"results": [...]}`, one object per item in order,
+    each the item's own answer with its HTTP status as `status` (a refused item does not
+    refuse the others). What a bundle saves is per request: one HTTP exchange, one
+    pass of the gate, one await for a group commit that takes every item."""
+
+    async def _handle(self, scope: Scope, receive: Receive) -> tuple[int, bytes, list]:
+        gate = self.settings.gate
+        body = await receive_body(scope, receive, _BUNDLE_TYPES, wire.BUNDLE_CONTENT_TYPE, gate.max_bundle_bytes)
+        if isinstance(body, tuple):
+            return body
+        try:
+            items = wire.decode_bundle(body, max_items=gate.max_bundle_items, max_item_bytes=gate.max_batch_bytes)
+        except wire.WireError as e:
+            return 400, dumps({"error": str(e)}), []
+        if len(body) <= gate.inline_decode_max_bytes:
+            decoded = _decode_items(items)
+        else:
+            decoded = await run_in_threadpool(_decode_items, items)
+        results: list[dict | None] = [None] * len(decoded)
+        waits: list[tuple[int, DecodedBatch, asyncio.Future]] = []
+        rejects = self.storage.metrics.rejects
+        for i, d in enumerate(decoded):
+            if isinstance(d, BatchRejected):
+                results[i] = {"status": d.status, "error": str(d)}
+                rejects.labels(_REASONS[d.status]).inc()
+                continue
+            try:
+                waits.append((i, d, self.storage.submit(d)))
+            except QueueFull as e:
+                results[i] = {"status": 503, "error": f"busy, retry later: {e}"}
+                rejects.labels("busy").inc()
+        outcomes = await asyncio.gather(*(f for _, _, f in waits), return_exceptions=True)
+        now = time.time()
+        for (i, batch, _), outcome in zip(waits, outcomes):
+            if isinstance(outcome, (StorageError, BatchRejected)):
+                results[i] = {"status": outcome.status, "error": str(outcome)}
+                rejects.labels("storage" if isinstance(outcome, StorageError) else _REASONS[outcome.status]).inc()
+            elif isinstance(outcome, BaseException):
+                raise outcome
+            else:
+                results[i] = {"status": 200, **self._answer(batch, outcome, now)}
+        return 200, dumps({"results": results, "server_ts": now}), []
 
 
 router = APIRouter()

@@ -87,7 +87,8 @@ def test_client_token_prefers_the_file(tmp_path):
 
 
 @pytest.mark.parametrize("method, path, role", [
-    ("GET", "/healthz", None), ("POST", "/v1/ingest", Role.INGEST), ("POST", "/v1/metrics", Role.INGEST),
+    ("GET", "/healthz", None), ("POST", "/v1/ingest", Role.INGEST), ("POST", "/v1/ingest/bundle", Role.INGEST),
+    ("GET", "/v1/ingest/bundle", Role.READ), ("POST", "/v1/metrics", Role.INGEST),
     ("POST", "/v1/sql", Role.READ), ("GET", "/v1/runs", Role.READ), ("GET", "/v1/runs/r/steps", Role.READ),
     ("GET", "/metrics", Role.READ), ("GET", "/openapi.json", Role.READ), ("GET", "/docs", Role.READ),
     ("POST", "/v1/runs/r/commands", Role.CONTROL), ("GET", "/v1/runs/r/commands", Role.READ),
@@ -97,7 +98,7 @@ def test_every_route_has_a_role_and_a_body_limit(method, path, role):
     s = Settings(db_path="x", token="t" * 16)
     rule = rule_for(method, path, s)
     assert rule.role == role
-    assert rule.max_body_bytes <= s.gate.max_batch_bytes
+    assert rule.max_body_bytes <= (s.gate.max_bundle_bytes if path == "/v1/ingest/bundle" else s.gate.max_batch_bytes)
     assert rule_for("GET", "/metrics", Settings(db_path="x", token="t" * 16, public_metrics=True)).role is None
 
 
