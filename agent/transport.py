@@ -50,6 +50,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import math
 import os
 import socket
 import ssl
@@ -86,6 +87,10 @@ class PostResult:
         return self.code >= 500 and self.code not in _AWAY_5XX
 
 
+def _number(value, default: float = 0.0) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+
+
 def _retry_after_s(value: str | None) -> float | None:
     try:
         return max(0.0, float(value)) if value else None
@@ -109,14 +114,15 @@ class HttpClient:
     The token is sent only in the Authorization header and is masked in every
     reason string (a server might echo a header back in an error body)."""
 
-    def __init__(self, url: str, token: str | None, timeout_s: float, *, ca_file: str | None = None) -> None:
+    def __init__(self, url: str, token: str | None, timeout_s: float, *, ca_file: str | None = None,
+                 path: str = INGEST_PATH, content_type: str = wire.CONTENT_TYPE) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"collector url must be http(s)://host[:port], got {url!r}")
         self._https = parts.scheme == "https"
         self._host = parts.hostname
         self._port = parts.port or (443 if self._https else 80)
-        self._path = parts.path.rstrip("/") + INGEST_PATH
+        self._path = parts.path.rstrip("/") + path
         self._timeout_s = timeout_s
         self._ssl_context: ssl.SSLContext | None = None
         if self._https:
@@ -124,7 +130,7 @@ class HttpClient:
                 self._ssl_context = ssl.create_default_context(cafile=ca_file)
             except (OSError, ssl.SSLError) as e:  # FileNotFoundError, a file that is not PEM
                 raise ValueError(f"cannot load the CA file {ca_file!r}: {e}") from None
-        self._headers = {"Content-Type": wire.CONTENT_TYPE, "Connection": "keep-alive"}
+        self._headers = {"Content-Type": content_type, "Connection": "keep-alive"}
         self._token = token or ""
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
@@ -180,7 +186,13 @@ class HttpClient:
             except ValueError:
                 parsed = None
             if isinstance(parsed, dict):
-                self.clock.add(t0, t1, parsed.get("server_ts"))
+                relayed = parsed.get("relayed")
+                if isinstance(relayed, dict):  # through a node's relay (collector/relay.py)
+                    self.clock.relayed()
+                    self.clock.add(t0, t1, parsed.get("server_ts"), hold_s=_number(relayed.get("hold_s")),
+                                   upstream_error_s=_number(relayed.get("error_s"), math.inf))
+                else:
+                    self.clock.add(t0, t1, parsed.get("server_ts"))
             return PostResult("ok", code, parsed if isinstance(parsed, dict) else None)
         reason = self._redact(f"HTTP {code}: {data[:300].decode('utf-8', 'replace')}")
         if code in _REFUSED_TOKEN:

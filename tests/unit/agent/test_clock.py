@@ -135,3 +135,59 @@ def test_the_agent_has_no_offset_without_a_collector():
     agent = Agent(AgentConfig(url=None, device_health=False), run_id="r", rank=0)
     assert agent.clock_offset() == (0.0, math.inf)
     agent.close()
+
+
+# -- through a node's relay (collector/relay.py) -----------------------------------------------
+def test_a_relays_hold_is_taken_out_of_the_trip_and_its_own_error_added():
+    sync = ClockSync(local=False)
+    # sent at 100.0, answered at 100.52; the relay held it 0.5 s, read the collector's clock as
+    # 105.26 at the middle of its hold, and knows that clock within 0.002 s
+    sync.add(100.0, 100.52, 105.26, hold_s=0.5, upstream_error_s=0.002)
+    assert sync.offset_s == pytest.approx(5.0) and sync.error_s == pytest.approx(0.01 + 0.002)
+    sync.add(101.0, 101.04, 106.02, hold_s=0.0, upstream_error_s=1.0)  # a quicker trip, a worse relay estimate
+    assert sync.error_s == pytest.approx(0.012)  # the better bound is kept
+    sync.add(102.0, 102.3, 107.15, hold_s=0.9)  # a hold longer than the trip (clocks): no negative error
+    assert sync.error_s == 0.0
+
+
+def test_a_relayed_answer_turns_a_loopback_clients_one_clock_off():
+    sync = ClockSync(local=True)
+    sync.relayed()
+    assert (sync.local, sync.error_s) == (False, math.inf)  # unknown until a sample
+    sync.add(0.0, 0.01, 3.005, hold_s=0.008, upstream_error_s=0.0005)
+    assert sync.offset_s == pytest.approx(3.0) and sync.error_s == pytest.approx(0.0015)
+
+
+class _Relayed(_Answer):
+    """A relay's answer: the collector's clock (100 s ahead) at the middle of a 0.2 s hold."""
+
+    def do_POST(self):  # noqa: N802 - http.server's name
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        arrived = time.time()
+        time.sleep(0.2)  # the relay waits for the collector's commit
+        hold = time.time() - arrived
+        body = json.dumps({"server_ts": arrived + 0.5 * hold + 100.0, "commands": [],
+                           "relayed": {"hold_s": hold, "error_s": 0.001}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def test_a_loopback_client_behind_a_relay_estimates_the_collectors_clock():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Relayed)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
+    client = HttpClient(f"http://127.0.0.1:{server.server_address[1]}", None, 2.0)
+    try:
+        assert client.clock.local is True
+        for _ in range(3):
+            assert client.post(b"batch").status == "ok"
+    finally:
+        client.close()
+        server.shutdown()
+        server.server_close()
+    sync = client.clock
+    assert sync.local is False and sync.num_samples == 3
+    assert sync.error_s < 0.1  # the 0.2 s hold widens nothing: a loopback trip and the relay's 1 ms
+    assert abs(sync.offset_s - 100.0) <= sync.error_s + 1e-6
