@@ -12,7 +12,9 @@ import re
 import signal
 import sys
 from pathlib import Path
+from typing import Callable
 
+from agent import wire
 from agent.api import ApiClient, ApiError
 from collector.http.auth import ALL_ROLES_ENV, Role, TokenSources, client_token
 from collector.offline.retention import MIN_ROLLUP_AGE_S, parse_age
@@ -82,20 +84,30 @@ def _check_exposure(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _server_class():
+def _server(config, banner: Callable[[str], str]):
+    """uvicorn's server, printing `banner(its URL)` once it listens (port 0 works), and
+    asked to exit (gracefully) by SIGTERM and SIGINT."""
     import uvicorn
 
     class Server(uvicorn.Server):
-        """uvicorn's server, announcing the bound address once it listens (port 0 works)."""
-
-        db_path: Path
-
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets)
             if self.started:
                 host, port = self.servers[0].sockets[0].getsockname()[:2]
                 scheme = "https" if self.config.ssl_certfile else "http"
-                print(f"collector listening on {scheme}://{host}:{port} (db {self.db_path})", flush=True)
+                print(banner(f"{scheme}://{host}:{port}"), flush=True)
+
+    server = Server(config)
+
+    # uvicorn replaces these while it serves and re-raises a caught signal after its
+    # graceful shutdown; ours make that re-raise (and a signal during startup) a
+    # request to exit instead of an abrupt default termination.
+    def request_exit(signum, frame) -> None:
+        server.should_exit = True
+
+    signal.signal(signal.SIGTERM, request_exit)
+    signal.signal(signal.SIGINT, request_exit)
+    return server
 
     return Server
 
@@ -152,7 +164,8 @@ def serve(args: argparse.Namespace) -> int:
     settings = Settings(
         db_path=db_path, host=args.host, port=args.port, tokens=tokens, public_metrics=args.public_metrics,
         gate=GateSettings(max_inflight_requests=args.max_inflight_requests, body_timeout_s=args.body_timeout_s,
-                          max_batch_bytes=args.max_batch_bytes, otlp_max_bytes=args.otlp_max_bytes,
+                          max_batch_bytes=args.max_batch_bytes, max_bundle_bytes=args.max_bundle_bytes,
+                          max_bundle_items=args.max_bundle_items, otlp_max_bytes=args.otlp_max_bytes,
                           otlp_max_points=args.otlp_max_points),
         writer=WriterSettings(linger_s=args.group_linger_s, min_interval_s=args.group_min_interval_s,
                               min_rows=args.group_min_rows),
@@ -190,22 +203,54 @@ def serve(args: argparse.Namespace) -> int:
                             # idle keep-alive connections are closed after this; a slow client
                             # cannot hold a connection open for free
                             timeout_keep_alive=30)
-    server = _server_class()(config)
-    server.db_path = db_path
-
-    # uvicorn replaces these while it serves and re-raises a caught signal after its
-    # graceful shutdown; ours make that re-raise (and a signal during startup) a
-    # request to exit instead of an abrupt default termination.
-    def request_exit(signum, frame) -> None:
-        server.should_exit = True
-
-    signal.signal(signal.SIGTERM, request_exit)
-    signal.signal(signal.SIGINT, request_exit)
+    server = _server(config, lambda url: f"collector listening on {url} (db {db_path})")
     try:
         server.run()  # uvicorn's own event loop choice (uvloop when installed)
         return 0 if server.started else 1
     finally:
         storage.close()  # no-op after the app's lifespan closed it
+
+
+def relay(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from agent.transport import HttpClient
+    from collector.http.auth import Tokens
+    from collector.http.gate import Gate
+    from collector.http.protocol import BoundedHttpToolsProtocol
+    from collector.metrics import CollectorMetrics
+    from collector.relay import Relay, RelaySettings
+
+    unsafe = _check_exposure(args)
+    if unsafe or not args.upstream:
+        print(f"collector relay: error: {unsafe or 'no --upstream (or $LLMWATCH_URL)'}", file=sys.stderr)
+        return 2
+    try:
+        token = client_token(token=None, token_file=args.token_file or os.environ.get("LLMWATCH_TOKEN_FILE"),
+                             environ=os.environ)
+        if not token:
+            raise ValueError("no ingest token: --token-file, $LLMWATCH_TOKEN_FILE or $LLMWATCH_TOKEN")
+        tokens = Tokens.build(by_role={Role.INGEST: [token]})
+        upstream = HttpClient(args.upstream, token, args.upstream_timeout_s, ca_file=args.ca_file,
+                              path=wire.BUNDLE_PATH, content_type=wire.BUNDLE_CONTENT_TYPE)
+    except (ValueError, OSError) as e:
+        print(f"collector relay: error: {e}", file=sys.stderr)
+        return 2
+    app = Relay(upstream, RelaySettings(linger_s=args.linger_s, max_items=args.max_items, max_bytes=args.max_bytes,
+                                        max_batch_bytes=args.max_batch_bytes,
+                                        upstream_timeout_s=args.upstream_timeout_s))
+    # the collector's gate: the token before the body, the body's size and time; no database behind it
+    settings = Settings(db_path=Path(os.devnull), host=args.host, port=args.port, tokens=tokens,
+                        gate=GateSettings(max_inflight_requests=args.max_inflight_requests,
+                                          body_timeout_s=args.body_timeout_s, max_batch_bytes=args.max_batch_bytes))
+    config = uvicorn.Config(Gate(app, settings, CollectorMetrics()), host=args.host, port=args.port,
+                            log_level=args.log_level, access_log=False, proxy_headers=False, server_header=False,
+                            timeout_graceful_shutdown=5, ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key,
+                            http=type("Protocol", (BoundedHttpToolsProtocol,), {"head_timeout_s": args.head_timeout_s}),
+                            timeout_keep_alive=30)
+    server = _server(config, lambda url: f"relay listening on {url} -> {upstream!r}")
+    server.run()
+    return 0 if server.started else 1
 
 
 def _format_table(columns: list[str], rows: list[list]) -> str:
@@ -302,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--head-timeout-s", type=float, default=10.0,
                    help="a request line and headers must arrive within this (else the connection is closed)")
     s.add_argument("--max-batch-bytes", type=int, default=32 * MiB)
+    s.add_argument("--max-bundle-bytes", type=int, default=64 * MiB,
+                   help="a relay's bundle of batches (POST /v1/ingest/bundle), each within --max-batch-bytes")
+    s.add_argument("--max-bundle-items", type=int, default=1024, help="batches in one bundle")
     s.add_argument("--sql-timeout-s", type=float, default=10.0)
     s.add_argument("--sql-max-rows", type=int, default=10_000)
     s.add_argument("--sql-max-bytes", type=int, default=8 * MiB, help="an answer stops (truncated) past this")
@@ -350,6 +398,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how often the rollup looks for old rows (default 1h)")
     s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(func=serve)
+
+    rl = sub.add_parser("relay", help="a node's relay: its ranks post to it, it posts their batches upstream "
+                                      "as one bundle per flush (collector/relay.py)")
+    rl.add_argument("--upstream", default=os.environ.get("LLMWATCH_URL"),
+                    help="the collector's base URL (default: $LLMWATCH_URL)")
+    rl.add_argument("--host", default="127.0.0.1")
+    rl.add_argument("--port", type=int, default=8429, help="0 picks a free port (printed)")
+    rl.add_argument("--token-file", help="a file holding the ingest token: the ranks must present it, and it is "
+                                         "used upstream (default: $LLMWATCH_TOKEN_FILE, else $LLMWATCH_TOKEN)")
+    rl.add_argument("--ca-file", help="PEM bundle to verify an https:// upstream with (default: the system's)")
+    rl.add_argument("--linger-s", type=float, default=0.05, help="a bundle leaves this long after its first batch")
+    rl.add_argument("--max-items", type=int, default=1024, help="batches in one bundle")
+    rl.add_argument("--max-bytes", type=int, default=32 * MiB, help="bytes in one bundle")
+    rl.add_argument("--max-batch-bytes", type=int, default=32 * MiB, help="one rank's batch (413 above)")
+    rl.add_argument("--upstream-timeout-s", type=float, default=1.8,
+                    help="a bundle unanswered by then is 503 to its ranks (keep below their timeout_s, 2 s)")
+    rl.add_argument("--max-inflight-requests", type=int, default=2048, help="past this, 503 + Retry-After")
+    rl.add_argument("--body-timeout-s", type=float, default=30.0, help="a request body must arrive within this")
+    rl.add_argument("--head-timeout-s", type=float, default=10.0, help="a request head must arrive within this")
+    rl.add_argument("--tls-cert", help="PEM certificate (chain): serve HTTPS")
+    rl.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    rl.add_argument("--insecure-plaintext", action="store_true",
+                    help="allow plain HTTP on a non-loopback --host (a relay for a rack, on a private network)")
+    rl.add_argument("--log-level", default="warning")
+    rl.set_defaults(func=relay)
 
     q = sub.add_parser("sql", help="run one read-only SELECT against a collector or a closed file")
     src = q.add_mutually_exclusive_group(required=True)

@@ -55,7 +55,8 @@ _UNTITLED = ("positional arguments", "options", "optional arguments")
 ENV_VARS: dict[str, tuple[str, str]] = {
     "LLMWATCH_TOKEN": ("you", "A bearer token with every role. `collector serve` accepts it (beside the role "
                        "tokens); `trainer --telemetry --collector URL`, `collector sql --url`, `dashboard "
-                       "--collector` and `python -m agent.replay` send it when no `--token-file` is given."),
+                       "--collector` and `python -m agent.replay` send it when no `--token-file` is given; "
+                       "`collector relay` takes it as the ingest token it checks and sends upstream."),
     "LLMWATCH_INGEST_TOKEN": ("you", "`collector serve`: a token with the ingest role (the ranks' agents)."),
     "LLMWATCH_READ_TOKEN": ("you", "`collector serve`: a token with the read role (dashboard, SQL, `/metrics`)."),
     "LLMWATCH_CONTROL_TOKEN": ("you", "`collector serve`: a token with the control role (commands; it may "
@@ -95,10 +96,11 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "CUDA_VISIBLE_DEVICES": ("you", "The agent's device-health sampler maps `LOCAL_RANK` through it to the GPU "
                                     "NVML reads (an index or a UUID entry)."),
     "LLMWATCH_URL": ("you", "`agent.watch.watch()`, `llmwatch-instrument` and the `agent.integrations` "
-                            "callbacks: the collector's URL (when none is passed)."),
+                            "callbacks: the collector's URL (when none is passed; behind a node's relay, the "
+                            "relay's); `collector relay`: its upstream when `--upstream` is not given."),
     "LLMWATCH_TOKEN_FILE": ("you", "`watch()`, `llmwatch-instrument` and the `agent.integrations` callbacks: a "
                                    "file holding the ingest token (when no token is passed and `LLMWATCH_TOKEN` "
-                                   "is unset)."),
+                                   "is unset); `collector relay` too, when no `--token-file` is given."),
     "LLMWATCH_RUN_ID": ("trainer", "Set for the `--on-isolate` command: the run. `watch()`, "
                                    "`llmwatch-instrument` and the `agent.integrations` callbacks read it as the "
                                    "run id when none is passed."),
