@@ -204,6 +204,9 @@ def serve(args: argparse.Namespace) -> int:
                             # cannot hold a connection open for free
                             timeout_keep_alive=30)
     server = _server(config, lambda url: f"collector listening on {url} (db {db_path})")
+    from collector import gctune
+
+    gctune.tune()  # full collections over a large heap stalled every request (collector/gctune.py)
     try:
         server.run()  # uvicorn's own event loop choice (uvloop when installed)
         return 0 if server.started else 1
