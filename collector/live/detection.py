@@ -2,8 +2,10 @@
 
 The `DetectionRunner` reads a post-commit subscription (collector/store/feed.py), so
 ingest never waits for it: while a pass runs, the writer keeps committing and
-acknowledging, and if the runner falls behind its queue drops commits (counted)
-and the next delivery says how many were missed.
+acknowledging. A runner that falls behind takes the commits queued meanwhile in
+one pass (up to `MAX_MERGED_COMMITS`: at many ranks much of a pass's cost is per
+pass, so it catches up in fewer of them); one that falls further behind has its
+queue drop commits (counted), and the next delivery says how many were missed.
 
 It owns one `Analyzer` (analysis/engine.py), which keeps every run's state. Per
 pass, for each run the commit holds:
@@ -51,12 +53,14 @@ from analysis import Analyzer, Frames
 from analysis.engine import is_new_round
 from analysis.kinds import TAINTS_WEIGHTS
 from collector.live.watermark import Watermarks
-from collector.store.feed import Commit, Subscription
+from collector.store.feed import Commit, Subscription, merged
 
 log = logging.getLogger("collector.live.detection")
 
 # (run_id, findings, done) -> None; never blocks (Storage.record_findings)
 Submit = Callable[..., Any]
+# a pass takes at most this many commits (those queued while the previous pass ran)
+MAX_MERGED_COMMITS = 8
 # run_id -> its runs, ranks and nodes rows (collector/read/queries.py run_meta_tables, through Storage.read)
 Meta = Callable[[str], Mapping[str, pa.Table]]
 
@@ -145,9 +149,12 @@ class DetectionRunner:
                 log.warning("detection missed %d commits (its queue was full)", delivery.missed)
                 self._on_gap(delivery.missed)
             if delivery is not None and delivery.commit is not None:
-                self.run_commit(delivery.commit)
+                # behind the writer: the commits queued meanwhile go in the same pass (a pass's
+                # cost is largely per pass at many ranks, so catching up takes fewer of them)
+                commit = merged([delivery.commit, *self._sub.take_queued(MAX_MERGED_COMMITS - 1)])
+                self.run_commit(commit)
                 with self._progress:
-                    self._seen_seq = delivery.commit.seq
+                    self._seen_seq = commit.seq
                     self._progress.notify_all()
             self.tick()
 

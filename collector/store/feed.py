@@ -68,6 +68,22 @@ def committed_tables(tables: Mapping[str, pa.Table], extra: list[tuple[str, pa.T
             for name, ts in parts.items()}
 
 
+def merged(commits: list[Commit]) -> Commit:
+    """Consecutive commits as one: the rows of each table in commit order, the last one's
+    sequence number and time."""
+    if len(commits) == 1:
+        return commits[0]
+    parts: dict[str, list[pa.Table]] = {}
+    for c in commits:
+        for name, t in c.tables.items():
+            parts.setdefault(name, []).append(t)
+    tables = {name: ts[0] if len(ts) == 1 else pa.concat_tables([_plain(t) for t in ts], promote_options="permissive")
+              for name, ts in parts.items()}
+    last = commits[-1]
+    return Commit(seq=last.seq, commit_ts=last.commit_ts, run_ids=frozenset().union(*(c.run_ids for c in commits)),
+                  tables=tables)
+
+
 def committed_run_ids(fresh: list[DecodedBatch], extra: list[tuple[str, pa.Table]]) -> frozenset[str]:
     runs = {b.run_id for b in fresh}
     for _, t in extra:
@@ -127,6 +143,17 @@ class Subscription:
                 missed, self._missed = self._missed, 0
                 return Delivery(None, missed)
             return None
+
+    def take_queued(self, limit: int) -> list[Commit]:
+        """Up to `limit` more commits already queued, without waiting, stopping before one
+        that comes after a gap (its delivery reports the gap through `get`)."""
+        out = []
+        with self._cond:
+            while self._items and len(out) < limit and self._items[0][1] == 0:
+                commit, _, nbytes = self._items.popleft()
+                self._bytes -= nbytes
+                out.append(commit)
+        return out
 
     def _ready(self) -> bool:
         return bool(self._items) or bool(self._missed) or self._closed

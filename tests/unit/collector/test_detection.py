@@ -252,3 +252,30 @@ def test_wait_detected_without_detection_returns_at_once(tmp_path):
         assert storage.wait_detected(0.0) is True
     finally:
         storage.close()
+
+
+def test_a_runner_behind_the_writer_takes_the_queued_commits_in_one_pass():
+    passes: list[list[int]] = []
+    release = threading.Event()
+
+    def recording(state, frames, now):
+        if frames.steps is not None:
+            passes.append(frames.steps["step"].to_list())
+            release.wait(10)  # the first pass holds the runner while more commits queue
+        return []
+
+    sub = Subscription("m")
+    runner = DetectionRunner(sub, StandIn(recording), submit=lambda *a, **k: None, tick_s=60.0)
+    table = lambda step: {"steps": pa.table({"run_id": ["a"], "step": np.array([step])})}  # noqa: E731
+    sub.offer(Commit(seq=1, commit_ts=0.0, run_ids=frozenset({"a"}), tables=table(1)))
+    runner.start()
+    try:
+        assert wait_until(lambda: len(passes) == 1)
+        for seq in range(2, 13):  # 11 commits while the pass runs
+            sub.offer(Commit(seq=seq, commit_ts=0.0, run_ids=frozenset({"a"}), tables=table(seq)))
+        release.set()
+        assert runner.wait_caught_up(12, timeout_s=30)
+    finally:
+        runner.stop()
+    assert passes == [[1], list(range(2, 10)), [10, 11, 12]]  # at most MAX_MERGED_COMMITS (8) a pass
+    assert runner.num_gaps == 0

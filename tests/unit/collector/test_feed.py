@@ -12,7 +12,7 @@ from agent import wire
 from collector.ingest.decode import decode
 from collector.settings import Settings, WriterSettings
 from collector.storage import Storage
-from collector.store.feed import Commit, Feed, Subscription, committed_tables
+from collector.store.feed import Commit, Feed, Subscription, committed_tables, merged
 from tests.unit.collector.collector_batches import columns, make_batch, steps_section
 
 
@@ -123,3 +123,31 @@ def test_a_subscriber_that_never_reads_does_not_hold_the_writer(tmp_path):
 def test_a_subscription_holds_at_least_one(max_commits):
     with pytest.raises(ValueError):
         Subscription("s", max_commits=max_commits)
+
+
+def test_take_queued_hands_over_what_is_queued_and_stops_before_a_gap():
+    sub = Subscription("s", max_commits=3)
+    for seq in (1, 2, 3, 4, 5):  # 4 and 5 dropped: the gap rides on the next commit offered
+        sub.offer(commit(seq))
+    assert sub.get(0).commit.seq == 1
+    assert [c.seq for c in sub.take_queued(8)] == [2, 3]
+    sub.offer(commit(6))
+    sub.offer(commit(7))
+    assert sub.take_queued(8) == []  # 6 comes after the gap: `get` reports it
+    d = sub.get(0)
+    assert (d.commit.seq, d.missed) == (6, 2)
+    assert [c.seq for c in sub.take_queued(1)] == [7] and sub.take_queued(1) == [] and sub.depth == 0
+
+
+def test_merged_commits_keep_every_row_in_commit_order_with_the_last_ones_seq():
+    steps = lambda run, values: pa.table({"run_id": pa.array([run] * len(values)).dictionary_encode(),  # noqa: E731
+                                          "step": pa.array(values, pa.int64())})
+    first = Commit(seq=4, commit_ts=1.0, run_ids=frozenset({"a"}), tables={"steps": steps("a", [1, 2])})
+    second = Commit(seq=5, commit_ts=2.0, run_ids=frozenset({"b"}),
+                    tables={"steps": steps("b", [7]), "events": pa.table({"run_id": ["b"], "kind": ["restart"]})})
+    m = merged([first, second])
+    assert (m.seq, m.commit_ts, m.run_ids) == (5, 2.0, frozenset({"a", "b"}))
+    assert m.tables["steps"].column("step").to_pylist() == [1, 2, 7]
+    assert m.tables["steps"].column("run_id").to_pylist() == ["a", "a", "b"]  # differing dictionaries, decoded
+    assert m.tables["events"].num_rows == 1
+    assert merged([first]) is first
