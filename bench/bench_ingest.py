@@ -14,7 +14,9 @@
                 latency, and the collector's RSS sampled every 0.5 s. --ranks,
                 --step-hz, --collectives and --summaries (a rank-step's collectives
                 as summary rows, agent/summary.py) size it: the 100,000-rank job is
-                --ranks 100000 --step-hz 0.2 --collectives 200 --summaries 3.
+                --ranks 100000 --step-hz 0.2 --collectives 200 --summaries 3;
+                --per-node 8 sends each node's batches as one bundle, as a
+                node's relay does (collector/relay.py).
 
 Ingest-to-queryable: the collector answers a POST only after the batch's
 transaction committed, so the ack latency (POST sent -> answer read) bounds the
@@ -221,7 +223,7 @@ def many_ranks(tmp: Path, args) -> dict:
         summary, loadgen_cpu = run_loadgen(
             server.url, "--ranks", str(args.ranks), "--connections", str(args.rank_connections), "--collectives",
             str(args.collectives), "--summaries", str(args.summaries), "--heartbeat", "--duration", str(args.duration),
-            "ranks", "--step-hz", str(args.step_hz), "--flush-s", str(args.flush_s))
+            "ranks", "--step-hz", str(args.step_hz), "--flush-s", str(args.flush_s), "--per-node", str(args.per_node))
     finally:
         stop.set()
         for t in threads:
@@ -254,6 +256,8 @@ def main() -> int:
     p.add_argument("--collectives", type=int, default=20, help="scenario 3: collectives per rank-step")
     p.add_argument("--summaries", type=int, default=0,
                    help="scenario 3: > 0, a rank-step's collectives as this many summary rows (agent/summary.py)")
+    p.add_argument("--per-node", type=int, default=0,
+                   help="scenario 3: > 0, ranks per node, each node's batches one bundle (its relay's)")
     p.add_argument("--skip", nargs="*", default=[], choices=["ceiling", "http", "ranks"])
     args = p.parse_args()
 
@@ -286,7 +290,8 @@ def main() -> int:
             colls = (f"{args.collectives} collectives as {args.summaries} summary rows" if args.summaries
                      else f"{args.collectives} collectives")
             print(f"\n[3] {args.ranks:,} ranks x {args.step_hz:g} step/s x (1 step + {colls}) + a heartbeat a flush, "
-                  f"flush every {args.flush_s:g} s, held {args.duration:g} s")
+                  f"flush every {args.flush_s:g} s, held {args.duration:g} s"
+                  + (f", through a relay per {args.per_node} ranks (one bundle per node per flush)" if args.per_node else ""))
             print(f"    offered / achieved rows/s: {r['offered_rows_per_s']:,} / {r['rows_per_s']:,} "
                   f"({r['requests_per_s']:.0f} requests/s, {r['errors']} errors, dispatch lag max "
                   f"{r['dispatch_lag_max_s']:.2f} s)")

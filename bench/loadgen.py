@@ -16,6 +16,11 @@ Two schedules:
 `--summaries K`: a step's collectives as K summary rows (agent/summary.py: what an
 agent of a large job sends), not a row per op.
 
+`--per-node K` (ranks mode): each node's K ranks flush together through the node's
+relay (collector/relay.py), as one bundle to /v1/ingest/bundle: what the collector
+sees of a job whose nodes run `collector relay` (the relays themselves run on the
+nodes, not here).
+
 The HTTP client is a minimal HTTP/1.1 keep-alive client on asyncio streams
 (one write per request, head and body together). `--ack-log` appends
 "rank batch_seq rows duplicate" per acknowledged batch; `--retry` resends a batch
@@ -205,6 +210,32 @@ class Sender:
         self.stats = Stats()
         self.ack_log = open(ack_log, "a", buffering=1) if ack_log else None
 
+    async def send_bundle(self, conn: Conn, ranks: list[int], seq: int, bodies: list[bytes], rows: int) -> None:
+        """One node's batches as one bundle; resent whole (the collector stores each once)
+        until every item is acknowledged, when retrying."""
+        body = wire.encode_bundle(bodies)
+        while True:
+            t0 = time.perf_counter()
+            try:
+                status, payload = await conn.post(wire.BUNDLE_PATH, body, wire.BUNDLE_CONTENT_TYPE)
+            except ConnectionError:
+                status, payload = 0, b""
+            results = json.loads(payload)["results"] if status == 200 else []
+            if results and all(r["status"] == 200 for r in results):
+                self.stats.latencies_s.append(time.perf_counter() - t0)
+                self.stats.requests += 1
+                for rank, r in zip(ranks, results):
+                    self.stats.rows += r["accepted"]
+                    self.stats.duplicates += r["duplicate"]
+                    if self.ack_log:
+                        self.ack_log.write(f"{rank} {seq} {rows} {int(r['duplicate'])}\n")
+                return
+            self.stats.errors += 1
+            if not self.retry or time.monotonic() > self.deadline + 30 or 400 <= status < 500:
+                print(f"loadgen: bundle HTTP {status}: {payload[:200]!r}", file=sys.stderr)
+                return
+            await asyncio.sleep(0.05)
+
     async def send(self, conn: Conn, rank: int, seq: int, body: bytes, rows: int) -> None:
         while True:
             t0 = time.perf_counter()
@@ -253,7 +284,10 @@ async def run_throughput(args, maker: BatchMaker) -> dict:
 
 
 async def run_ranks(args, maker: BatchMaker) -> dict:
-    """Each rank flushes every flush_s; rank r's phase is r/ranks of the period."""
+    """Each rank flushes every flush_s; rank r's phase is r/ranks of the period (with
+    --per-node, node n's phase is n/nodes, and its ranks flush together)."""
+    per_node = max(1, args.per_node)
+    units = -(-args.ranks // per_node)  # what flushes: a rank, or a node's relay
     start = time.monotonic() + 0.2
     deadline = start + args.duration
     sender = Sender(args.url, args.token, retry=args.retry, ack_log=args.ack_log, deadline=deadline)
@@ -264,8 +298,8 @@ async def run_ranks(args, maker: BatchMaker) -> dict:
         period = args.flush_s
         k = 0
         while True:
-            cycle, rank = divmod(k, args.ranks)
-            due = start + cycle * period + rank * period / args.ranks
+            cycle, unit = divmod(k, units)
+            due = start + cycle * period + unit * period / units
             if due >= deadline:
                 break
             now = time.monotonic()
@@ -273,7 +307,7 @@ async def run_ranks(args, maker: BatchMaker) -> dict:
                 await asyncio.sleep(due - now)
             else:
                 lag_s.append(now - due)
-            await queue.put((rank, args.seq_start + cycle))
+            await queue.put((unit, args.seq_start + cycle))
             k += 1
         for _ in range(args.connections):
             await queue.put(None)
@@ -281,8 +315,12 @@ async def run_ranks(args, maker: BatchMaker) -> dict:
     async def worker() -> None:
         conn = Conn(args.url, args.token)
         while (item := await queue.get()) is not None:
-            rank, seq = item
-            await sender.send(conn, rank, seq, _make(maker, args, rank, seq), maker.rows)
+            unit, seq = item
+            if args.per_node:
+                ranks = list(range(unit * per_node, min(args.ranks, (unit + 1) * per_node)))
+                await sender.send_bundle(conn, ranks, seq, [_make(maker, args, r, seq) for r in ranks], maker.rows)
+            else:
+                await sender.send(conn, unit, seq, _make(maker, args, unit, seq), maker.rows)
         conn.close()
 
     t0 = time.perf_counter()
@@ -328,6 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("ranks", help="ranks stepping at a fixed rate")
     r.add_argument("--step-hz", type=float, default=1.0)
     r.add_argument("--flush-s", type=float, default=1.0, help="each rank's flush period")
+    r.add_argument("--per-node", type=int, default=0,
+                   help="> 0: ranks per node, each node's batches sent as one bundle (its relay's)")
     return p
 
 
