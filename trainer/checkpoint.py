@@ -105,7 +105,7 @@ class SaveRecord:
     path: Path  # the finalized directory
     num_shards: int  # files this rank wrote
     bytes: int  # bytes this rank wrote
-    write_s: float  # background time to serialize, hash and fsync this rank's files
+    write_s: float  # background time to serialize, hash and fsync this rank's files and its partial manifest
     stall_s: float  # time save() blocked the training loop (back-pressure + copy to host)
     checksums: dict[str, str]  # file name -> sha256, this rank's files
     finalized: bool | None  # rank 0: manifest written and renamed; None elsewhere (not known there)
@@ -378,10 +378,12 @@ class Checkpointer:
         tmp = self.dir / f"{name}.tmp"
         tmp.mkdir(parents=True, exist_ok=True)
         entries = [self._write_shard(tmp, shard, job.step) for shard in job.shards]
-        write_s = self.clock() - t0
         partial = {"format": FORMAT_VERSION, "session": self._session, "step": job.step, "rank": self.dims.rank,
-                   "write_s": write_s, "shards": entries}
+                   "write_s": self.clock() - t0, "shards": entries}
         _write_json_atomic(tmp / f"rank-{self.dims.rank:05d}.json", partial)
+        # the whole of this rank's part, its partial manifest's fsyncs included: what checkpoint_slow's
+        # still-writing bound (queued to the newest step row without a report) is a lower bound of
+        write_s = self.clock() - t0
         record = SaveRecord(job.step, self.dir / name, len(entries), sum(e["bytes"] for e in entries), write_s,
                             job.stall_s, {e["file"]: e["sha256"] for e in entries}, None, None)
         if self.dims.rank != 0:

@@ -32,7 +32,11 @@ A rank's write is slow when it is at least `min_ratio` times
   replica per shard, is judged by its history alone),
 
 and exceeds the larger of the two by at least `min_excess_s` (an fsync's jitter on
-a tiny file is not a slow node). The incident is per node and names the slowest
+a tiny file is not a slow node). A write that was not slow enters its rank's history
+capped at `min_ratio` x the history's median: a checkpoint that was slow for all its
+ranks alike (a starved host, busy shared storage) does not make the next slow write
+look normal. A still-writing bound is judged early only against peers that reported:
+while all ranks writing as many shards are still writing, the checkpoint waits. The incident is per node and names the slowest
 rank; it resolves after `resolve_after_checkpoints` checkpoints in a row in which
 none of its ranks wrote slowly. The evidence has the checkpoint's step, the write
 seconds against both references (`still_writing`: the write seconds are the lower
@@ -173,9 +177,13 @@ class CheckpointSlowDetector:
         return out
 
     def _slow_bound(self, st: _State, pend: _Pending, bounds: dict[int, tuple[float, int, int]]) -> bool:
-        """Whether a still-writing rank's lower bound alone is already a slow write."""
+        """Whether a still-writing rank's lower bound alone is already a slow write. Only against
+        peers that reported: while every rank writing as many shards is still writing, the slowness
+        is common to them (shared storage, a starved host), and the checkpoint waits for its reports."""
         for r, (w, shards, _) in bounds.items():
             peers = [x[0] for q, x in pend.reports.items() if x[1] == shards]
+            if not peers and any(q != r and x[1] == shards for q, x in pend.queued.items()):
+                continue
             hist = st.history.get(r)
             if self._verdict(w, float(np.median(peers)) if peers else None, hist) is not None:
                 return True
@@ -207,7 +215,7 @@ class CheckpointSlowDetector:
             if not writing and (not hist or (peer_med is None and len(hist) < cfg.min_history_checkpoints)):
                 # its first write (buffers allocated, files created) is not judged; nor is a rank
                 # without peers (one replica per shard) before its own history is a reference
-                st.history.setdefault(r, deque(maxlen=cfg.history_checkpoints)).append(w)
+                self._remember(st, r, w)
                 continue
             got = self._verdict(w, peer_med, hist)
             if got is not None:
@@ -219,7 +227,7 @@ class CheckpointSlowDetector:
                            "ratio_vs_history": json_number(w / own_med if own_med else None, 4),
                            "excess_s": json_number(w - ref, 4), **topo.coords(r)}
             elif not writing:  # a bound that is not slow says nothing about the write's length
-                st.history.setdefault(r, deque(maxlen=cfg.history_checkpoints)).append(w)
+                self._remember(st, r, w)
         by_node: dict[str, list[int]] = {}
         for r in slow:
             by_node.setdefault(topo.node_name(r) or f"rank{r}", []).append(r)
@@ -241,6 +249,15 @@ class CheckpointSlowDetector:
                     p.resolve(ep.key, step_to=step, evidence={**p.book.get(ep.key).evidence,
                                                              "resolved_because": "its shard writes are fast again"})
                 del st.episodes[where]
+
+    def _remember(self, st: _State, rank: int, w: float) -> None:
+        """A write that was not slow enters its rank's history; one far past the rank's own median
+        (its peers were as slow: a common slowdown) enters capped at `min_ratio` x that median, so one
+        noisy checkpoint does not redefine the rank's normal, and a lasting change is learned in a few."""
+        hist = st.history.setdefault(rank, deque(maxlen=self.cfg.history_checkpoints))
+        if len(hist) >= self.cfg.min_history_checkpoints:
+            w = min(w, self.cfg.min_ratio * float(np.median(hist)))
+        hist.append(w)
 
     def _report(self, p, ep: _Episode, where: str, step: int, worst: int, per_rank: dict) -> None:
         node = p.topo.node_name(worst)

@@ -35,7 +35,7 @@ def test_a_data_stall_is_named_and_is_not_a_straggler(tmp_path):
 
 def test_slow_checkpoint_writes_are_named(tmp_path):
     r = run_trainer(tmp_path / "slowckpt", *LAYOUT, "--steps", "24", "--ckpt-dir", str(tmp_path / "ckpt"),
-                    "--ckpt-every", "4", "--inject", "slowio@rank=1,from=10,factor=30,what=ckpt")
+                    "--ckpt-every", "4", "--inject", "slowio@rank=1,from=10,factor=50,what=ckpt")
     assert r.returncode == 0, r.stderr[-3000:]
     rows = _incidents(r.run_dir)
     assert rows and {row[0] for row in rows} == {"checkpoint_slow"}, rows  # nothing else opened

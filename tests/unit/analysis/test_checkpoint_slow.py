@@ -9,10 +9,12 @@ from analysis import Analyzer
 from tests.unit.analysis.sim import Layout, Sim, Straggler, feed, last_of, opened
 
 
-def _writes(commits, *, slow_rank: int | None = None, from_step: int = 0, factor: float = 1.0):
+def _writes(commits, *, slow_rank: int | None = None, from_step: int = 0, factor: float = 1.0,
+            noise: dict[tuple[int, int], float] | None = None):
     """Give every checkpoint_saved event the write seconds a real rank reports: dp rank 0 ranks write the
     model shard too (2 shards, ~0.12 s), the others their rank file (1 shard, ~0.02 s), a little noise;
-    `slow_rank`'s take `factor` times as long from `from_step` on."""
+    `slow_rank`'s take `factor` times as long from `from_step` on; `noise`: (rank, step) -> a factor
+    more for that one write."""
     out = []
     for now, frames in commits:
         ev = frames.events
@@ -24,6 +26,7 @@ def _writes(commits, *, slow_rank: int | None = None, from_step: int = 0, factor
                     w = (0.12 if two else 0.02) * (1.0 + 0.05 * ((rank * 7 + step) % 3))
                     if rank == slow_rank and step >= from_step:
                         w *= factor
+                    w *= (noise or {}).get((rank, step), 1.0)
                     d = json.dumps({**json.loads(d), "num_shards": 2 if two else 1, "write_s": w,
                                     "bytes": 5_000_000 if two else 20_000})
                 data.append(d)
@@ -87,12 +90,13 @@ def test_clean_runs_and_a_straggler_open_no_checkpoint_slow():
     assert {f.kind for f in feed(Analyzer(), _writes(sim.build()))} == {"straggler"}
 
 
-def _async_writes(commits, *, world: int, slow_rank: int, from_step: int, write_s: float | None):
+def _async_writes(commits, *, world: int, slow_rank: int, from_step: int, write_s: float | None,
+                  slow_ranks: tuple[int, ...] = (), only_step: int | None = None):
     """What the trainer sends: `checkpoint_queued` when a save is queued (just after its step), and
     `checkpoint_saved` at the first step boundary after the background write ended, before that
     step's row (trainer/train.py polls there). Dp rank 0 ranks (0, 1) write 2 shards (~0.12 s),
-    the others 1 (~0.02 s); `slow_rank`'s writes from `from_step` on take `write_s` (None: its
-    writer stalled, it never reports)."""
+    the others 1 (~0.02 s); `slow_rank`'s (and `slow_ranks`') writes from `from_step` on (only
+    that of `only_step`, when given) take `write_s` (None: its writer stalled, it never reports)."""
     step_ts: dict[int, float] = {}
     events = []
     for _, frames in commits:
@@ -112,7 +116,7 @@ def _async_writes(commits, *, world: int, slow_rank: int, from_step: int, write_
                            "data": json.dumps({"num_shards": 2 if two else 1, "bytes": 5_000_000 if two else 20_000,
                                                "stall_s": 0.01})})
             w = (0.12 if two else 0.02) * (1.0 + 0.05 * ((r * 7 + s) % 3))
-            if r == slow_rank and s >= from_step:
+            if (r == slow_rank or r in slow_ranks) and s >= from_step and only_step in (None, s):
                 if write_s is None:
                     continue
                 w = write_s
@@ -175,3 +179,28 @@ def test_async_reports_of_a_clean_run_open_nothing():
     sim = Sim(layout=layout, steps=130, seed=23, ckpt_every=20)
     commits = _async_writes(sim.build(), world=layout.world, slow_rank=0, from_step=10_000, write_s=None)
     assert [f.summary() for f in feed(Analyzer(), commits)] == []
+
+
+def test_a_checkpoint_slow_for_all_its_small_writers_alike_opens_nothing():
+    """Every rank writing one shard (2 and 3, both on node1) is slow at one checkpoint (a starved
+    host, busy shared storage): no peer reported while they write, so their bounds wait for the
+    reports, which show them as slow as each other."""
+    layout = Layout(dp=2, tp=2, nodes=2)
+    sim = Sim(layout=layout, steps=130, seed=24, ckpt_every=20)
+    commits = _async_writes(sim.build(), world=layout.world, slow_rank=2, slow_ranks=(3,), from_step=60,
+                            only_step=60, write_s=1.5)
+    assert [f.summary() for f in feed(Analyzer(), commits)] == []
+
+
+def test_a_noisy_peer_at_the_first_slow_checkpoints_does_not_hide_the_slow_rank():
+    """Rank 1 writes 8x slower from step 60; at its first two slow checkpoints its peer rank 0 happened
+    to be as slow (a starved host). Rank 1's writes enter its history capped, so the later slow writes
+    are still slow against it (uncapped, half its history would be slow writes), and the incident opens
+    at the next checkpoint."""
+    layout = Layout(dp=2, tp=2, nodes=2)
+    sim = Sim(layout=layout, steps=130, seed=25, ckpt_every=20)
+    findings = feed(Analyzer(), _writes(sim.build(), slow_rank=1, from_step=60, factor=8.0, noise={(0, 60): 8.0, (0, 80): 8.0}))
+    first = opened(findings)
+    assert [f.kind for f in first.values()] == ["checkpoint_slow"], [f.summary() for f in first.values()]
+    f = next(iter(first.values()))
+    assert (f.rank, f.node, f.step_from) == (1, "node0", 100)
