@@ -1,6 +1,7 @@
 """Trainer throughput: against plain PyTorch, layouts side by side, and telemetry on vs off.
 
     python bench/bench_trainer.py [--steps 30] [--repeats 3] [--only peer|layouts|telemetry] [--embedded]
+                                  [--warmup 5]
 
 `peer`: the trainer against bench/plain_gpt.py (the same GPT in plain torch: torch
 DDP over gloo, `no_sync` accumulation, bf16 autocast, AdamW, clip 1.0) at dp1 and
@@ -12,7 +13,10 @@ the peer's median step time over the trainer's (above 1: the trainer is faster).
 Every figure is the median tokens/s of steps after a warm-up, read from the
 run's metrics.jsonl, and every comparison is a ratio between runs made in this
 same invocation (absolute numbers on a shared 2-core machine are noise). The
-telemetry comparison interleaves on/off runs so drift hits both equally.
+telemetry comparison interleaves on/off runs so drift hits both equally; with
+`--embedded` a third arm runs the embedded collector and dashboard at the ranks'
+priority (`LLMWATCH_SIDECAR_NICE=0`) instead of below it. `--warmup 60 --steps 200`
+reads the steady state only.
 """
 
 from __future__ import annotations
@@ -36,14 +40,15 @@ MODEL = [*PEER_SHAPES, "--precision", "bf16", "--no-progress"]
 WARMUP = 5
 
 
-def run(args: list[str], steps: int, workdir: Path, *, field: str = "tokens_per_s") -> float:
-    """The median of metrics.jsonl's `field` over the steps after the warm-up."""
+def run(args: list[str], steps: int, workdir: Path, *, field: str = "tokens_per_s",
+        env: dict[str, str] | None = None) -> float:
+    """The median of metrics.jsonl's `field` over the steps after the warm-up (`WARMUP`)."""
     run_dir = Path(tempfile.mkdtemp(dir=workdir))
     metrics = run_dir / "metrics.jsonl"
     cmd = [sys.executable, "-m", "trainer", "--run-dir", str(run_dir), "--metrics-jsonl", str(metrics),
            "--steps", str(steps), *MODEL, *args]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                          env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})))
     if proc.returncode != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
     rows = [json.loads(x) for x in metrics.read_text().splitlines()]
@@ -187,19 +192,25 @@ def _print_tokens(tput: dict[str, list[float]], on: str) -> None:
 
 
 def _telemetry_embedded(steps: int, repeats: int, workdir: Path, flush_s: float | None) -> None:
+    """Off, on (the sidecars at their default priority, below the ranks), and on with the
+    sidecars at the ranks' priority (LLMWATCH_SIDECAR_NICE=0), interleaved."""
     layout = ["--dp", "2", "--micro-batches", "2"]
     on_args = layout + ["--telemetry"] + (["--telemetry-flush-s", str(flush_s)] if flush_s is not None else [])
-    tput = {"off": [], "on": []}
-    cpu = {"off": [], "on": []}
+    arms = (("off", layout, None), ("on", on_args, None), ("on, nice 0", on_args, {"LLMWATCH_SIDECAR_NICE": "0"}))
+    tput: dict[str, list[float]] = {name: [] for name, _, _ in arms}
+    cpu: dict[str, list[float]] = {name: [] for name, _, _ in arms}
     for _ in range(repeats):
-        for mode, args in (("off", layout), ("on", on_args)):
+        for name, args, env in arms:
             c0 = _children_cpu_s()
-            tput[mode].append(run(args, steps, workdir))
-            cpu[mode].append((_children_cpu_s() - c0) / steps)
+            tput[name].append(run(args, steps, workdir, env=env))
+            cpu[name].append((_children_cpu_s() - c0) / steps)
     _print_tokens(tput, "on (embedded collector and dashboard)")
+    m_off, m_same = statistics.median(tput["off"]), statistics.median(tput["on, nice 0"])
+    print(f"telemetry on, sidecars at the ranks' priority: {m_same:,.0f} tokens/s  "
+          f"{['%.0f' % x for x in tput['on, nice 0']]}  ratio on/off {m_same / m_off:.3f}")
     ms = {k: 1e3 * statistics.median(v) for k, v in cpu.items()}
-    print(f"CPU per step (whole job, incl. start-up and the collector's and dashboard's), off: {ms['off']:.1f} ms   "
-          f"on: {ms['on']:.1f} ms")
+    print("CPU per step (whole job, incl. start-up and the collector's and dashboard's): "
+          + "   ".join(f"{k}: {v:.1f} ms" for k, v in ms.items()))
 
 
 def main() -> None:
@@ -208,9 +219,13 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--only", choices=("peer", "layouts", "telemetry"))
     p.add_argument("--flush-s", type=float, help="the agents' flush interval (default: the trainer's, 1.0 s)")
+    p.add_argument("--warmup", type=int, default=WARMUP,
+                   help=f"steps left out of each run's median (default {WARMUP}; more: the steady state only)")
     p.add_argument("--embedded", action="store_true",
                    help="telemetry on = plain --telemetry: the embedded collector and dashboard on the same cores")
     a = p.parse_args()
+    global WARMUP
+    WARMUP = a.warmup
     with tempfile.TemporaryDirectory() as tmp:
         if a.only in (None, "peer"):
             peer(a.steps, a.repeats, Path(tmp))

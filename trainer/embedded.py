@@ -5,7 +5,9 @@ agent and nothing else); it starts `python -m collector serve` as a separate
 process on a loopback port, waits for `/healthz`, and stops it with SIGTERM,
 which drains the collector's write queue and closes the DuckDB file cleanly.
 If the launcher dies first, the child gets that SIGTERM from the kernel
-(`trainer.lifeline.die_with_parent`).
+(`trainer.lifeline.die_with_parent`). It runs `SIDECAR_NICE` lower than the
+ranks (`LLMWATCH_SIDECAR_NICE`), as does the embedded dashboard: both share the
+ranks' cores, and a rank woken by a finished collective gets its core at once.
 
 Tokens: the collector accepts tokens by role (ingest for the ranks, read for
 dashboards and SQL, control for commands). By default this makes one of each,
@@ -38,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.launch import free_port
-from trainer.lifeline import die_with_parent
+from trainer.lifeline import sidecar_preexec
 from trainer.private import COLLECTOR_TOKEN_ENVS, WEBHOOK_SECRET_ENV, private_dir, write_secret
 
 START_TIMEOUT_S = 60.0
@@ -46,6 +48,7 @@ STOP_TIMEOUT_S = 30.0
 ROLES = ("ingest", "read", "control")
 ALL_ROLES_FILE = "token"  # the user's one token, every role
 WEBHOOK_SECRET_FILE = "webhook-secret"
+SIDECAR_NICE = 10  # the collector and dashboard beside the ranks: below them (see `sidecar_preexec`)
 
 
 def write_tokens(tokens_dir: Path, *, token: str | None) -> tuple[str, dict[str, Path]]:
@@ -98,6 +101,21 @@ def collector_argv(*, db_path: Path, host: str, port: int, token_paths: Mapping[
     if min_nodes is not None:
         argv += ["--min-nodes", str(min_nodes)]
     return argv
+
+
+def sidecar_nice(environ: Mapping[str, str] = os.environ) -> int:
+    """How much lower than the ranks the embedded collector and dashboard run:
+    `LLMWATCH_SIDECAR_NICE` (0 to 19), by default `SIDECAR_NICE`."""
+    text = environ.get("LLMWATCH_SIDECAR_NICE", "").strip()
+    if not text:
+        return SIDECAR_NICE
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"LLMWATCH_SIDECAR_NICE must be an integer from 0 to 19, not {text!r}") from None
+    if not 0 <= value <= 19:
+        raise ValueError(f"LLMWATCH_SIDECAR_NICE must be from 0 to 19, not {value}")
+    return value
 
 
 def collector_env(environ: Mapping[str, str]) -> dict[str, str]:
@@ -153,7 +171,7 @@ class EmbeddedCollector:
             stdout=log, stderr=subprocess.STDOUT, env=collector_env(os.environ),
             # its own session: a Ctrl-C in the terminal reaches the ranks, and the launcher
             # stops the collector after they flushed; PDEATHSIG: it dies with the launcher
-            start_new_session=True, preexec_fn=die_with_parent(),
+            start_new_session=True, preexec_fn=sidecar_preexec(sidecar_nice(self._environ)),
         )
         log.close()
         deadline = time.monotonic() + START_TIMEOUT_S

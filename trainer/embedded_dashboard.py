@@ -23,8 +23,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from trainer.embedded import collector_env, stop_process
-from trainer.lifeline import die_with_parent
+from trainer.embedded import collector_env, sidecar_nice, stop_process
+from trainer.lifeline import sidecar_preexec
 
 HOST = "127.0.0.1"
 START_TIMEOUT_S = 60.0
@@ -67,7 +67,7 @@ class EmbeddedDashboard:
         try:
             self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT,
                                          env=self.env(), start_new_session=True,
-                                         preexec_fn=die_with_parent())
+                                         preexec_fn=sidecar_preexec(sidecar_nice()))
         finally:
             log.close()
 

@@ -74,3 +74,26 @@ def test_alert_flags_reach_the_collector_the_secret_only_as_a_0600_file(tmp_path
     env = collector_env({"PATH": "/bin", "LLMWATCH_WEBHOOK_SECRET": secret})
     assert secret not in " ".join(argv) + repr(env) and "LLMWATCH_WEBHOOK_SECRET" not in env
     assert write_webhook_secret(tmp_path / "tokens", None) is None and not secret_path.exists()  # no stale secret
+
+
+def test_the_sidecars_run_below_the_ranks():
+    """The embedded collector and dashboard start `SIDECAR_NICE` lower than the launcher (the
+    child's own niceness, read back from the kernel), or as set by LLMWATCH_SIDECAR_NICE."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    from trainer.embedded import SIDECAR_NICE, sidecar_nice
+    from trainer.lifeline import sidecar_preexec
+
+    assert sidecar_nice({}) == SIDECAR_NICE == 10
+    assert sidecar_nice({"LLMWATCH_SIDECAR_NICE": " 0 "}) == 0 and sidecar_nice({"LLMWATCH_SIDECAR_NICE": "19"}) == 19
+    for bad in ("-5", "20", "low"):
+        with pytest.raises(ValueError, match="LLMWATCH_SIDECAR_NICE"):
+            sidecar_nice({"LLMWATCH_SIDECAR_NICE": bad})
+    mine = os.nice(0)
+    read = [sys.executable, "-c", "import os; print(os.nice(0))"]
+    for nice in (SIDECAR_NICE, 0):
+        out = subprocess.run(read, capture_output=True, text=True, check=True, preexec_fn=sidecar_preexec(nice))
+        assert int(out.stdout) == min(mine + nice, 19)
