@@ -214,6 +214,7 @@ def _telemetry_embedded(steps: int, repeats: int, workdir: Path, flush_s: float 
 
 
 def main() -> None:
+    global WARMUP
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--repeats", type=int, default=3)
@@ -224,7 +225,6 @@ def main() -> None:
     p.add_argument("--embedded", action="store_true",
                    help="telemetry on = plain --telemetry: the embedded collector and dashboard on the same cores")
     a = p.parse_args()
-    global WARMUP
     WARMUP = a.warmup
     with tempfile.TemporaryDirectory() as tmp:
         if a.only in (None, "peer"):
