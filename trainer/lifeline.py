@@ -68,7 +68,13 @@ def sidecar_preexec(nice: int) -> Callable[[], None] | None:
     """`die_with_parent()`'s `preexec_fn` that also lowers the child's priority by `nice`
     (0: as the launcher's): for the embedded collector and dashboard, which share the
     ranks' cores. The scheduler then gives a rank that wakes up (a collective completed)
-    the core at once, and what the sidecar needs (a few percent of a core) it still gets."""
+    the core at once, and what the sidecar needs (a few percent of a core) it still gets.
+
+    A child started in a session of its own (`start_new_session`) is also in a scheduling
+    autogroup of its own where the kernel has them (`/proc/sys/kernel/sched_autogroup_enabled`),
+    and a process's nice then only ranks it within its group: the group's nice is what
+    ranks it against the ranks', so it is lowered too (`/proc/self/autogroup`), only there:
+    a child in the launcher's session shares the launcher's autogroup, the ranks' with it."""
     pdeath = die_with_parent()
     if nice <= 0:
         return pdeath
@@ -79,6 +85,13 @@ def sidecar_preexec(nice: int) -> Callable[[], None] | None:
         try:
             os.nice(nice)
         except OSError:  # not permitted here: run at the launcher's priority
+            pass
+        if os.getsid(0) != os.getpid():  # the launcher's autogroup: the ranks' too, never lowered
+            return
+        try:
+            with open("/proc/self/autogroup", "w") as f:
+                f.write(str(nice))
+        except OSError:  # no autogroups (or not Linux): the process's nice is all there is
             pass
 
     return preexec

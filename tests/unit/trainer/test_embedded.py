@@ -97,3 +97,10 @@ def test_the_sidecars_run_below_the_ranks():
     for nice in (SIDECAR_NICE, 0):
         out = subprocess.run(read, capture_output=True, text=True, check=True, preexec_fn=sidecar_preexec(nice))
         assert int(out.stdout) == min(mine + nice, 19)
+    if os.path.exists("/proc/self/autogroup"):  # in a session of its own, its autogroup is lowered as well...
+        ours = open("/proc/self/autogroup").read()
+        read = [sys.executable, "-c", "print(open('/proc/self/autogroup').read().split()[-1])"]
+        out = subprocess.run(read, capture_output=True, text=True, check=True, start_new_session=True,
+                             preexec_fn=sidecar_preexec(SIDECAR_NICE))
+        assert int(out.stdout) == SIDECAR_NICE
+        assert open("/proc/self/autogroup").read() == ours  # ...and the launcher's (the ranks') never
