@@ -51,6 +51,23 @@ def test_interned_codes_are_equal_for_equal_strings_across_frames():
     assert a[0] == a[2] == b[1] and a[1] == b[0] and a[0] != a[1]
 
 
+def test_categorical_codes_match_the_string_path_nulls_and_far_codes_included(monkeypatch):
+    """Categorical columns go through polars' physical codes: the same name for every row as
+    the string path, -1 for a null, across frames and for an empty column; and through the
+    sorted lookup when the process's categories are far apart (`FAR_CODES`)."""
+    chunks = (["tp", "dp", None, "pp", "dp", "ctrl", None], ["pp", "new", None], [], [None, None])
+    for far in (1 << 22, 0):
+        monkeypatch.setattr(Interner, "FAR_CODES", far)
+        table, strings = Interner(), Interner()
+        for chunk in chunks:
+            got = table.codes(pl.Series(chunk, dtype=pl.Categorical))
+            want = strings.codes(pl.Series(chunk, dtype=pl.String))
+            assert got.dtype == want.dtype == np.int64
+            assert [table.names[c] if c >= 0 else None for c in got] == chunk
+            assert [strings.names[c] if c >= 0 else None for c in want] == chunk
+        assert sorted(table.names) == sorted(strings.names) == ["ctrl", "dp", "new", "pp", "tp"]
+
+
 def test_iter_steps_slices_a_sorted_frame():
     df = steps_frame({"run_id": ["r"] * 5, "attempt": [0, 0, 0, 1, 1], "step": [1, 1, 2, 1, 1],
                       "rank": [0, 1, 0, 0, 1]})
