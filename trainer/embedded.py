@@ -159,6 +159,7 @@ class EmbeddedCollector:
         return f"http://{self.host}:{self.port}"
 
     def start(self) -> None:
+        nice = sidecar_nice(self._environ)  # a bad value is refused before anything is written
         self.port = free_port(self.host)
         self.rank_token, self.token_paths = write_tokens(self.tokens_dir, token=self._user_token)
         secret_path = write_webhook_secret(self.tokens_dir, self._environ.get(WEBHOOK_SECRET_ENV)
@@ -171,7 +172,7 @@ class EmbeddedCollector:
             stdout=log, stderr=subprocess.STDOUT, env=collector_env(os.environ),
             # its own session: a Ctrl-C in the terminal reaches the ranks, and the launcher
             # stops the collector after they flushed; PDEATHSIG: it dies with the launcher
-            start_new_session=True, preexec_fn=sidecar_preexec(sidecar_nice(self._environ)),
+            start_new_session=True, preexec_fn=sidecar_preexec(nice),
         )
         log.close()
         deadline = time.monotonic() + START_TIMEOUT_S

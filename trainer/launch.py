@@ -80,7 +80,7 @@ def _launch_embedded(cfg: JobConfig, run_dir: Path, *, token: str | None, progre
                                       policy=cfg.healing.policy, min_nodes=cfg.healing.min_nodes)
         try:
             collector.start()
-        except RuntimeError as e:
+        except (RuntimeError, ValueError) as e:  # ValueError: a bad LLMWATCH_SIDECAR_NICE
             print(f"trainer: error: {e}", file=sys.stderr)
             return 1
         cfg.telemetry.collector_url = collector.url

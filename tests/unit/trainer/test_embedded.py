@@ -104,3 +104,15 @@ def test_the_sidecars_run_below_the_ranks():
                              preexec_fn=sidecar_preexec(SIDECAR_NICE))
         assert int(out.stdout) == SIDECAR_NICE
         assert open("/proc/self/autogroup").read() == ours  # ...and the launcher's (the ranks') never
+
+
+def test_a_bad_sidecar_nice_is_refused_before_anything_is_written(tmp_path):
+    import pytest
+
+    from trainer.embedded import EmbeddedCollector
+
+    c = EmbeddedCollector(db_path=tmp_path / "t.duckdb", tokens_dir=tmp_path / "tokens", log_path=tmp_path / "c.log",
+                          environ={"LLMWATCH_SIDECAR_NICE": "high"})
+    with pytest.raises(ValueError, match="LLMWATCH_SIDECAR_NICE must be an integer from 0 to 19, not 'high'"):
+        c.start()
+    assert c.proc is None and not (tmp_path / "tokens").exists() and not (tmp_path / "c.log").exists()
