@@ -17,8 +17,17 @@ are a lower bound on its write, and once that bound alone is slow (below) the
 checkpoint is judged at once, without waiting for a report that a stalled writer
 never sends. A checkpoint still missing a report once `max_pending` newer ones are
 pending is judged with the bounds it has (a rank with neither report nor bound is
-left out: it died, and that is the crash and hang detectors' to say). A report that
-comes after its checkpoint was judged is not judged again.
+left out: it died, and that is the crash and hang detectors' to say). A rank judged
+there on a bound that was not slow, or left out, is judged again when its report comes
+(within `LATE_CHECKPOINTS` judged checkpoints), against the reports that checkpoint had:
+with checkpoints less than an agent's flush apart, a checkpoint falls overdue while
+the slow rank's report and its step rows are still in its agent's buffer. Rank 0
+reports a save only once it finalized it, after every rank's partial manifest came,
+so its bound measures the slowest rank's write: it is judged on its report alone.
+For the same reason its replicas always report first: a report with no reported peer
+while a rank writing as many shards has yet to report is deferred (a peer to the
+others all the same) and judged when that peer's report comes, or alone once none
+can come; judged alone at once, a slow write would enter a short history as normal.
 
 A rank's write is slow when it is at least `min_ratio` times
 
@@ -78,20 +87,40 @@ class _Pending:
         self.queued: dict[int, tuple[float, int, int]] = {}  # rank -> (ts on its clock, num_shards, bytes)
 
 
+class _Late:
+    """A checkpoint judged without some ranks' reports: the reports it had (the peers of a
+    late one), the ranks whose report is still to be judged, and the reports held back for
+    want of a peer (`deferred`: judged once a rank writing as many shards reports)."""
+
+    __slots__ = ("reports", "waiting", "deferred")
+
+    def __init__(self, reports: dict[int, tuple[float, int, int]], waiting: set[int],
+                 deferred: dict[int, tuple[float, int, int]]) -> None:
+        self.reports = reports
+        self.waiting = waiting
+        self.deferred = deferred
+
+
+LATE_CHECKPOINTS = 16  # judged checkpoints whose late reports are still judged
+
+
 class _State:
-    __slots__ = ("pending", "history", "episodes", "judged", "last_ts")
+    __slots__ = ("pending", "history", "episodes", "judged", "last_ts", "late", "shards")
 
     def __init__(self) -> None:
         self.pending: dict[tuple[int, int], _Pending] = {}  # (attempt, step) -> what its ranks reported
         self.history: dict[int, deque] = {}  # rank -> its recent write seconds that were not slow
         self.episodes: dict[str, _Episode] = {}  # node (or "rank<R>") -> open episode
-        self.judged: deque = deque(maxlen=16)  # (attempt, step) judged already: a late report is ignored
+        self.judged: deque = deque(maxlen=LATE_CHECKPOINTS)  # (attempt, step) judged already
+        self.late: dict[tuple[int, int], _Late] = {}  # of those, the ones with ranks to judge on their report
+        self.shards: dict[int, int] = {}  # rank -> the shards it writes (its last report or queue event)
         self.last_ts: dict[int, float] = {}  # rank -> its newest step row's ts, of the ranks with a write queued
 
     def footprint(self) -> dict[str, int]:
         return {"pending": sum(len(v.reports) + len(v.queued) for v in self.pending.values()),
                 "episodes": len(self.episodes), "history": sum(len(d) for d in self.history.values()),
-                "last_ts": len(self.last_ts)}
+                "last_ts": len(self.last_ts), "shards": len(self.shards),
+                "late": sum(len(v.waiting) + len(v.deferred) for v in self.late.values())}
 
 
 @register
@@ -111,7 +140,8 @@ class CheckpointSlowDetector:
             kinds = ev["kind"].cast(pl.String)
             mine = ev.filter(kinds.is_in(["checkpoint_saved", "checkpoint_queued"]))
             if mine.height:
-                self._read(st, mine)
+                for key, rank, report in self._read(st, mine):
+                    self._judge_late(p, st, key, rank, report)
         if not st.pending:
             return
         self._advance(st, p.frames.steps)
@@ -124,15 +154,32 @@ class CheckpointSlowDetector:
             if not (complete or overdue or self._slow_bound(st, pend, bounds)):
                 continue
             del st.pending[key]
+            if len(st.judged) == st.judged.maxlen:
+                self._retire(p, st, st.judged[0])
             st.judged.append(key)
+            ranks = {int(r) for r in np.flatnonzero(p.topo.seen)} | set(pend.queued) | set(pend.reports)
+            missing = ranks - set(pend.reports)
+            # a report with no reported peer while a rank writing as many shards has yet to report
+            # (rank 0 reports after it finalized, so its replicas' writes always come first) waits
+            # for that peer: judged alone, a slow write would enter a short history as normal
+            deferred = {r: x for r, x in pend.reports.items()
+                        if not any(q != r and y[1] == x[1] for q, y in pend.reports.items())
+                        and any(st.shards.get(q) == x[1] for q in missing)}
             reports = {**{r: (w, n, b, True) for r, (w, n, b) in bounds.items()},
                        **{r: (w, n, b, False) for r, (w, n, b) in pend.reports.items()}}
-            if len(reports) >= 2:
-                self._judge(p, st, key[1], reports)
+            slow = self._judge(p, st, key[1], reports, skip=set(deferred))
+            waiting = missing - slow
+            if waiting or deferred:
+                st.late[key] = _Late({r: x for r, x in pend.reports.items() if r not in deferred}, waiting, deferred)
+                if not waiting:
+                    self._retire(p, st, key)
         if not st.pending:
             st.last_ts.clear()
 
-    def _read(self, st: _State, ev: pl.DataFrame) -> None:
+    def _read(self, st: _State, ev: pl.DataFrame) -> list:
+        """Take the events in; the reports of checkpoints judged already, to judge late:
+        [((attempt, step), rank, (write_s, shards, bytes))]."""
+        late = []
         attempts = ev["attempt"].to_list() if has(ev, "attempt") else [0] * ev.height
         for rank, step, attempt, kind, ts, data in zip(ev["rank"].to_list(), ev["step"].to_list(), attempts,
                                                        ev["kind"].cast(pl.String).to_list(), ev["ts"].to_list(),
@@ -140,7 +187,7 @@ class CheckpointSlowDetector:
             if rank is None or rank < 0 or step is None:
                 continue
             key = (int(attempt or 0), int(step))
-            if key in st.judged:
+            if key in st.judged and not (kind == "checkpoint_saved" and key in st.late):
                 continue
             try:
                 d = json.loads(data) if data else {}
@@ -149,13 +196,19 @@ class CheckpointSlowDetector:
             if not isinstance(d, dict):
                 continue
             shards, nbytes = int(d.get("num_shards") or 0), int(d.get("bytes") or 0)
+            if shards:
+                st.shards[int(rank)] = shards
             if kind == "checkpoint_queued":
                 if isinstance(ts, (int, float)):
                     st.pending.setdefault(key, _Pending()).queued[int(rank)] = (float(ts), shards, nbytes)
                 continue
             w = d.get("write_s")
             if isinstance(w, (int, float)) and w >= 0:
-                st.pending.setdefault(key, _Pending()).reports[int(rank)] = (float(w), shards, nbytes)
+                if key in st.late:
+                    late.append((key, int(rank), (float(w), shards, nbytes)))
+                else:
+                    st.pending.setdefault(key, _Pending()).reports[int(rank)] = (float(w), shards, nbytes)
+        return late
 
     def _advance(self, st: _State, steps: pl.DataFrame | None) -> None:
         """The newest step row's ts of each rank that has a write queued and not reported."""
@@ -172,7 +225,7 @@ class CheckpointSlowDetector:
         """Ranks still writing: the seconds since they queued, to their newest step row."""
         out = {}
         for r, (t0, shards, nbytes) in pend.queued.items():
-            if r not in pend.reports and r in st.last_ts and st.last_ts[r] > t0:
+            if r != 0 and r not in pend.reports and r in st.last_ts and st.last_ts[r] > t0:
                 out[r] = (st.last_ts[r] - t0, shards, nbytes)
         return out
 
@@ -202,12 +255,45 @@ class CheckpointSlowDetector:
             return own_med, ref
         return None
 
-    def _judge(self, p, st: _State, step: int, reports: dict[int, tuple[float, int, int, bool]]) -> None:
-        """`reports`: rank -> (write seconds, shards, bytes, still writing: the seconds are a lower bound)."""
+    def _judge_late(self, p, st: _State, key: tuple[int, int], rank: int, report: tuple[float, int, int]) -> None:
+        """A report of a checkpoint judged without it: that rank alone, against the reports it had;
+        then the reports deferred for want of a peer like it."""
+        late = st.late[key]
+        if rank not in late.waiting:
+            return
+        late.waiting.discard(rank)
+        reports = {r: (*x, False) for r, x in late.reports.items() if r != rank}
+        late.reports[rank] = report
+        if reports or late.deferred:
+            self._judge(p, st, key[1], {**reports, **{r: (*x, False) for r, x in late.deferred.items()},
+                                        rank: (*report, False)}, only=rank)
+        for r in [r for r, x in late.deferred.items() if x[1] == report[1]]:
+            x = late.deferred.pop(r)
+            peers = {q: (*y, False) for q, y in late.reports.items()}
+            self._judge(p, st, key[1], {**peers, r: (*x, False)}, only=r)
+            late.reports[r] = x
+        if not late.waiting:
+            self._retire(p, st, key)
+
+    def _retire(self, p, st: _State, key: tuple[int, int]) -> None:
+        """No more late reports for `key`: what is still deferred is judged without a peer."""
+        late = st.late.pop(key, None)
+        if late is None:
+            return
+        for r, x in late.deferred.items():
+            self._judge(p, st, key[1], {**{q: (*y, False) for q, y in late.reports.items()}, r: (*x, False)}, only=r)
+
+    def _judge(self, p, st: _State, step: int, reports: dict[int, tuple[float, int, int, bool]],
+               only: int | None = None, skip: set[int] = frozenset()) -> set[int]:
+        """`reports`: rank -> (write seconds, shards, bytes, still writing: the seconds are a lower bound).
+        `only`: judge that rank alone (a late report); `skip`: ranks not judged (deferred); the
+        others are peers all the same. The ranks found slow."""
         cfg, topo = self.cfg, p.topo
         ranks = sorted(reports)
         slow: dict[int, dict] = {}
         for r in ranks:
+            if (only is not None and r != only) or r in skip:
+                continue
             w, shards, nbytes, writing = reports[r]
             peers = [reports[q][0] for q in ranks if q != r and reports[q][1] == shards and not reports[q][3]]
             peer_med = float(np.median(peers)) if peers else None
@@ -235,13 +321,16 @@ class CheckpointSlowDetector:
             ep = st.episodes.get(where)
             if ep is None:
                 ep = st.episodes[where] = _Episode(p.book.new_key(f"checkpoint_slow:{where}"), step)
+            ep.step_from = min(ep.step_from, step)  # a late report may be of an earlier checkpoint
             ep.members.update(rs)
             ep.calm = 0
             worst = max(rs, key=lambda r: reports[r][0] - max(reports[q][0] for q in ranks if q != r))
             ep.worst = slow[worst]
             self._report(p, ep, where, step, worst, {str(r): slow[r] for r in sorted(rs)})
         for where, ep in list(st.episodes.items()):
-            if where in by_node or not any(r in reports for r in ep.members):
+            if only is not None:  # the checkpoint's calm was counted when it was judged
+                break
+            if where in by_node or not any(r in reports and r not in skip for r in ep.members):
                 continue
             ep.calm += 1
             if ep.calm >= cfg.resolve_after_checkpoints:
@@ -249,6 +338,7 @@ class CheckpointSlowDetector:
                     p.resolve(ep.key, step_to=step, evidence={**p.book.get(ep.key).evidence,
                                                              "resolved_because": "its shard writes are fast again"})
                 del st.episodes[where]
+        return set(slow)
 
     def _remember(self, st: _State, rank: int, w: float) -> None:
         """A write that was not slow enters its rank's history; one far past the rank's own median

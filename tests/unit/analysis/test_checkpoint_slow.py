@@ -91,12 +91,13 @@ def test_clean_runs_and_a_straggler_open_no_checkpoint_slow():
 
 
 def _async_writes(commits, *, world: int, slow_rank: int, from_step: int, write_s: float | None,
-                  slow_ranks: tuple[int, ...] = (), only_step: int | None = None):
+                  slow_ranks: tuple[int, ...] = (), only_step: int | None = None, lag: dict[int, float] | None = None):
     """What the trainer sends: `checkpoint_queued` when a save is queued (just after its step), and
     `checkpoint_saved` at the first step boundary after the background write ended, before that
     step's row (trainer/train.py polls there). Dp rank 0 ranks (0, 1) write 2 shards (~0.12 s),
     the others 1 (~0.02 s); `slow_rank`'s (and `slow_ranks`') writes from `from_step` on (only
-    that of `only_step`, when given) take `write_s` (None: its writer stalled, it never reports)."""
+    that of `only_step`, when given) take `write_s` (None: its writer stalled, it never reports).
+    `lag`: rank -> seconds its events reach the collector after their time (its agent's buffer)."""
     step_ts: dict[int, float] = {}
     events = []
     for _, frames in commits:
@@ -127,11 +128,12 @@ def _async_writes(commits, *, world: int, slow_rank: int, from_step: int, write_
                                                    "bytes": 5_000_000 if two else 20_000})})
     schema = next(f.events.schema for _, f in commits if f.events is not None)
     template = next(f.events.row(0, named=True) for _, f in commits if f.events is not None and f.events.height)
-    events = sorted(({**template, **e} for e in events), key=lambda e: e["ts"])
+    lag = lag or {}
+    events = sorted(({**template, **e} for e in events), key=lambda e: e["ts"] + lag.get(e["rank"], 0.0))
     out, i = [], 0
     for now, frames in commits:
         mine = []
-        while i < len(events) and events[i]["ts"] <= now:
+        while i < len(events) and events[i]["ts"] + lag.get(events[i]["rank"], 0.0) <= now:
             mine.append(events[i])
             i += 1
         out.append((now, type(frames)(**{**frames.tables(), "events": pl.DataFrame(mine, schema=schema) if mine
@@ -204,3 +206,43 @@ def test_a_noisy_peer_at_the_first_slow_checkpoints_does_not_hide_the_slow_rank(
     assert [f.kind for f in first.values()] == ["checkpoint_slow"], [f.summary() for f in first.values()]
     f = next(iter(first.values()))
     assert (f.rank, f.node, f.step_from) == (1, "node0", 100)
+
+
+def test_a_slow_report_that_comes_after_its_checkpoint_fell_overdue_is_judged_then():
+    """Checkpoints closer together than an agent's flush: rank 1's events reach the collector three
+    checkpoints late, so each of its checkpoints falls overdue (judged without rank 1) before its
+    report comes. The report is judged when it comes, against the reports that checkpoint had;
+    rank 0, which reports only after it finalized (its bound is the slowest rank's write), is not
+    blamed."""
+    layout = Layout(dp=2, tp=2, nodes=2)
+    sim = Sim(layout=layout, steps=160, seed=26, ckpt_every=10)
+    commits = sim.build()
+    ts = sorted({float(t) for _, fr in commits if fr.steps is not None for t in fr.steps["ts"].to_list()})
+    lag = 3.5 * 10 * (ts[-1] - ts[0]) / 160  # three and a half checkpoint intervals
+    commits = _async_writes(commits, world=layout.world, slow_rank=1, from_step=60, write_s=2.0, lag={1: lag})
+    first = opened(feed(Analyzer(), commits), "checkpoint_slow")
+    assert len(first) == 1, [f.summary() for f in first.values()]
+    f = next(iter(first.values()))
+    assert (f.rank, f.node) == (1, "node0") and f.step_from >= 60
+    assert f.evidence["ranks"] == [1] and f.evidence["ratio_vs_peers"] >= 3.0
+
+
+def test_a_write_whose_only_peer_reports_later_waits_for_that_peer():
+    """Rank 0 reports a save only once it finalized it (after every rank's partial manifest), so
+    its replica rank 1's report always comes first, and with checkpoints closer than a flush each
+    one falls overdue with rank 1's report alone in its shard class. Rank 1 is slow from its third
+    checkpoint, while its own history is still short: its write waits for rank 0's report and is
+    judged against it, instead of entering the history as its normal."""
+    layout = Layout(dp=2, tp=2, nodes=2)
+    sim = Sim(layout=layout, steps=160, seed=27, ckpt_every=10)
+    commits = sim.build()
+    ts = sorted({float(t) for _, fr in commits if fr.steps is not None for t in fr.steps["ts"].to_list()})
+    lag = 3.5 * 10 * (ts[-1] - ts[0]) / 160
+    commits = _async_writes(commits, world=layout.world, slow_rank=1, from_step=30, write_s=1.5, lag={0: lag})
+    findings = feed(Analyzer(), commits)
+    first = opened(findings, "checkpoint_slow")
+    assert len(first) == 1, [f.summary() for f in first.values()]
+    key = next(iter(first))
+    f = last_of(findings)[key]
+    assert (f.rank, f.node, f.step_from) == (1, "node0", 30) and not f.resolved
+    assert f.evidence["ranks"] == [1] and f.evidence["ratio_vs_peers"] >= 3.0
