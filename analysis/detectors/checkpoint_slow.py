@@ -45,7 +45,8 @@ a tiny file is not a slow node). A write that was not slow enters its rank's his
 capped at `min_ratio` x the history's median: a checkpoint that was slow for all its
 ranks alike (a starved host, busy shared storage) does not make the next slow write
 look normal. A still-writing bound is judged early only against peers that reported:
-while all ranks writing as many shards are still writing, the checkpoint waits. The incident is per node and names the slowest
+while all ranks writing as many shards are still writing, the checkpoint waits. The
+incident is per node and names the slowest
 rank; it resolves after `resolve_after_checkpoints` checkpoints in a row in which
 none of its ranks wrote slowly. The evidence has the checkpoint's step, the write
 seconds against both references (`still_writing`: the write seconds are the lower
@@ -121,6 +122,11 @@ class _State:
                 "episodes": len(self.episodes), "history": sum(len(d) for d in self.history.values()),
                 "last_ts": len(self.last_ts), "shards": len(self.shards),
                 "late": sum(len(v.waiting) + len(v.deferred) for v in self.late.values())}
+
+
+def _written(reports: dict[int, tuple[float, int, int]]) -> dict[int, tuple[float, int, int, bool]]:
+    """Reports as `_judge` takes them: each a finished write (not a still-writing bound)."""
+    return {r: (*x, False) for r, x in reports.items()}
 
 
 @register
@@ -262,26 +268,24 @@ class CheckpointSlowDetector:
         if rank not in late.waiting:
             return
         late.waiting.discard(rank)
-        reports = {r: (*x, False) for r, x in late.reports.items() if r != rank}
+        if late.reports or late.deferred:  # a peer to judge it against (it is not among them: it was waited for)
+            self._judge(p, st, key[1], _written({**late.reports, **late.deferred, rank: report}), only=rank)
         late.reports[rank] = report
-        if reports or late.deferred:
-            self._judge(p, st, key[1], {**reports, **{r: (*x, False) for r, x in late.deferred.items()},
-                                        rank: (*report, False)}, only=rank)
         for r in [r for r, x in late.deferred.items() if x[1] == report[1]]:
-            x = late.deferred.pop(r)
-            peers = {q: (*y, False) for q, y in late.reports.items()}
-            self._judge(p, st, key[1], {**peers, r: (*x, False)}, only=r)
-            late.reports[r] = x
+            self._judge_deferred(p, st, key, late, r)
         if not late.waiting:
             self._retire(p, st, key)
 
     def _retire(self, p, st: _State, key: tuple[int, int]) -> None:
         """No more late reports for `key`: what is still deferred is judged without a peer."""
         late = st.late.pop(key, None)
-        if late is None:
-            return
-        for r, x in late.deferred.items():
-            self._judge(p, st, key[1], {**{q: (*y, False) for q, y in late.reports.items()}, r: (*x, False)}, only=r)
+        for r in list(late.deferred) if late is not None else ():
+            self._judge_deferred(p, st, key, late, r)
+
+    def _judge_deferred(self, p, st: _State, key: tuple[int, int], late: _Late, rank: int) -> None:
+        """A deferred report judged against the reports its checkpoint has now; a peer from then on."""
+        late.reports[rank] = late.deferred.pop(rank)
+        self._judge(p, st, key[1], _written(late.reports), only=rank)
 
     def _judge(self, p, st: _State, step: int, reports: dict[int, tuple[float, int, int, bool]],
                only: int | None = None, skip: set[int] = frozenset()) -> set[int]:
