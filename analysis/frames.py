@@ -187,9 +187,8 @@ class Interner:
         top = int(phys.max()) + 1 if len(phys) else 0
         if top > self.FAR_CODES:  # far codes (a long-lived process's global categories): sorted lookup
             order = np.argsort(phys)
-            p = rows.fill_null(-1).to_numpy().astype(np.int64) if rows.null_count() else rows.to_numpy().astype(np.int64)
-            at = np.minimum(np.searchsorted(phys[order], p), max(len(phys) - 1, 0))
-            out = ours[order][at] if len(phys) else np.full(len(p), -1, np.int64)
+            p = rows.fill_null(-1).to_numpy().astype(np.int64)
+            out = ours[order][np.minimum(np.searchsorted(phys[order], p), len(phys) - 1)]
             return np.where(p >= 0, out, -1)
         table = np.full(top + 1, -1, np.int64)  # the last entry: null
         table[phys] = ours
