@@ -210,6 +210,13 @@ class Sender:
         self.stats = Stats()
         self.ack_log = open(ack_log, "a", buffering=1) if ack_log else None
 
+    def _acked(self, rank: int, seq: int, rows: int, reply: dict) -> None:
+        """One batch's answer (alone or in a bundle): counted, and logged for --ack-log."""
+        self.stats.rows += reply["accepted"]
+        self.stats.duplicates += reply["duplicate"]
+        if self.ack_log:
+            self.ack_log.write(f"{rank} {seq} {rows} {int(reply['duplicate'])}\n")
+
     async def send_bundle(self, conn: Conn, ranks: list[int], seq: int, bodies: list[bytes], rows: int) -> None:
         """One node's batches as one bundle; resent whole (the collector stores each once)
         until every item is acknowledged, when retrying."""
@@ -225,10 +232,7 @@ class Sender:
                 self.stats.latencies_s.append(time.perf_counter() - t0)
                 self.stats.requests += 1
                 for rank, r in zip(ranks, results):
-                    self.stats.rows += r["accepted"]
-                    self.stats.duplicates += r["duplicate"]
-                    if self.ack_log:
-                        self.ack_log.write(f"{rank} {seq} {rows} {int(r['duplicate'])}\n")
+                    self._acked(rank, seq, rows, r)
                 return
             self.stats.errors += 1
             if not self.retry or time.monotonic() > self.deadline + 30 or 400 <= status < 500:
@@ -245,12 +249,8 @@ class Sender:
                 status, payload = 0, b""
             if status == 200:
                 self.stats.latencies_s.append(time.perf_counter() - t0)
-                reply = json.loads(payload)
                 self.stats.requests += 1
-                self.stats.rows += reply["accepted"]
-                self.stats.duplicates += reply["duplicate"]
-                if self.ack_log:
-                    self.ack_log.write(f"{rank} {seq} {rows} {int(reply['duplicate'])}\n")
+                self._acked(rank, seq, rows, json.loads(payload))
                 return
             self.stats.errors += 1
             if not self.retry or time.monotonic() > self.deadline + 30 or 400 <= status < 500:
