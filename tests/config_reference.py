@@ -89,9 +89,9 @@ ENV_VARS: dict[str, tuple[str, str]] = {
                         "(trainer/zygote.py): unset, with a CPU build of torch; `1` with a GPU build too; `0` "
                         "never (every rank a process that imports torch itself)."),
     "LLMWATCH_SIDECAR_NICE": ("you", "`trainer --telemetry`: how much lower than the ranks the embedded collector "
-                                     "and dashboard run (0 to 19; 10 when unset; 0: at the ranks' priority). They "
-                                     "share the ranks' cores: a rank woken by a finished collective gets its core "
-                                     "at once."),
+                                     "and dashboard run (0 to 19; 0, the ranks' priority, when unset). 10 made "
+                                     "telemetry on/off 1.005 against 0.945 in steady state on 2 CPU-bound cores, "
+                                     "but detection then trails such ranks by more steps."),
     "LLMWATCH_COLLECTIVES": ("you", "Every agent (our trainer's, `watch()`, the integrations): `ops` ships a row "
                                     "per communication op; `summary` one row per (step, op, axis, group, peer) "
                                     "instead, with op rows for every 100th step and while an incident asks "

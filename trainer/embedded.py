@@ -5,9 +5,9 @@ agent and nothing else); it starts `python -m collector serve` as a separate
 process on a loopback port, waits for `/healthz`, and stops it with SIGTERM,
 which drains the collector's write queue and closes the DuckDB file cleanly.
 If the launcher dies first, the child gets that SIGTERM from the kernel
-(`trainer.lifeline.die_with_parent`). It runs `SIDECAR_NICE` lower than the
-ranks (`LLMWATCH_SIDECAR_NICE`), as does the embedded dashboard: both share the
-ranks' cores, and a rank woken by a finished collective gets its core at once.
+(`trainer.lifeline.die_with_parent`). `LLMWATCH_SIDECAR_NICE` runs it, and the
+embedded dashboard, that much lower than the ranks (by default at their priority):
+both share the ranks' cores.
 
 Tokens: the collector accepts tokens by role (ingest for the ranks, read for
 dashboards and SQL, control for commands). By default this makes one of each,
@@ -48,7 +48,10 @@ STOP_TIMEOUT_S = 30.0
 ROLES = ("ingest", "read", "control")
 ALL_ROLES_FILE = "token"  # the user's one token, every role
 WEBHOOK_SECRET_FILE = "webhook-secret"
-SIDECAR_NICE = 10  # the collector and dashboard beside the ranks: below them (see `sidecar_preexec`)
+# the collector and dashboard beside the ranks: at their priority unless asked (see `sidecar_preexec`). Below
+# them (10), telemetry costs less in steady state on CPU-bound ranks (1.005 against 0.945 on/off), but detection
+# then trails those ranks by more steps (a 1.5x straggler named at 13 steps against a 10-step bound, CI)
+SIDECAR_NICE = 0
 
 
 def write_tokens(tokens_dir: Path, *, token: str | None) -> tuple[str, dict[str, Path]]:
