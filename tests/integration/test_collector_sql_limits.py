@@ -111,8 +111,12 @@ def test_the_collector_stays_responsive_while_every_sql_slot_is_busy(server):
         f.result()
     pool.shutdown()
 
-    p99 = statistics.quantiles(health_s, n=100)[98]
-    assert p99 < 1.0, f"/healthz p99 {p99 * 1e3:.0f} ms with every SQL slot busy"
+    # Answered at once: 10-30 ms here with the host's two cores busy besides. A /healthz that
+    # waited on a SQL slot would wait out a query (3 s) every time; one probe of the fifty that
+    # lost the CPU to the host (1.3 s in one CI run) is not the collector's doing.
+    p90 = statistics.quantiles(health_s, n=10)[8]
+    assert p90 < 0.25 and max(health_s) < SQL_TIMEOUT_S, \
+        f"/healthz with every SQL slot busy: p90 {p90 * 1e3:.0f} ms, the slowest {max(health_s) * 1e3:.0f} ms"
     assert max(query_s) < 2.0 and max(ingest_s) < 2.0, (query_s, ingest_s)
     timed_out = [o for o in outcomes if o[1] == 400]
     busy = [o for o in outcomes if o[1] == 503]
