@@ -8,7 +8,12 @@ flusher, every `flush_interval_s`:
     -> bridges (OTel spans, Prometheus gauges) -> loss baseline -> POST, or
     spool -> replay spool
 
-`flush_interval_s` is 1 s; a step a detector must see now (a non-finite loss or
+`flush_interval_s` is 1 s, on a grid of the wall clock (`flush_phase`): the ranks of
+a job flush in the same instant, so the collector stores them in one commit and
+judges them in one detection pass, not one of each per rank (a dp2 job's
+collector spent half as much CPU beside its ranks); past 128 ranks the grid
+points are spread over the interval by node, a node's ranks together (the
+batches its relay bundles). A step a detector must see now (a non-finite loss or
 grad norm, a finite flag 0, a skipped step, a loss-scale backoff, a loss far
 above the rank's running baseline: agent/urgent.py) wakes the flusher at once,
 at most once per `urgent_min_interval_s` (a step inside that limit is served when
@@ -51,6 +56,7 @@ import tempfile
 import threading
 import time
 import uuid
+import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -66,6 +72,24 @@ log = logging.getLogger("llmwatch.agent")
 _MAX_FOLLOWUP_S = 10.0  # a collector's follow-up request is honoured this long at most (renewed per answer)
 _MAX_RAW_OPS_S = 30.0  # and its request for op rows (agent/summary.py)
 _HEALTH_ROWS = 256  # device-health samples held while batches wait (one per heartbeat); more are dropped
+FLUSH_SLOT_RANKS = 64  # about this many ranks flush in the same instant in a large job (`flush_phase`)
+FLUSH_SLOTS_MAX = 64
+_HB_EARLY = 0.25  # a heartbeat due this fraction of its interval later rides with the flush now
+
+
+def flush_phase(node: str, world_size: int, interval_s: float) -> float:
+    """Where in each `interval_s` this rank flushes, on the wall clock: 0 for every rank of
+    a job under 2 x FLUSH_SLOT_RANKS ranks (one commit and one detection pass for all of
+    them); past that, one of up to FLUSH_SLOTS_MAX evenly spaced points, chosen by the
+    node's name, so that a node's ranks flush together and the job's load is spread."""
+    slots = min(FLUSH_SLOTS_MAX, max(1, int(world_size) // FLUSH_SLOT_RANKS))
+    return (zlib.crc32(node.encode()) % slots) / slots * interval_s
+
+
+def until_grid(now_wall: float, interval_s: float, phase_s: float) -> float:
+    """Seconds from `now_wall` to the next point of the grid `phase_s + k * interval_s`, in
+    (0, interval_s]."""
+    return interval_s - (now_wall - phase_s) % interval_s
 
 
 @dataclass(kw_only=True, slots=True)
@@ -241,6 +265,7 @@ class Agent(Recorder):
         self._end_wait_s: float | None = None  # how long a finished run waits for the last verdicts (the collector's)
         self._followup_until = -math.inf  # monotonic: the collector asked for a follow-up until then
         self._summarize = summary.summarizes(config.collectives, self.world_size, config.summarize_from_ranks)
+        self._flush_phase = flush_phase(self.node, self.world_size, config.flush_interval_s)
         self._raw_ops_until = -math.inf  # monotonic: the collector asked for op rows until then
         self._done_step: int | None = None  # flusher: the step record_step was given last
         self._held_ops: list[tuple] = []  # flusher: op rows of a step not finished at the last batch
@@ -554,7 +579,8 @@ class Agent(Recorder):
             if urgent:
                 self.num_urgent_flushes += 1
                 fast_until = now + cfg.urgent_followup_s
-            next_flush = now + (cfg.urgent_followup_interval_s if now < fast_until else cfg.flush_interval_s)
+            next_flush = now + (cfg.urgent_followup_interval_s if now < fast_until
+                                else until_grid(time.time(), cfg.flush_interval_s, self._flush_phase))
             # close: leave 0.1 s of close()'s join for releasing the spool and bridges
             deadline = (self._close_deadline - 0.1) if stopping else (flush_deadline if forced else None)
             ok = self._cycle_guarded(deadline=deadline)
@@ -604,8 +630,10 @@ class Agent(Recorder):
         deliver it and the spool by then (monotonic), backoff or not."""
         self._poll()
         now = time.monotonic()
-        if now >= self._next_hb:
-            self._next_hb = now + self.config.heartbeat_interval_s
+        every = self.config.heartbeat_interval_s
+        if now >= self._next_hb - _HB_EARLY * every:  # not a wake of its own a moment later
+            gap = until_grid(time.time(), every, self._flush_phase)  # with the flushes
+            self._next_hb = now + (gap if gap >= (1.0 - _HB_EARLY) * every else gap + every)
             self._heartbeat()
         shipper = self._shipper
         if (deadline is None and shipper is not None and now < self._next_cut and shipper.away
