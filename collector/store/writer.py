@@ -3,9 +3,10 @@
 Request handlers decode and validate a batch (a small one on the event loop, a
 large one on a worker thread), then hand it here with a future. The thread
 takes everything queued (up to a row and byte budget; a small group, under
-`SMALL_GROUP_ROWS`, starts at most every `group_min_interval_s`; and while the
-group is under `group_min_rows` and requests keep arriving (no pause longer
-than `group_gap_s`) it waits up to `group_linger_s` for more, because DuckDB's
+`SMALL_GROUP_ROWS`, starts at most every `group_min_interval_s` and waits
+`group_linger_s` for the rest of its flush; and while a larger group is under
+`group_min_rows` and requests keep arriving (no pause longer than `group_gap_s`)
+it waits up to `group_linger_s` for more, because DuckDB's
 cost per row halves when one transaction appends a whole row group, 122,880
 rows, which it then writes straight to the file instead of through the WAL).
 
@@ -292,8 +293,10 @@ class Writer:
                 now = time.monotonic()
                 if urgent or nrows >= self._group_min_rows:
                     wait_s = 0.0
-                elif now < gather_until and nrows < SMALL_GROUP_ROWS:
-                    wait_s = gather_until - now
+                elif nrows < SMALL_GROUP_ROWS:  # gather a trickle: at most one commit per interval, and the
+                    # ranks that flushed in the same instant (agent/agent.py: on a grid) reach the writer
+                    # some ms apart, each rank's flusher sharing a CPU with its training thread
+                    wait_s = max(gather_until, linger_until) - now
                 else:  # linger only while requests keep coming: a pause of group_gap_s ends the wait
                     wait_s = min(linger_until - now, self._group_gap_s)
                 try:

@@ -215,9 +215,29 @@ def test_a_failed_group_applies_nothing_and_retries_each_job_alone(noted):
         assert cur.execute("SELECT count(*) FROM events WHERE run_id = 'notes'").fetchall() == [(0,)]
 
 
+def test_the_ranks_of_one_flush_share_a_commit_though_they_come_some_ms_apart(tmp_path):
+    """The ranks flush in the same instant (agent/agent.py), but each one's batch reaches the
+    writer some ms after the last (each rank's flusher shares a CPU with its training): a
+    small group waits `linger_s` for them, past `gap_s`, and they share one commit."""
+    storage = Storage(Settings(db_path=tmp_path / "f.duckdb",
+                               writer=WriterSettings(min_interval_s=0.0, linger_s=1.0, gap_s=0.005)))
+    try:
+        futures = []
+        for rank in range(3):
+            f: Future = Future()
+            storage._writer.submit_batch(decode(make_batch(rank=rank, sections={wire.STEP: steps_section([1])})), f)
+            futures.append(f)
+            threading.Event().wait(0.03)  # 30 ms apart: six gaps
+        assert [f.result(10).accepted for f in futures] == [1] * 3
+        sample = storage.metrics.registry.get_sample_value
+        assert sample("llmwatch_collector_group_requests_count") == 1
+    finally:
+        storage.close()
+
+
 def test_an_intent_does_not_wait_for_the_small_group_interval(tmp_path):
     storage = Storage(Settings(db_path=tmp_path / "i.duckdb",
-                               writer=WriterSettings(min_interval_s=30.0, linger_s=30.0)),
+                               writer=WriterSettings(min_interval_s=30.0, linger_s=0.05)),
                       extra_projections=[Notes()])
     try:
         storage.ingest_blocking(decode(steps_batch([1])))  # the first group commits at once
@@ -231,7 +251,7 @@ def test_a_closing_batch_does_not_wait_for_the_small_group_interval(tmp_path, ki
     """An agent's last flush and the launcher's exit reports: their senders wait on the ack to
     exit, so a group holding one commits at once; any other small batch waits its turn."""
     storage = Storage(Settings(db_path=tmp_path / "c.duckdb",
-                               writer=WriterSettings(min_interval_s=30.0, linger_s=30.0)))
+                               writer=WriterSettings(min_interval_s=30.0, linger_s=0.05)))
     try:
         storage.ingest_blocking(decode(steps_batch([1])))  # the first group commits at once
         plain, closing = Future(), Future()
