@@ -99,6 +99,7 @@ class DetectionRunner:
         self.watermarks = watermarks
         self._mark_known_good = mark_known_good  # (run_id, attempt, step): checkpoints.known_good
         self._marked: dict[str, tuple[int, int]] = {}  # run -> the watermark last sent there
+        self._unmarked: dict[str, set[tuple[int, int]]] = {}  # run -> checkpoints reported above it
         self._sub = subscription
         self._submit = submit
         self._meta = meta
@@ -171,6 +172,7 @@ class DetectionRunner:
         for run_id in [r for r, ts in self._last_rows.items() if now - ts > self._idle_run_s]:
             del self._last_rows[run_id]
             self._last_pass.pop(run_id, None)
+            self._unmarked.pop(run_id, None)
             self.forget(run_id)
         due = [r for r in self._last_rows if now - self._last_pass.get(r, float("-inf")) >= self._tick_s]
         if due:
@@ -208,22 +210,32 @@ class DetectionRunner:
         self._metrics.pass_seconds.observe(time.perf_counter() - t0)
 
     def _known_good(self, run_id: str, tables: Mapping[str, pa.Table]) -> None:
-        """Mark the run's checkpoints at or below its watermark when it moved, or when a
-        checkpoint was reported (its row may come after the watermark passed it)."""
+        """Mark the run's checkpoints at or below its watermark known-good once the watermark
+        passes one that was reported (its row may come after the watermark passed it), and
+        once at a run's first watermark here (checkpoints reported before this collector
+        started). A move that passes no checkpoint writes nothing: marking on every move
+        cost the embedded collector one commit per pass."""
         mark = self.watermarks.get(run_id) if self._mark_known_good is not None else None
+        unmarked = self._unmarked.setdefault(run_id, set())
+        events = tables.get("events")
+        if events is not None and events.num_rows:
+            saved = events.filter(pc.equal(events["kind"], "checkpoint_saved")).select(["attempt", "step"])
+            unmarked.update((int(a), int(st)) for a, st in zip(*(c.to_pylist() for c in saved.columns))
+                            if a is not None and st is not None)
         if mark is None:
             return
         key = (mark["attempt"], mark["step"])
-        events = tables.get("events")
-        reported = events is not None and events.num_rows and pc.any(
-            pc.equal(events["kind"], "checkpoint_saved")).as_py()
-        if key == self._marked.get(run_id) and not reported:
+        passed = {c for c in unmarked if c[0] == key[0] and c[1] <= key[1]}
+        if run_id in self._marked and not passed:
+            unmarked.difference_update({c for c in unmarked if c[0] < key[0]})  # an old attempt's: never marked
             return
         self._marked[run_id] = key
         try:
             self._mark_known_good(run_id, *key)
-        except Exception:  # noqa: BLE001 - refused (a full write queue): the next move marks them
+        except Exception:  # noqa: BLE001 - refused (a full write queue): the next pass tries again
             self._marked.pop(run_id, None)
+            return
+        unmarked.difference_update(passed)
 
     def _frames(self, run_id: str, tables: Mapping[str, pa.Table]) -> Frames:
         """The run's rows, and its meta rows while its mesh is not known (a new round's is not)."""

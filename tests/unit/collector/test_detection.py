@@ -222,6 +222,44 @@ def test_the_runs_meta_rides_along_until_its_mesh_is_known_and_again_after_a_res
     assert reads == ["a", "a", "a"] and got[3] == ["events", "ranks", "runs"]
 
 
+def test_checkpoints_are_marked_known_good_when_the_watermark_passes_one_not_at_every_move():
+    """The first watermark marks what is at or below it (checkpoints reported before this
+    collector started); after that a move writes only when it passes a checkpoint reported
+    since, however late its report came; an older attempt's report is never due."""
+    from collector.live.watermark import Watermarks
+
+    marks: list[tuple[str, int, int]] = []
+    analysis = StandIn(lambda state, frames, now: [])
+    runner = DetectionRunner(Subscription("k"), analysis, submit=lambda *a, **k: None,
+                             watermarks=Watermarks(hold_for_policy=False),
+                             mark_known_good=lambda run_id, attempt, step: marks.append((run_id, attempt, step)))
+
+    def at(step: int, *saved: tuple[int, int]) -> None:
+        analysis.runs.setdefault("a", {"run_id": "a"})["clean_through"] = (1, step, step)
+        tables = {"steps": pa.table({"run_id": ["a"], "step": [step]})}
+        if saved:
+            n = len(saved)
+            tables["events"] = pa.table({"run_id": ["a"] * n, "rank": pa.array([0] * n, pa.int32()), "ts": [1.0] * n,
+                                         "kind": ["checkpoint_saved"] * n, "data": ["{}"] * n,
+                                         "attempt": pa.array([a for a, _ in saved], pa.int32()),
+                                         "step": pa.array([s for _, s in saved], pa.int64())})
+        runner.run_pass(tables, ["a"])
+
+    at(3)
+    assert marks == [("a", 1, 3)]  # the first
+    at(4)
+    at(5, (1, 8))  # reported ahead of the watermark
+    at(7)
+    assert marks == [("a", 1, 3)]
+    at(9)  # passes step 8
+    assert marks[1:] == [("a", 1, 9)]
+    at(10, (1, 6), (0, 2))  # a report that came after the watermark passed its step; an old attempt's
+    assert marks[2:] == [("a", 1, 10)]
+    at(11)
+    at(12)
+    assert marks[3:] == []  # nothing reported since: no write
+
+
 def test_wait_detected_returns_once_every_acknowledged_batch_was_judged_and_its_findings_stored(fast_settings):
     """The end of a run asks for the verdict on everything stored: `wait_detected` holds
     until the pass over the last commit ran and its findings are in the incidents table
