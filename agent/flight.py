@@ -54,6 +54,7 @@ from agent.wire import NULL_F64
 log = logging.getLogger("llmwatch.agent")
 
 BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
+FLUSH_READ_SHARE = 0.5  # `FlightReader.tick` reads at a flush when its last read is this share of a period old
 NCCL_TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"
 TORCH_DEFAULT_BUFFER = 2000
 # what `enable_env` sets when nobody did: a dump costs every entry the buffer holds, so a
@@ -219,8 +220,14 @@ class FlightReader:
         return self._last_entered
 
     def tick(self) -> float:
-        """`Agent.add_poller`'s call: read when due; the seconds until the next read."""
-        self.poll()
+        """`Agent.add_poller`'s call, at the start of each flush cycle and when it asked: read
+        when due, or when the last read is `FLUSH_READ_SHARE` of `interval_s` old or more, so
+        that a flush carries the ops of the steps it carries. The ranks flush in the same
+        instant (agent/agent.py), and the collector judges a step's collectives once every
+        rank's step rows are in: ops that came a flush after their steps were judged without
+        (a DDP loop's straggler went unnamed). The seconds until the next read."""
+        last = self._last_read
+        self.poll(force=last is not None and self._clock() - last >= FLUSH_READ_SHARE * self.interval_s)
         return max(0.0, self._next_read - self._clock())
 
     def poll(self, force: bool = False) -> int:

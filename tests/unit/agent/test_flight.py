@@ -265,6 +265,23 @@ def test_poll_reads_at_most_once_per_interval_on_its_clock():
     assert r.num_reads == 4 and r.read_s >= r.max_read_s > 0.0
 
 
+def test_a_flush_reads_what_half_a_period_has_retired_so_its_batch_carries_its_steps_ops():
+    """`tick` runs at the start of every flush: past half a period since the last read it reads
+    though not due, so the ops come in the batch of their steps (the ranks flush in the same
+    instant, and the collector judged a step whose ops came a flush late without them)."""
+    now = [100.0]
+    dump = Dump([entry(0)])
+    r, rec = reader(dump, interval_s=1.0, clock=lambda: now[0])
+    assert r.tick() == pytest.approx(1.0) and dump.calls == 1
+    now[0] = 100.3
+    dump.entries.append(entry(1))
+    r.tick()
+    assert dump.calls == 1  # a follow-up flush 0.3 s later: not read again
+    now[0] = 100.97  # the next flush, a little before the read falls due
+    assert r.tick() == pytest.approx(1.0) and dump.calls == 2
+    assert [x["seq"] for x in rows(rec)] == [0, 1]
+
+
 def test_the_offset_is_read_at_each_read():
     offsets = iter([0.25, -0.5])
     dump = Dump([entry(0)])
