@@ -94,6 +94,9 @@ def quiet_errors(driver) -> list[str]:
 
 
 def open_page(driver, address: str) -> None:
+    # off the last page first, whose timers could still fire against a server stopped since
+    # (a CI run read the live dashboard's refused callbacks as the postmortem page's errors)
+    driver.get("about:blank")
     chrome.console_errors(driver)  # drained: what is read next is this page's
     driver.get(address)
 
