@@ -3,10 +3,7 @@ offset, half its round trip as the error; a loopback collector is this host's cl
 
 from __future__ import annotations
 
-import http.server
-import json
 import math
-import threading
 import time
 
 import pytest
@@ -14,6 +11,7 @@ import pytest
 from agent import Agent, AgentConfig
 from agent.clock import ClockSync, is_loopback
 from agent.transport import HttpClient
+from tests.unit.agent.ingest_server import IngestAnswer, serve
 
 
 def test_one_round_trip_gives_the_midpoint_offset_and_half_the_trip_as_error():
@@ -78,31 +76,9 @@ def test_the_http_client_measures_against_its_host():
     assert HttpClient("http://10.1.2.3:8428", None, 1.0).clock.local is False
 
 
-class _Answer(http.server.BaseHTTPRequestHandler):
-    """The collector's ingest answer: `server_ts` its clock, `ahead_s` ahead of this host's
-    (the fixture's server runs 100 s ahead)."""
-
-    ahead_s = 0.0
-
-    def do_POST(self):  # noqa: N802 - http.server's name
-        self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        body = json.dumps({"server_ts": time.time() + self.ahead_s, "commands": []}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture
 def answering():
-    handler = type("Ahead", (_Answer,), {"ahead_s": 100.0})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
-    thread.start()
+    server = serve(ahead_s=100.0)  # the collector's clock 100 s ahead of this host's
     yield server
     server.shutdown()
     server.server_close()
@@ -158,26 +134,19 @@ def test_a_relayed_answer_turns_a_loopback_clients_one_clock_off():
     assert sync.offset_s == pytest.approx(3.0) and sync.error_s == pytest.approx(0.0015)
 
 
-class _Relayed(_Answer):
+class _Relayed(IngestAnswer):
     """A relay's answer: the collector's clock (100 s ahead) at the middle of a 0.2 s hold."""
 
-    def do_POST(self):  # noqa: N802 - http.server's name
-        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+    def answer(self) -> dict:
         arrived = time.time()
         time.sleep(0.2)  # the relay waits for the collector's commit
         hold = time.time() - arrived
-        body = json.dumps({"server_ts": arrived + 0.5 * hold + 100.0, "commands": [],
-                           "relayed": {"hold_s": hold, "error_s": 0.001}}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        return {"server_ts": arrived + 0.5 * hold + 100.0, "commands": [],
+                "relayed": {"hold_s": hold, "error_s": 0.001}}
 
 
 def test_a_loopback_client_behind_a_relay_estimates_the_collectors_clock():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Relayed)
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
+    server = serve(_Relayed)
     client = HttpClient(f"http://127.0.0.1:{server.server_address[1]}", None, 2.0)
     try:
         assert client.clock.local is True

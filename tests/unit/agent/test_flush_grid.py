@@ -3,16 +3,14 @@ a job flush in the same instant, so that the collector commits and judges them t
 
 from __future__ import annotations
 
-import http.server
-import json
 import statistics
-import threading
 import time
 import zlib
 
 import pytest
 
 from agent.agent import FLUSH_SLOTS_MAX, Agent, AgentConfig, flush_phase, until_grid
+from tests.unit.agent.ingest_server import serve
 
 
 def test_until_grid_is_the_wait_to_the_next_point_after_now():
@@ -39,35 +37,13 @@ def test_a_large_job_spreads_its_nodes_over_the_interval_a_nodes_ranks_together(
     assert per_slot < 10  # ~20 nodes a slot, not a few slots holding most
 
 
-def _recording_server(arrivals: list[float]) -> http.server.ThreadingHTTPServer:
-    """An ingest endpoint that notes when each POST came and answers as the collector does."""
-
-    class Recorder(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 - http.server's name
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            arrivals.append(time.time())
-            body = json.dumps({"server_ts": time.time(), "commands": []}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
-    return server
-
-
 def test_ranks_started_apart_flush_together_one_post_a_period_each(tmp_path):
     """Two ranks started half a period apart (the worst case for a schedule counted from each
     rank's start) post in the same instants, and each posts once a period: its heartbeat
     rides with its flush instead of waking the flusher on a phase of its own."""
     period = 0.5
     arrivals: list[list[float]] = [[], []]  # per rank, one server each
-    servers = [_recording_server(a) for a in arrivals]
+    servers = [serve(arrivals=a) for a in arrivals]
 
     def agent_for(rank: int) -> Agent:
         cfg = AgentConfig(url=f"http://127.0.0.1:{servers[rank].server_address[1]}", flush_interval_s=period,
