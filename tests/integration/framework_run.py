@@ -23,7 +23,10 @@ def commands(col, run_id: str) -> dict[str, dict]:
 
 
 def deliver(col, agent, run_id: str, kind: str, args: dict | None = None) -> None:
-    """Post a command and flush until the agent's mailbox holds it (the next step boundary acts on it)."""
+    """Post a command and flush until the agent's mailbox holds it (the next step boundary acts on it).
+    A flush first: a command for a run the collector has not stored yet is a 404, and a fit's
+    first steps can come before the agent's first batch is committed."""
+    assert agent.flush(10.0), "the agent's first rows never reached the collector"
     post_command(col, run_id, kind, args)
     assert wait_until(lambda: agent.flush(2.0) and len(agent._mailbox) > 0, 30.0, 0.05), f"{kind} not delivered"
 
