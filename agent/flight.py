@@ -54,9 +54,9 @@ from agent.wire import NULL_F64
 log = logging.getLogger("llmwatch.agent")
 
 BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
-FLUSH_READ_SHARE = 0.5  # `FlightReader.tick` reads at a flush when its last read is this share of a period old
 NCCL_TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"
 TORCH_DEFAULT_BUFFER = 2000
+FLUSH_READ_SHARE = 0.5  # `FlightReader.tick` reads at a flush when its last read is this share of a period old
 # what `enable_env` sets when nobody did: a dump costs every entry the buffer holds, so a
 # smaller buffer read more often (FlightReader.poll) costs less at the same op rate
 DEFAULT_BUFFER = 512

@@ -225,9 +225,9 @@ class DetectionRunner:
         if mark is None:
             return
         key = (mark["attempt"], mark["step"])
+        unmarked.difference_update([c for c in unmarked if c[0] < key[0]])  # an older attempt's: never marked
         passed = {c for c in unmarked if c[0] == key[0] and c[1] <= key[1]}
         if run_id in self._marked and not passed:
-            unmarked.difference_update({c for c in unmarked if c[0] < key[0]})  # an old attempt's: never marked
             return
         self._marked[run_id] = key
         try:
