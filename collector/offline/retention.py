@@ -44,6 +44,8 @@ from typing import Any
 
 import duckdb
 
+from collector.store.schema import LAST_IN_RANK_SQL
+
 log = logging.getLogger("collector.offline.retention")
 
 HOUR_S = 3600.0
@@ -135,8 +137,7 @@ def rollup_chunk(con: duckdb.DuckDBPyConnection, chunk: Chunk) -> RollupResult:
     (wait_rows,), = con.execute(f"""
         INSERT INTO collective_waits_rollup BY NAME
         WITH c AS (SELECT * FROM collectives WHERE {_CHUNK}),
-             g AS (SELECT step, axis, group_id, group_seq, arg_max(rank, start_ts) AS last_rank,
-                          max(start_ts) AS last_ts
+             g AS (SELECT step, axis, group_id, group_seq, {LAST_IN_RANK_SQL} AS last_rank, max(start_ts) AS last_ts
                    FROM c WHERE group_seq IS NOT NULL AND op NOT IN ('send', 'recv')
                    GROUP BY ALL HAVING count(*) > 1)
         SELECT $r AS run_id, $a AS attempt, c.step, c.rank AS waiter, g.last_rank AS waited_for,

@@ -26,6 +26,7 @@ from typing import Any
 from collector.read import queries
 from collector.read.goodput import goodput
 from collector.read.queries import RANKS_PER_REPLICA, Cursor, Rows, records
+from collector.store.schema import LAST_IN_RANK_SQL
 
 DEFAULT_COMM_STEPS = 200  # the comm views read the last this many steps unless given a range
 
@@ -243,6 +244,8 @@ _COMM_EFFECTIVE = """
              GROUP BY step, rank),
     c AS (SELECT craw.* FROM craw JOIN ceff USING (step, rank, attempt)),
     cr AS (SELECT croll.* FROM croll JOIN ceff USING (step, rank, attempt))"""
+# The comm views sort by seconds rounded to the nanosecond, then by their keys: DuckDB's
+# threads add a sum in any order, and equal totals must list the same on every read.
 
 
 def comm_ops(cur: Cursor, run_id: str, *, step_from: int | None = None, step_to: int | None = None,
@@ -263,7 +266,8 @@ def comm_ops(cur: Cursor, run_id: str, *, step_from: int | None = None, step_to:
                sum(wait_s) / any_value(n.rank_steps) AS exposed_s,
                greatest(0, sum(duration_s) - sum(wait_s)) / any_value(n.rank_steps) AS overlapped_s,
                min(step) AS step_from, max(step) AS step_to
-        FROM u, n GROUP BY axis, op ORDER BY duration_s DESC""", {"r": run_id, "lo": r[0], "hi": r[1]})
+        FROM u, n GROUP BY axis, op ORDER BY round(sum(duration_s), 9) DESC, axis, op""",
+                   {"r": run_id, "lo": r[0], "hi": r[1]})
 
 
 def comm_latency(cur: Cursor, run_id: str, *, step_from: int | None = None, step_to: int | None = None,
@@ -287,7 +291,8 @@ def comm_latency(cur: Cursor, run_id: str, *, step_from: int | None = None, step
                quantile_cont(sample_s, 0.05) AS p5_s, quantile_cont(sample_s, 0.25) AS p25_s,
                median(sample_s) AS p50_s, quantile_cont(sample_s, 0.75) AS p75_s,
                quantile_cont(sample_s, 0.99) AS p99_s, max(max_s) AS max_s
-        FROM u GROUP BY axis, group_id, op ORDER BY total_s DESC LIMIT $g""",
+        FROM u GROUP BY axis, group_id, op ORDER BY round(sum(duration_s), 9) DESC, axis, group_id, op
+        LIMIT $g""",
                    {"r": run_id, "lo": r[0], "hi": r[1], "g": max(1, int(max_groups))})
 
 
@@ -310,8 +315,7 @@ def comm_waits(cur: Cursor, run_id: str, *, step_from: int | None = None, step_t
         return []
     return records(cur, f"""
         WITH {_COMM_EFFECTIVE},
-             g AS (SELECT step, axis, group_id, group_seq, arg_max(rank, start_ts) AS last_rank,
-                          max(start_ts) AS last_ts
+             g AS (SELECT step, axis, group_id, group_seq, {LAST_IN_RANK_SQL} AS last_rank, max(start_ts) AS last_ts
                    FROM c WHERE group_seq IS NOT NULL AND op NOT IN ('send', 'recv')
                    GROUP BY ALL HAVING count(*) > 1),
              -- the agents' summaries: the summary rows of steps the rollup did not write waits for
@@ -319,7 +323,7 @@ def comm_waits(cur: Cursor, run_id: str, *, step_from: int | None = None, step_t
                        AND op NOT IN ('send', 'recv')
                        AND NOT EXISTS (SELECT 1 FROM collective_waits_rollup w WHERE w.run_id = $r
                                        AND w.attempt = cr.attempt AND w.step = cr.step)),
-             gs AS (SELECT step, axis, group_id, max_group_seq, arg_max(rank, mean_start_ts) AS last_rank,
+             gs AS (SELECT step, axis, group_id, max_group_seq, arg_max(rank, (mean_start_ts, rank)) AS last_rank,
                            max(mean_start_ts) AS last_ts
                     FROM s GROUP BY ALL HAVING count(*) > 1),
              n AS (SELECT greatest(1, count(DISTINCT step)) AS num_steps FROM (
@@ -339,7 +343,7 @@ def comm_waits(cur: Cursor, run_id: str, *, step_from: int | None = None, step_t
                      AND e.attempt = w.attempt
                 WHERE w.run_id = $r AND w.step BETWEEN $lo AND $hi)
         SELECT waiter, waited_for, sum(num_ops)::BIGINT AS num_ops, sum(wait_s) / any_value(n.num_steps) AS wait_s
-        FROM pairs, n GROUP BY waiter, waited_for ORDER BY wait_s DESC""",
+        FROM pairs, n GROUP BY waiter, waited_for ORDER BY round(sum(wait_s), 9) DESC, waiter, waited_for""",
                    {"r": run_id, "lo": r[0], "hi": r[1]})
 
 

@@ -333,6 +333,12 @@ _HEALING_V7 = [
     "ALTER TABLE nodes ADD COLUMN incident_id BIGINT",
 ]
 
+# The member of one collective instance that entered it last, the one the others waited
+# for: the latest start_ts, ties to the highest rank (arg_max alone picks among equal
+# start_ts in whatever order DuckDB's threads meet them, and a view must answer the same
+# each time). read/views.py comm_waits and the rollup's collective_waits_rollup both use it.
+LAST_IN_RANK_SQL = "arg_max(rank, (start_ts, rank)) FILTER (WHERE start_ts IS NOT NULL)"
+
 # v8: retention (collector/offline/retention.py). Old `collectives` rows are rolled up into
 # per-step summaries and deleted: one row per (run, attempt, step, rank, axis, op,
 # group_id) with counts, sums and maxima (every total and collective_summary column

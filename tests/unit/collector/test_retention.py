@@ -232,6 +232,42 @@ def test_a_summary_of_several_ops_waits_for_its_groups_last_member_num_ops_times
     assert waits[0]["wait_s"] == pytest.approx(0.3)
 
 
+def test_members_entering_at_the_same_instant_are_waited_for_as_the_highest_rank(storage):
+    """Four ranks enter every all-reduce of a step at two instants, ranks 1 and 3 together
+    last: the pairs name rank 3 (ties go to the highest rank), the same on every read
+    (arg_max alone picked among equal start_ts by thread order), and the rollup writes the
+    same pairs."""
+    rows = [("tie", 0, step, rank, step * 4 + k, k, "all_reduce", "dp", 0, -1, 1 << 20,
+             100.0 + step + k * 0.2 + (0.05 if rank % 2 else 0.0), 0.06, 0.05 if rank % 2 == 0 else 0.0)
+            for step in range(200) for rank in range(4) for k in range(4)]
+
+    def insert(ctx):
+        ctx.con.executemany("INSERT INTO collectives (run_id, attempt, step, rank, seq, group_seq, op, axis, group_id,"
+                            f" peer, bytes, start_ts, duration_s, wait_s) VALUES ({', '.join('?' * 14)})", rows)
+
+    storage.write(insert).result(timeout=30)
+    whole = {"step_from": 0, "step_to": 1_000}
+    with storage.cursor() as cur:
+        reads = [views.comm_waits(cur, "tie", **whole) for _ in range(8)]
+    # the same pairs in the same order; the sums to rounding (DuckDB's threads add in any order)
+    assert all([(w["waiter"], w["waited_for"], w["num_ops"]) for w in r]
+               == [(w["waiter"], w["waited_for"], w["num_ops"]) for w in reads[0]]
+               and [w["wait_s"] for w in r] == pytest.approx([w["wait_s"] for w in reads[0]], abs=1e-12)
+               for r in reads)
+    assert [(w["waiter"], w["waited_for"], w["num_ops"]) for w in reads[0]] == [
+        (0, 3, 800), (2, 3, 800), (1, 3, 800)]  # 0 and 2 waited 0.05 s an op, rank 1 not at all
+    assert reads[0][0]["wait_s"] == pytest.approx(0.2) and reads[0][2]["wait_s"] == 0.0
+
+    def roll_up(ctx):
+        for chunk in retention.plan(ctx.con, NOW):
+            retention.rollup_chunk(ctx.con, chunk)
+
+    storage.write(roll_up).result(timeout=60)
+    with storage.cursor() as cur:
+        assert _counts(cur)["collectives"] == 0
+        assert_rows_close(reads[0], views.comm_waits(cur, "tie", **whole), keys=("waiter", "waited_for"))
+
+
 def test_only_steps_older_than_the_age_are_rolled_up_and_rerun_is_idempotent(filled, tmp_path):
     fill_run(filled, "recent", num_steps=10, rollback_at=None, t0=NOW - 3600.0)
     filled.close()
