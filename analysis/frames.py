@@ -95,6 +95,11 @@ REQUIRED: dict[str, dict[str, tuple]] = {
     "scalars": {"run_id": (STR, ""), "attempt": (I32, ""), "step": (I64, ""), "rank": (I32, ""),
                 "name": (STR, "eval/... names mark eval steps"), "value": (F64, "")},
     "device_health": {"run_id": (STR, ""), "rank": (I32, ""), "ts": (F64, "sample time (rank clock)")},
+    # not telemetry of the run: what happened to its nodes in other runs (analysis/fleet.py),
+    # given by the collector with the run's meta rows (collector/read/fleet.py)
+    "node_history": {"run_id": (STR, "the run the history is for"), "past_run_id": (STR, "the run it happened in"),
+                     "node": (STR, ""), "ts": (F64, "when (s)"),
+                     "what": (STR, "seen, isolated, or an incident kind")},
 }
 
 OPTIONAL: dict[str, dict[str, tuple]] = {
@@ -122,6 +127,7 @@ OPTIONAL: dict[str, dict[str, tuple]] = {
                       "ecc_uncorrectable": (I64, "volatile uncorrectable ECC errors"),
                       "temperature_c": (F64, "GPU temperature (evidence)"),
                       "mem_available_bytes": (I64, "host MemAvailable"), "mem_total_bytes": (I64, "host MemTotal")},
+    "node_history": {"incident_id": (I64, "the incident's id in its run (evidence)")},
 }
 
 TABLES = tuple(REQUIRED)
@@ -270,6 +276,7 @@ class Frames:
     nodes: pl.DataFrame | None = None
     scalars: pl.DataFrame | None = None
     device_health: pl.DataFrame | None = None
+    node_history: pl.DataFrame | None = None
 
     @classmethod
     def from_arrow(cls, tables: Mapping[str, object]) -> "Frames":

@@ -60,6 +60,9 @@ What calls for what (DESIGN.md section 7, the keys are `[policy]` in rules.toml)
   - `thermal_throttle`, `power_throttle`: an alert only; the straggler detector
     prices the slowness a throttled GPU causes, and its policy isolates the node
     when that costs enough.
+- `node_history` (a node that failed in other runs lately, analysis/fleet.py):
+  **isolate** it when the run has a spare to take its place (`replace_flagged_nodes`),
+  before it costs the run anything; else an alert only.
 - `crash`: **restart** (the supervisor's own; recorded), and the
   `crashes_to_isolate`-th crash on one node **isolates** it. A crash that comes
   after `restarts_without_progress` restarts (isolations restart the job too) in a
@@ -243,7 +246,8 @@ class Policy:
 
     # the method each of analysis/kinds.py's rules calls (tests/unit/test_kinds.py: one per rule)
     RULES = {"rollback": "_rollback", "persist": "_persist", "hang": "_hang", "crash": "_crash",
-             "divergence": "_divergence", "device_health": "_device_health", "alert": "_alert"}
+             "divergence": "_divergence", "device_health": "_device_health", "history": "_history",
+             "alert": "_alert"}
 
     def _alert(self, st: RunPolicy, inc: dict[str, Any], now: float) -> list[Decision]:
         return []  # the incident is its own alert
@@ -253,6 +257,18 @@ class Policy:
             return []
         return self._isolate(st, inc, inc.get("node"), now,
                              f"hang: rank {inc.get('rank')} stopped entering collectives")
+
+    def _history(self, st: RunPolicy, inc: dict[str, Any], now: float) -> list[Decision]:
+        """A node that failed in other runs lately (node_history): a spare takes its place
+        before it costs this run anything; without a spare the run keeps it (an alert)."""
+        if not self.cfg.replace_flagged_nodes or st.spares <= 0:
+            return []
+        ev = inc.get("evidence") or {}
+        days = _number(ev.get("window_days"))
+        reason = (f"node_history: node {inc.get('node')} had faults in {ev.get('fault_runs')} of its "
+                  f"{ev.get('runs')} runs" + (f" in the last {days:g} days" if days is not None else "")
+                  + "; a spare takes its place")
+        return self._isolate(st, inc, inc.get("node"), now, reason)
 
     def _device_health(self, st: RunPolicy, inc: dict[str, Any], now: float) -> list[Decision]:
         """ECC errors isolate the node (or count against it); memory pressure checkpoints

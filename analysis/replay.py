@@ -39,9 +39,9 @@ def _times(name: str, df: pl.DataFrame) -> np.ndarray | None:
 
 def replay_commits(run: Frames, *, window_s: float = 1.0, delay_s: float = 0.5,
                    tail_s: float = 30.0) -> Iterator[tuple[float, Frames]]:
-    """(now, Frames) in time order; `ranks`, `runs` and `nodes` come with the first."""
+    """(now, Frames) in time order; `ranks`, `runs`, `nodes` and `node_history` come with the first."""
     tables = run.tables()
-    static = {k: tables.pop(k) for k in ("ranks", "runs", "nodes") if k in tables}
+    static = {k: tables.pop(k) for k in ("ranks", "runs", "nodes", "node_history") if k in tables}
     starts = [np.nanmin(t) for name, df in tables.items() if df.height and (t := _times(name, df)) is not None
               and np.isfinite(t).any()]
     if not starts:

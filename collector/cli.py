@@ -1,5 +1,5 @@
-"""`collector serve`, `collector sql`, `collector replay`, `collector postmortem` and the
-retention commands `collector archive`, `collector rollup`, `collector compact` (also
+"""`collector serve`, `collector sql`, `collector replay`, `collector postmortem`,
+`collector nodes` and the retention commands `collector archive`, `collector rollup`, `collector compact` (also
 `python -m collector`)."""
 
 from __future__ import annotations
@@ -179,7 +179,8 @@ def serve(args: argparse.Namespace) -> int:
                              timeout_s=args.alert_timeout_s, retry_base_s=args.alert_retry_base_s,
                              retry_cap_s=args.alert_retry_cap_s, max_age_s=args.alert_give_up_s,
                              max_attempts=args.alert_max_attempts),
-        retention=RetentionSettings(rollup_after_s=rollup_after_s, rollup_every_s=rollup_every_s))
+        retention=RetentionSettings(rollup_after_s=rollup_after_s, rollup_every_s=rollup_every_s),
+        archive_dir=Path(args.archive).resolve() if args.archive else None)
     from analysis import Analyzer, RulesError, load_rules
     from collector.live.policy import policy_for
 
@@ -399,6 +400,10 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{MIN_ROLLUP_AGE_S / 3600:g}h; default: never)")
     k.add_argument("--rollup-every", metavar="AGE", default="1h",
                    help="how often the rollup looks for old rows (default 1h)")
+    f = s.add_argument_group("fleet", "each node's record across runs (docs/rules.md [node_history])")
+    f.add_argument("--archive", metavar="DIR",
+                   help="the Parquet archive (`collector archive --out DIR`) read with this file's own runs for the "
+                        "history of a new run's nodes (default: this file's runs only)")
     s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(func=serve)
 
@@ -449,8 +454,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the policy mode whose decisions are judged with --truth (default: the rules' mode)")
     r.add_argument("--window-s", type=float, default=1.0,
                    help="rows are fed in commits of this many seconds of the ranks' clocks (default 1)")
+    r.add_argument("--archive", metavar="DIR",
+                   help="the Parquet archive read with the file's other runs for the history of a run's nodes")
     r.add_argument("--json", action="store_true", help="one JSON object: incidents per run and the score")
     r.set_defaults(func=_replay)
+
+    nd = sub.add_parser("nodes", help="every node's record across runs (faults, isolations), worst first, from a "
+                                      "closed file and the Parquet archive")
+    nsrc = nd.add_mutually_exclusive_group()
+    nsrc.add_argument("--db", help="a DuckDB file no collector holds, or a copy of a live one (opened read-only)")
+    nsrc.add_argument("--url", help="a running collector (its runs, and the archive it was started with)")
+    nd.add_argument("--token-file", help="a file holding the read token for --url")
+    nd.add_argument("--ca-file", help="PEM bundle to verify an https:// collector")
+    nd.add_argument("--archive", metavar="DIR", help="the Parquet archive (`collector archive --out DIR`)")
+    nd.add_argument("--since", metavar="AGE",
+                    help="how far back (e.g. 7d, 36h; default: the rules' [node_history] window_days)")
+    nd.add_argument("--rules", help="detection rules (TOML) overriding analysis/rules.toml: the window, what counts "
+                                    "as a fault and when a node is flagged ([node_history])")
+    nd.add_argument("--json", action="store_true", help="one JSON object: a record per node, worst first")
+    nd.set_defaults(func=_nodes)
 
     m = sub.add_parser("postmortem", help="write a run's postmortem report (HTML with charts, or Markdown)")
     m.add_argument("run_id", help="the run to report on")
@@ -585,6 +607,12 @@ def _replay(args: argparse.Namespace) -> int:
     from collector.offline.replay import main as replay_main
 
     return replay_main(args)
+
+
+def _nodes(args: argparse.Namespace) -> int:
+    from collector.offline.nodes import main as nodes_main
+
+    return nodes_main(args)
 
 
 def _postmortem(args: argparse.Namespace) -> int:

@@ -131,6 +131,9 @@ class Settings:
     duckdb: DuckDBSettings = field(default_factory=DuckDBSettings)
     alerts: AlertSettings = field(default_factory=AlertSettings)
     retention: RetentionSettings = field(default_factory=RetentionSettings)
+    # the Parquet archive (`collector archive`'s output) read with the file's own runs for the
+    # history of a new run's nodes (analysis/detectors/node_history.py); None: the file's runs only
+    archive_dir: Path | None = None
 
     def __post_init__(self) -> None:
         if self.token:

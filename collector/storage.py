@@ -47,8 +47,9 @@ from collector.live.detection import DetectionRunner
 from collector.live.policy import IncidentWatch, PolicyRunner
 from collector.live.watermark import Watermarks
 from collector.metrics import CollectorMetrics
-from collector.offline.retention import RollupJob, check_age
+from collector.offline.retention import DAY_S, RollupJob, check_age
 from collector.read import queries
+from collector.read.fleet import RunHistories
 from collector.settings import Settings
 from collector.sql.guard import SelectResult, SqlRefused, run_select
 from collector.sql.slots import SqlDeadline, SqlSlots
@@ -160,10 +161,14 @@ class Storage:
             hold_for_policy=policy is not None,
             end_wait_s=policy.cfg.end_of_run_wait_s if policy is not None and policy.mode_of("rollback") == "auto"
             else 0.0) if analyzer is not None else None
+        # the history of each run's nodes in other runs (node_history), when that detector runs
+        self._histories = RunHistories(self.read, window_s=DAY_S * analyzer.rules.node_history.window_days,
+                                       archive_dir=settings.archive_dir, clock=clock) \
+            if any(d.name == "node_history" for d in getattr(analyzer, "detectors", ())) else None
         if analyzer is not None:
             self.detection = DetectionRunner(
                 self.subscribe("detection", max_commits=detection_queue_commits), analyzer,
-                submit=self.record_findings, meta=lambda run_id: self.read(queries.run_meta_tables, run_id),
+                submit=self.record_findings, meta=self._run_meta,
                 clock=clock, tick_s=detection_tick_s, registry=self.metrics.registry, watermarks=self.watermarks,
                 mark_known_good=self.mark_known_good)
             self.detection.start()
@@ -246,6 +251,15 @@ class Storage:
         self._read_root.close()
         self._con.execute("CHECKPOINT")
         self._con.close()
+
+    def _run_meta(self, run_id: str) -> dict[str, pa.Table]:
+        """A run's meta rows for the detection runner (queries.run_meta_tables) and, when
+        node_history runs, the history of its nodes in other runs (collector/read/fleet.py)."""
+        tables = self.read(queries.run_meta_tables, run_id)
+        if self._histories is not None:
+            nodes = tables["ranks"].column("node").to_pylist() + tables["nodes"].column("node").to_pylist()
+            tables["node_history"] = self._histories.for_run(run_id, nodes)
+        return tables
 
     def wait_detected(self, timeout_s: float) -> bool:
         """Waits (at most `timeout_s`) until detection has analyzed every commit made before

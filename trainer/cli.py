@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("embedded collector", "passed to the collector --telemetry starts (not with --collector: "
                              "give these to `collector serve` there)")
     g.add_argument("--rules", metavar="FILE", help="detection rules (TOML) overriding analysis/rules.toml")
+    g.add_argument("--archive", metavar="DIR",
+                   help="the Parquet archive of earlier runs (`collector archive --out DIR`): a node that failed in "
+                        "them is flagged when this run starts on it (docs/rules.md [node_history])")
     g.add_argument("--webhook", action="append", metavar="URL",
                    help="POST each incident's alert here, signed (repeatable; needs a webhook secret)")
     g.add_argument("--webhook-secret-file", metavar="PATH",
@@ -146,6 +149,7 @@ _MAP = {
     "otlp_endpoint": ("telemetry", "otlp_endpoint"), "ca_file": ("telemetry", "ca_file"),
     "telemetry_flush_s": ("telemetry", "flush_interval_s"), "checksum_every": ("telemetry", "checksum_every"),
     "prometheus_port": ("telemetry", "prometheus_port"), "rules": ("telemetry", "rules"),
+    "archive": ("telemetry", "archive"),
     "dashboard": ("telemetry", "dashboard"), "dashboard_port": ("telemetry", "dashboard_port"),
     "policy": ("healing", "policy"), "max_restarts": ("healing", "max_restarts"),
     "min_nodes": ("healing", "min_nodes"), "on_isolate": ("healing", "on_isolate"),
@@ -173,9 +177,9 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
 def _embedded_only(cfg: JobConfig) -> None:
     """--rules, --webhook, --alertmanager configure the collector this command starts."""
     t = cfg.telemetry
-    if (t.rules or t.alerts) and (not t.enabled or t.collector_url):
-        raise ConfigError("--rules, --webhook and --alertmanager configure the embedded collector: they need "
-                          "--telemetry without --collector (give them to `collector serve` instead)")
+    if (t.rules or t.alerts or t.archive) and (not t.enabled or t.collector_url):
+        raise ConfigError("--rules, --archive, --webhook and --alertmanager configure the embedded collector: they "
+                          "need --telemetry without --collector (give them to `collector serve` instead)")
 
 
 def _webhook_secret(args: argparse.Namespace, cfg: JobConfig) -> None:

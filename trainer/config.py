@@ -161,6 +161,8 @@ class TelemetryConfig:
     otlp_endpoint: str | None = None
     prometheus_port: int | None = None  # rank r listens on prometheus_port + local rank
     rules: str | None = None  # the embedded collector's detection rules file (--rules)
+    # the Parquet archive the embedded collector reads for the history of the run's nodes (--archive)
+    archive: str | None = None
     # The embedded collector comes with a dashboard (`python -m dashboard --collector`) on
     # this loopback port (0, or the port taken: any free one); off with --no-dashboard.
     dashboard: bool = True

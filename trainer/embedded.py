@@ -85,7 +85,7 @@ def write_webhook_secret(tokens_dir: Path, secret: str | None) -> Path | None:
 def collector_argv(*, db_path: Path, host: str, port: int, token_paths: Mapping[str, Path],
                    rules: str | None = None, webhooks: Sequence[str] = (), alertmanagers: Sequence[str] = (),
                    webhook_secret_path: Path | None = None, policy: str | None = None,
-                   min_nodes: int | None = None) -> list[str]:
+                   min_nodes: int | None = None, archive: str | None = None) -> list[str]:
     """`python -m collector serve ...` with token and secret *files* only."""
     argv = [sys.executable, "-m", "collector", "serve", "--db", str(db_path), "--host", host, "--port", str(port),
             "--duckdb-threads", "1"]  # it shares the trainer's CPUs: one DuckDB thread is plenty for one run
@@ -103,6 +103,8 @@ def collector_argv(*, db_path: Path, host: str, port: int, token_paths: Mapping[
         argv += ["--policy", policy]
     if min_nodes is not None:
         argv += ["--min-nodes", str(min_nodes)]
+    if archive:
+        argv += ["--archive", str(Path(archive).resolve())]
     return argv
 
 
@@ -136,7 +138,7 @@ def collector_env(environ: Mapping[str, str]) -> dict[str, str]:
 class EmbeddedCollector:
     def __init__(self, *, db_path: Path, tokens_dir: Path, log_path: Path, token: str | None = None,
                  host: str = "127.0.0.1", rules: str | None = None, alerts: Any = None,
-                 policy: str | None = None, min_nodes: int | None = None,
+                 policy: str | None = None, min_nodes: int | None = None, archive: str | None = None,
                  environ: Mapping[str, str] = os.environ) -> None:
         """`token`: the user's one token (every role); None: one generated per role.
         `rules`: a detection rules file; `alerts`: the receivers (`config.AlertReceivers`);
@@ -144,6 +146,7 @@ class EmbeddedCollector:
         self.rules = rules
         self.policy = policy
         self.min_nodes = min_nodes
+        self.archive = archive
         self.webhooks = tuple(getattr(alerts, "webhooks", ()))
         self.alertmanagers = tuple(getattr(alerts, "alertmanagers", ()))
         self._environ = environ
@@ -171,7 +174,8 @@ class EmbeddedCollector:
         self.proc = subprocess.Popen(
             collector_argv(db_path=self.db_path, host=self.host, port=self.port, token_paths=self.token_paths,
                            rules=self.rules, webhooks=self.webhooks, alertmanagers=self.alertmanagers,
-                           webhook_secret_path=secret_path, policy=self.policy, min_nodes=self.min_nodes),
+                           webhook_secret_path=secret_path, policy=self.policy, min_nodes=self.min_nodes,
+                           archive=self.archive),
             stdout=log, stderr=subprocess.STDOUT, env=collector_env(os.environ),
             # its own session: a Ctrl-C in the terminal reaches the ranks, and the launcher
             # stops the collector after they flushed; PDEATHSIG: it dies with the launcher

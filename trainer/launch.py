@@ -77,6 +77,7 @@ def _launch_embedded(cfg: JobConfig, run_dir: Path, *, token: str | None, progre
         collector = EmbeddedCollector(db_path=run_dir / "telemetry.duckdb", tokens_dir=run_dir / "tokens",
                                       log_path=run_dir / "collector.log", token=token,
                                       rules=cfg.telemetry.rules, alerts=cfg.telemetry.alerts,
+                                      archive=cfg.telemetry.archive,
                                       policy=cfg.healing.policy, min_nodes=cfg.healing.min_nodes)
         try:
             collector.start()

@@ -70,7 +70,7 @@ def create_app(storage: Storage, *, close_storage: bool = True) -> Gate:
     bundle = ingest.BundleEndpoint(storage)
     app.router.routes.append(Route("/v1/ingest", endpoint, methods=["POST"]))
     app.router.routes.append(Route(wire.BUNDLE_PATH, bundle, methods=["POST"]))
-    for r in (ingest.router, query.router, sql.router, commands.router, ops.router):
+    for r in (ingest.router, query.router, query.fleet_router, sql.router, commands.router, ops.router):
         app.include_router(r)
 
     @app.exception_handler(HTTPException)

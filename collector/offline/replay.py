@@ -46,7 +46,8 @@ from analysis.kinds import COSTED
 from analysis.policy import Policy, RunPolicy, apply_cost_inputs
 from analysis.scoring import Incident as ScoredIncident
 from analysis.scoring import Truth, cause_of, opened_step_of, suspects_of
-from collector.read import queries
+from collector.offline.retention import DAY_S
+from collector.read import fleet, queries
 from collector.store.incidents import OpenIncidents, RecordFindings
 
 
@@ -101,12 +102,20 @@ def _evidence(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def replay_run(cur: queries.Cursor, run_id: str, *, rules: Rules | None = None, window_s: float = 1.0,
-               tail_s: float = 30.0) -> RunReplay:
+               tail_s: float = 30.0, archive_dir: str | None = None) -> RunReplay:
     """Every pass the live collector would have run over `run_id`, in order: a fresh
     analyzer fed the run's commits as the live detection runner feeds it
-    (collector/live/detection.py: `Analyzer.feed_run`, one run at a time)."""
+    (collector/live/detection.py: `Analyzer.feed_run`, one run at a time). Its nodes'
+    history is what the file's other runs (and `archive_dir`'s) held before it began."""
     analyzer = Analyzer(rules)
-    frames = Frames.from_arrow(queries.run_tables(cur, run_id))
+    tables = queries.run_tables(cur, run_id)
+    if any(d.name == "node_history" for d in analyzer.detectors):
+        begun = queries.run_begun_ts(cur, run_id)
+        if begun is not None:
+            tables["node_history"] = fleet.history(
+                cur, run_id, since_ts=begun - DAY_S * analyzer.rules.node_history.window_days, until_ts=begun,
+                archive_dir=archive_dir)
+    frames = Frames.from_arrow(tables)
     ledger = IncidentLedger()
     out = RunReplay(run_id=run_id, incidents=[])
     for now, commit in replay_commits(frames, window_s=window_s, tail_s=tail_s):
@@ -310,7 +319,8 @@ def main(args: argparse.Namespace) -> int:
             print(f"collector replay: no run {args.run!r} in {args.db} (runs: {', '.join(known) or 'none'})",
                   file=sys.stderr)
             return 2
-        replays = [replay_run(con, r, rules=rules, window_s=args.window_s) for r in run_ids]
+        replays = [replay_run(con, r, rules=rules, window_s=args.window_s, archive_dir=args.archive)
+                   for r in run_ids]
         live_scored, live_rows = stored_incidents(con, run_ids)
         live_actions: dict[int, list[dict]] = {}
         for r in run_ids:

@@ -51,6 +51,12 @@ def runs(cur: Cursor) -> Rows:
         FROM runs ORDER BY created_ts DESC""")
 
 
+def run_begun_ts(cur: Cursor, run_id: str) -> float | None:
+    """When the run began: its agents' start (`started_ts`), else when its first batch came."""
+    row = cur.execute("SELECT coalesce(started_ts, created_ts) FROM runs WHERE run_id = ?", [run_id]).fetchone()
+    return None if row is None or row[0] is None else float(row[0])
+
+
 def run(cur: Cursor, run_id: str) -> dict[str, Any] | None:
     rows = records(cur, """
         SELECT r.*,

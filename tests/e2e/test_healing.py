@@ -26,7 +26,9 @@ from pathlib import Path
 
 import pytest
 
+from collector.offline.archive import archive
 from tests.e2e.runs import Healed, run_healing
+from tests.fleet_runs import runs_file
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -195,6 +197,20 @@ def spare(tmp_path_factory):
     return run_healing(d, *DP, *BIGGER, *rules(d.parent / "rules.toml", ISOLATION_ONLY), "--steps", "220",
                        *ckpt(d, every=10), "--spare-nodes", "1",
                        "--inject", "straggler@rank=1,from=52,factor=8")
+
+
+@pytest.fixture(scope="module")
+def lemon(tmp_path_factory):
+    # node1 failed in two runs this week (a straggler, then a hang that isolated it), archived by
+    # `collector archive`: this run starts on node0 and node1 with node2 standing by
+    d = tmp_path_factory.mktemp("lemon") / "run"
+    now = time.time()
+    earlier = runs_file(d.parent / "earlier.duckdb", [
+        ("monday", now - 4 * 86400, {"node0": [], "node1": ["straggler"]}),
+        ("tuesday", now - 3 * 86400, {"node0": [], "node1": ["hang"]}, ("node1",))])
+    archive(earlier, d.parent / "archive")
+    return run_healing(d, *DP, *rules(d.parent / "rules.toml"), "--steps", "60", *ckpt(d, every=10),
+                       "--spare-nodes", "1", "--archive", str(d.parent / "archive"))
 
 
 @pytest.fixture(scope="module")
@@ -505,6 +521,27 @@ def test_a_spare_takes_the_straggling_nodes_place_and_the_job_keeps_its_size(spa
     assert (new["dp"], new["nodes"], new["micro_batches"]) == (2, 2, 2), new
     assert samples_per_step(after) == {GLOBAL_SAMPLES}, o.report()
     assert "spare node2 takes node1's place" in o.run.stderr + o.run.stdout, o.report()
+
+
+def test_a_node_that_failed_in_two_runs_this_week_is_replaced_by_the_spare_at_the_start(lemon):
+    """Fleet memory: the archive says node1 failed in two runs this week. The run opens a
+    node_history incident for it at step 0, with its record, and the policy hands its place to
+    the spare before it costs anything: node2 takes rank 1 and the run completes at dp 2."""
+    o = lemon
+    (flag,) = o.of("node_history")
+    assert (flag["rank"], flag["node"], flag["step_from"]) == (1, "node1", 0), o.report()
+    ev = flag["evidence"]
+    assert (ev["runs"], ev["fault_runs"], ev["by_kind"]) == (2, 2, {"hang": 1, "isolated": 1, "straggler": 1}), ev
+    assert [x["run_id"] for x in ev["latest_faults"]][:1] == ["tuesday"], ev
+    iso = assert_isolated(o, "node1", flag, "node_history")
+    assert "a spare takes its place" in iso["detail"]["reason"], o.report()
+    assert o.run.returncode == 0 and o.query("SELECT status, world_size FROM runs") == [
+        {"status": "completed", "world_size": 2}], o.report()
+    assert (o.nodes["node2"]["status"], json.loads(o.nodes["node2"]["ranks"])) == ("healthy", [1]), o.report()
+    after = last_attempt(o)
+    assert max(r["step"] for r in after) == 60 and {(r["rank"], r["node"]) for r in after} == {
+        (0, "node0"), (1, "node2")}, o.report()
+    assert not [i for i in o.incidents if i["kind"] != "node_history"], o.report()
 
 
 def test_a_spare_as_slow_in_the_same_place_stops_the_run_instead_of_replacing_again(place_loop):

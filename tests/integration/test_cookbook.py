@@ -47,6 +47,14 @@ def test_the_cookbook_is_big_enough():
             "time_lost_per_incident", "first_nonfinite_step"} <= set(QUERIES)
 
 
+def test_the_straggler_node_had_a_fault_in_the_run_and_the_other_none(answers):
+    rows = {r["node"]: r for r in answers["node_fault_runs"]}
+    assert set(rows) == {f"node{n}" for n in range(2)}, rows
+    assert (rows[STRAGGLER["node"]]["runs"], rows[STRAGGLER["node"]]["fault_runs"]) == (1, 1), rows
+    assert rows[STRAGGLER["node"]]["faults"] >= 1 and answers["node_fault_runs"][0]["node"] == STRAGGLER["node"]
+    assert all(r["fault_runs"] == 0 for n, r in rows.items() if n != STRAGGLER["node"]), rows  # a NaN is the data's
+
+
 def test_slowest_rank_is_the_straggler(answers):
     rows = answers["slowest_rank_per_step"]
     assert [r["step"] for r in rows] == list(range(1, NUM_STEPS + 1))

@@ -7,18 +7,21 @@ storage query blocks only its own thread (each gets its own DuckDB cursor).
 from __future__ import annotations
 
 import inspect
+import time
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from pydantic import BeforeValidator, Field
 from starlette.responses import HTMLResponse, Response
 
+from analysis import load_rules
 from collector.http.routes.common import json_response
 from collector.offline import postmortem
-from collector.read import queries, views
+from collector.read import fleet, queries, views
 from collector.storage import Storage
 
 router = APIRouter(prefix="/v1/runs")  # the read role: collector/http/gate.py
+fleet_router = APIRouter(prefix="/v1/fleet")  # the read role too
 
 
 def _storage(request: Request) -> Storage:
@@ -156,3 +159,16 @@ def get_events(run_id: str, storage: StorageDep, kind: str | None = None,
 @router.get("/{run_id}/heartbeats/latest")
 def get_heartbeats_latest(run_id: str, storage: StorageDep) -> Response:
     return json_response(storage.read(queries.heartbeats_latest, run_id))
+
+
+@fleet_router.get("/nodes")
+def get_fleet_nodes(storage: StorageDep,
+                    since_s: Annotated[float | None, _EmptyIsNone, Query(gt=0, le=366 * 86400)] = None) -> Response:
+    """Every node's record across runs, worst first (collector/read/fleet.py `node_records`): this
+    collector's runs and its archive's (`--archive`), over the last `since_s` seconds (default: the
+    rules' [node_history] window_days). What `collector nodes --url` prints."""
+    rules = storage.detection.analyzer.rules if storage.detection is not None else load_rules()
+    now = time.time()
+    since = now - (since_s if since_s is not None else 86400.0 * rules.node_history.window_days)
+    return json_response(storage.read(fleet.node_records, since_ts=since, until_ts=now, rules=rules,
+                                      archive_dir=storage.settings.archive_dir))

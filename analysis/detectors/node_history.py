@@ -1,0 +1,90 @@
+"""`node_history`: a run starts on a node that failed in other runs lately.
+
+The collector hands each run, with its meta rows, the history of the run's nodes in
+other runs (analysis/fleet.py: incidents, isolations, and the runs each node was
+seen in, from its own file and the Parquet archive; collector/read/fleet.py). Each
+node of the run is judged once, when both its ranks and the history are known:
+a node that had a fault (an incident of one of `fault_kinds`, or an isolation) in
+`flag_runs` or more different runs within the last `window_days` opens an incident
+at step 0, its record in the evidence (runs seen, fault runs, faults by kind, its
+latest faults with their runs and incident ids).
+
+The incident stays open while the node is in the run: it is not a fault of this
+run, but the run is on a suspect node. The policy (`[policy]
+replace_flagged_nodes`) hands it to a spare when the run has one: a restart round
+without the node, where the open incidents close. Without a spare it is an alert.
+Runs are counted, not incidents: one bad run that reopened a straggler five times
+is one run, while faults in two runs in a week follow the node.
+
+No history given (a collector with no past runs and no archive): nothing is judged.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+
+from analysis import fleet
+from analysis.findings import Finding
+from analysis.registry import register
+
+DAY_S = 86400.0
+
+
+class _State:
+    __slots__ = ("history", "judged")
+
+    def __init__(self) -> None:
+        self.history: pl.DataFrame | None = None  # the latest history given (bounded by the window)
+        self.judged: set[str] = set()  # nodes judged (each once a round)
+
+    def footprint(self) -> dict[str, int]:
+        return {"history_rows": 0 if self.history is None else self.history.height, "judged_nodes": len(self.judged)}
+
+
+@register
+class NodeHistoryDetector:
+    name = "node_history"
+    kinds = ("node_history",)
+
+    def __init__(self, rules) -> None:
+        self.cfg = rules.node_history
+        self.kinds_counted = tuple(self.cfg.fault_kinds)
+
+    def new_state(self) -> _State:
+        return _State()
+
+    def run(self, p, st: _State) -> None:
+        given = p.frames.node_history
+        if given is not None and given.height:
+            st.history = given
+        if st.history is None:
+            return
+        topo = p.topo
+        held = np.flatnonzero(topo.node_of >= 0)
+        if not len(held):
+            return
+        since = p.now - self.cfg.window_days * DAY_S
+        for code in np.unique(topo.node_of[held]).tolist():
+            node = topo.node_names[code]
+            if node in st.judged:
+                continue
+            st.judged.add(node)
+            record = fleet.node_record(st.history, node, since_ts=since, fault_kinds=self.kinds_counted,
+                                       exclude_run=p.run.run_id)
+            if record.get("fault_runs", 0) >= self.cfg.flag_runs:
+                rank = int(held[topo.node_of[held] == code].min())
+                self._report(p, node, rank, record)
+
+    def _report(self, p, node: str, rank: int, record: dict) -> None:
+        n, runs = int(record["fault_runs"]), int(record["runs"])
+        kinds = ", ".join(f"{k} x{c}" for k, c in record["by_kind"].items())
+        latest = record["latest_faults"][0] if record["latest_faults"] else None
+        root = (f"node {node} had faults in {n} of its {runs} runs in the last {self.cfg.window_days:g} days ({kinds})"
+                + (f"; the latest: {latest['what']} in run {latest['run_id']}" if latest else "")
+                + ": this run starts on a suspect node")
+        evidence = {**record, "window_days": self.cfg.window_days, "flag_runs": self.cfg.flag_runs,
+                    "fault_kinds": list(self.kinds_counted), **p.topo.coords(rank)}
+        p.report(Finding(kind="node_history", key=p.book.new_key(f"node_history:{node}"), run_id=p.run.run_id,
+                         severity="warning", rank=rank, node=node, step_from=0, step_to=0, evidence=evidence,
+                         root_cause=root, confidence=min(0.9, 0.4 + 0.1 * n)))

@@ -1,0 +1,111 @@
+"""Fleet memory: each node's record across runs, and which nodes a new run should not trust.
+
+A run starts on nodes other runs used before. Their incidents and isolations live on
+in the collector's file (a long-lived collector holds many runs) and in the Parquet
+archive (`collector archive`); collector/read/fleet.py reads both into one frame of
+*history rows*, one per thing that happened to a node in a past run:
+
+    run_id       the run the history is for (the rows are about other runs)
+    past_run_id  the run it happened in
+    node         the node (its hostname)
+    ts           when (s): the node's first row in that run, an isolation, an incident's opening
+    what         "seen" (the node held ranks of that run), "isolated" (the policy took it
+                 out), or an incident kind (straggler, slow_link, hang, ...)
+    incident_id  the incident's id in that run (null for the others)
+
+`summarize` turns them into one record per node; `flagged` says which of them have
+failed in too many runs lately. Pure: polars in, polars out; the window and the
+thresholds are the rules' `[node_history]` (analysis/rules.toml).
+
+Counting runs, not incidents: a straggler that reopened five times in one bad run is
+one run's fault (maybe the job's), while faults in two different runs within a week
+follow the node (a "lemon").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import polars as pl
+
+SEEN, ISOLATED = "seen", "isolated"
+
+HISTORY_SCHEMA = {"run_id": pl.String, "past_run_id": pl.String, "node": pl.String, "ts": pl.Float64,
+                  "what": pl.String, "incident_id": pl.Int64}
+
+SUMMARY_SCHEMA = {"node": pl.String, "runs": pl.UInt32, "fault_runs": pl.UInt32, "faults": pl.UInt32,
+                  "isolations": pl.UInt32, "first_seen_ts": pl.Float64, "last_seen_ts": pl.Float64,
+                  "last_fault_ts": pl.Float64, "last_fault_kind": pl.String, "last_fault_run": pl.String}
+
+
+def history_frame(rows: Iterable[dict[str, Any]] | None = None) -> pl.DataFrame:
+    """History rows as a frame of HISTORY_SCHEMA (for tests and for a source with none)."""
+    return pl.DataFrame(list(rows or []), schema=HISTORY_SCHEMA)
+
+
+def summarize(history: pl.DataFrame, *, since_ts: float, fault_kinds: Iterable[str],
+              exclude_run: str | None = None) -> pl.DataFrame:
+    """One row per node of `history` (rows at or after `since_ts`, none of `exclude_run`):
+    `runs` it was seen in, `fault_runs` of them where it had a fault (an incident of one of
+    `fault_kinds`, or an isolation), `faults` (those incidents), `isolations`, when it was
+    first and last seen, and its latest fault. Nodes with the most fault runs first."""
+    kinds = sorted(set(fault_kinds))
+    if history is None or not history.height:
+        return pl.DataFrame(schema=SUMMARY_SCHEMA)
+    h = history.filter(pl.col("ts") >= since_ts)
+    if exclude_run is not None:
+        h = h.filter(pl.col("past_run_id") != exclude_run)
+    h = h.with_columns(pl.col("what").is_in(kinds).alias("_incident"),
+                       (pl.col("what") == ISOLATED).alias("_isolated"))
+    h = h.with_columns((pl.col("_incident") | pl.col("_isolated")).alias("_fault"))
+    fault = pl.col("_fault")
+    out = h.group_by("node").agg(
+        pl.col("past_run_id").n_unique().alias("runs"),
+        pl.col("past_run_id").filter(fault).n_unique().alias("fault_runs"),
+        pl.col("_incident").sum().alias("faults"),
+        pl.col("_isolated").sum().alias("isolations"),
+        pl.col("ts").min().alias("first_seen_ts"),
+        pl.col("ts").max().alias("last_seen_ts"),
+        pl.col("ts").filter(fault).max().alias("last_fault_ts"),
+        pl.col("what").filter(fault).sort_by(pl.col("ts").filter(fault)).last().alias("last_fault_kind"),
+        pl.col("past_run_id").filter(fault).sort_by(pl.col("ts").filter(fault)).last().alias("last_fault_run"),
+    )
+    return out.select([pl.col(c).cast(t) for c, t in SUMMARY_SCHEMA.items()]).sort(
+        ["fault_runs", "isolations", "faults", "node"], descending=[True, True, True, False])
+
+
+def flagged(summary: pl.DataFrame, *, flag_runs: int) -> pl.DataFrame:
+    """The nodes of `summary` that had a fault in `flag_runs` runs or more."""
+    return summary.filter(pl.col("fault_runs") >= max(1, int(flag_runs)))
+
+
+def node_record(history: pl.DataFrame, node: str, *, since_ts: float, fault_kinds: Iterable[str],
+                exclude_run: str | None = None, max_faults: int = 10) -> dict[str, Any]:
+    """One node's record for an incident's evidence: its summary row, its faults by kind,
+    and its latest `max_faults` faults (run, what, when, incident id), newest first."""
+    kinds = set(fault_kinds)
+    mine = history.filter((pl.col("node") == node) & (pl.col("ts") >= since_ts))
+    if exclude_run is not None:
+        mine = mine.filter(pl.col("past_run_id") != exclude_run)
+    summary = summarize(mine, since_ts=since_ts, fault_kinds=kinds)
+    out: dict[str, Any] = summary.row(0, named=True) if summary.height else {"node": node}
+    faults = mine.filter(pl.col("what").is_in(sorted(kinds | {ISOLATED}))).sort("ts", descending=True)
+    out["by_kind"] = faults_by_kind(mine, since_ts=since_ts, fault_kinds=kinds).get(node, {})
+    out["latest_faults"] = [{"run_id": r["past_run_id"], "what": r["what"], "ts": r["ts"],
+                             "incident_id": r["incident_id"]}
+                            for r in faults.head(max_faults).iter_rows(named=True)]
+    return out
+
+
+def faults_by_kind(history: pl.DataFrame, *, since_ts: float, fault_kinds: Iterable[str]) -> dict[str, dict[str, int]]:
+    """Per node, its faults (of `fault_kinds`, and isolations) by kind, most first."""
+    if history is None or not history.height:
+        return {}
+    counted = sorted(set(fault_kinds) | {ISOLATED})
+    got = history.filter((pl.col("ts") >= since_ts) & pl.col("what").is_in(counted)) \
+        .group_by("node", "what").len().sort(["node", "len", "what"], descending=[False, True, False])
+    out: dict[str, dict[str, int]] = {}
+    for node, what, n in got.iter_rows():
+        out.setdefault(node, {})[what] = n
+    return out

@@ -1,0 +1,183 @@
+"""Fleet memory, the read side: each node's history across runs, from a DuckDB file
+and from the Parquet archive (`collector archive`), as analysis/fleet.py's history rows.
+
+Two sources, one shape (HISTORY_COLUMNS, what analysis/fleet.py reads):
+
+- `file_history(cur, ...)`: a collector's own file, live or closed (a long-lived
+  collector holds many runs);
+- `archive_history(dir, ...)`: the archive's `ranks`, `nodes` and `incidents` folders
+  (hive layout, docs/scale.md), read with DuckDB's own Parquet reader on a connection
+  of its own (the collector's connection may read no file: collector/sql/). Runs of
+  an older schema are read by name (a column they lack is NULL), an empty or missing
+  archive is no history.
+
+`history(...)` joins them: a run in both is read from the file only (it may have gone
+on since it was archived). The rows are about the nodes given (the run's), within
+[since_ts, until_ts), and never about the run itself.
+
+Per node and run: `seen` (the node held ranks of the run; at its first rank's first
+row), `isolated` (the policy took it out; at the isolation), and each incident that
+names it, by kind (at its opening).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+import duckdb
+import polars as pl
+import pyarrow as pa
+
+from analysis import fleet as analysis_fleet
+
+log = logging.getLogger("collector.read.fleet")
+
+HISTORY_COLUMNS = ("run_id", "past_run_id", "node", "ts", "what", "incident_id")
+HISTORY_SCHEMA = pa.schema([("run_id", pa.string()), ("past_run_id", pa.string()), ("node", pa.string()),
+                            ("ts", pa.float64()), ("what", pa.string()), ("incident_id", pa.int64())])
+# the archive's tables read, and the columns of each the history needs
+_ARCHIVED = {"ranks": ("run_id", "node", "first_seen_ts"), "nodes": ("run_id", "node", "isolated_ts", "incident_id"),
+             "incidents": ("id", "run_id", "kind", "node", "opened_ts")}
+
+# the history rows of tables named ranks, nodes and incidents: the file's own, or views of the archive's
+_HISTORY_SQL = """
+    SELECT $run AS run_id, run_id AS past_run_id, node, min(first_seen_ts) AS ts, 'seen' AS what,
+           NULL::BIGINT AS incident_id
+    FROM ranks WHERE node IS NOT NULL AND ($nodes IS NULL OR node IN (SELECT unnest($nodes))) AND run_id <> $run AND NOT list_contains($skip, run_id)
+    GROUP BY run_id, node HAVING min(first_seen_ts) >= $since AND min(first_seen_ts) < $until
+    UNION ALL
+    SELECT $run, run_id, node, isolated_ts, 'isolated', incident_id::BIGINT
+    FROM nodes WHERE node IS NOT NULL AND ($nodes IS NULL OR node IN (SELECT unnest($nodes))) AND run_id <> $run AND NOT list_contains($skip, run_id)
+        AND isolated_ts >= $since AND isolated_ts < $until
+    UNION ALL
+    SELECT $run, run_id, node, opened_ts, kind, id::BIGINT
+    FROM incidents WHERE node IS NOT NULL AND ($nodes IS NULL OR node IN (SELECT unnest($nodes))) AND run_id <> $run AND NOT list_contains($skip, run_id)
+        AND opened_ts >= $since AND opened_ts < $until
+    ORDER BY ts, past_run_id, node"""
+
+
+def _params(run_id: str, nodes: Iterable[str] | None, since_ts: float, until_ts: float,
+            skip: Iterable[str] = ()) -> dict:
+    """The query's parameters; `nodes` None: every node (`collector nodes`)."""
+    return {"run": run_id, "nodes": None if nodes is None else sorted({str(n) for n in nodes}),
+            "since": float(since_ts), "until": float(until_ts), "skip": sorted({str(r) for r in skip})}
+
+
+def run_nodes(cur, run_id: str) -> list[str]:
+    """The nodes of `run_id` in the file: those that held its ranks, and its spares."""
+    return [n for (n,) in cur.execute(
+        "SELECT DISTINCT node FROM ranks WHERE run_id = $r AND node IS NOT NULL UNION "
+        "SELECT node FROM nodes WHERE run_id = $r ORDER BY 1", {"r": run_id}).fetchall()]
+
+
+def file_run_ids(cur) -> list[str]:
+    return [r for (r,) in cur.execute("SELECT run_id FROM runs ORDER BY 1").fetchall()]
+
+
+def file_history(cur, run_id: str, nodes: Sequence[str] | None, *, since_ts: float, until_ts: float) -> pa.Table:
+    """The history rows of `nodes` (None: every node) in the file's runs other than `run_id`."""
+    if nodes is not None and not nodes:
+        return HISTORY_SCHEMA.empty_table()
+    return cur.sql(_HISTORY_SQL, params=_params(run_id, nodes, since_ts, until_ts)).to_arrow_table().cast(
+        HISTORY_SCHEMA)
+
+
+def archive_history(archive_dir: str | Path, run_id: str, nodes: Sequence[str] | None, *, since_ts: float,
+                    until_ts: float, skip_runs: Iterable[str] = ()) -> pa.Table:
+    """The history rows of `nodes` (None: every node) in the archive's runs (not `run_id`,
+    nor `skip_runs`)."""
+    root = Path(archive_dir)
+    if (nodes is not None and not nodes) or not root.is_dir():
+        return HISTORY_SCHEMA.empty_table()
+    con = duckdb.connect(config={"threads": 1})
+    try:
+        for table, columns in _ARCHIVED.items():
+            con.execute(f"CREATE TEMP VIEW {table} AS {_archived_select(con, root, table, columns)}")
+        return con.sql(_HISTORY_SQL, params=_params(run_id, nodes, since_ts, until_ts, skip_runs)).to_arrow_table() \
+            .cast(HISTORY_SCHEMA)
+    finally:
+        con.close()
+
+
+def _archived_select(con: duckdb.DuckDBPyConnection, root: Path, table: str, columns: Sequence[str]) -> str:
+    """A SELECT of `columns` over the archive's files of `table`: the columns the files lack
+    are NULL (a run archived by an older collector); no files: no rows."""
+    types = {"run_id": "VARCHAR", "node": "VARCHAR", "kind": "VARCHAR", "id": "BIGINT", "incident_id": "BIGINT"}
+    empty = "SELECT " + ", ".join(f"NULL::{types.get(c, 'DOUBLE')} AS {c}" for c in columns) + " WHERE false"
+    if not any((root / table).glob("run_id=*/**/*.parquet")):
+        return empty
+    pattern = str(root / table / "**" / "*.parquet").replace("'", "''")
+    source = (f"read_parquet('{pattern}', hive_partitioning = true, union_by_name = true, "
+              f"hive_types = {{'run_id': VARCHAR}})")
+    have = {row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {source}").fetchall()}
+    return "SELECT " + ", ".join(c if c in have else f"NULL::{types.get(c, 'DOUBLE')} AS {c}" for c in columns) + \
+        f" FROM {source}"
+
+
+def history(cur, run_id: str, *, since_ts: float, until_ts: float, archive_dir: str | Path | None = None,
+            nodes: Sequence[str] | None = None) -> pa.Table:
+    """The history rows of the run's nodes (default: `run_nodes`) in the file's other runs,
+    and in the archive's runs the file does not hold."""
+    nodes = run_nodes(cur, run_id) if nodes is None else list(nodes)
+    return fleet_history(cur, run_id, nodes, since_ts=since_ts, until_ts=until_ts, archive_dir=archive_dir)
+
+
+def fleet_history(cur, run_id: str, nodes: Sequence[str] | None, *, since_ts: float, until_ts: float,
+                  archive_dir: str | Path | None = None) -> pa.Table:
+    """The history rows of `nodes` (None: every node) in the runs other than `run_id`
+    (`""`: every run) of the file behind `cur` (None: none) and of the archive."""
+    parts = [file_history(cur, run_id, nodes, since_ts=since_ts, until_ts=until_ts)] if cur is not None else []
+    if archive_dir is not None:
+        try:
+            parts.append(archive_history(archive_dir, run_id, nodes, since_ts=since_ts, until_ts=until_ts,
+                                         skip_runs=file_run_ids(cur) if cur is not None else ()))
+        except duckdb.Error as e:  # a damaged archive costs the history, not the run's detection
+            log.warning("cannot read the archive %s: %s", archive_dir, e)
+    return pa.concat_tables(parts) if parts else HISTORY_SCHEMA.empty_table()
+
+
+class RunHistories:
+    """The live collector's history of each run's nodes, for the detection runner's meta
+    rows (collector/live/detection.py): read through `read` (Storage.read: a cursor of
+    its own) and the archive, and kept `max_age_s` per run and node set. A run's meta is
+    read every pass until every rank has reported; its nodes' history is read again only
+    when the set grows (a rank of a new node reported, a spare joined) or it got old."""
+
+    def __init__(self, read: Callable[..., pa.Table], *, window_s: float, archive_dir: str | Path | None = None,
+                 clock: Callable[[], float] = time.time, max_age_s: float = 60.0, max_runs: int = 256) -> None:
+        self._read, self._archive = read, archive_dir
+        self.window_s, self.max_age_s, self.max_runs = window_s, max_age_s, max_runs
+        self._clock = clock
+        self._cache: dict[str, tuple[tuple[str, ...], float, pa.Table]] = {}
+
+    def for_run(self, run_id: str, nodes: Iterable[str]) -> pa.Table:
+        key = tuple(sorted({str(n) for n in nodes if n is not None}))
+        had = self._cache.get(run_id)
+        if had is not None and had[0] == key and time.monotonic() - had[1] < self.max_age_s:
+            return had[2]
+        now = self._clock()
+        table = self._read(history, run_id, since_ts=now - self.window_s, until_ts=now, archive_dir=self._archive,
+                           nodes=list(key))
+        if len(self._cache) >= self.max_runs and run_id not in self._cache:
+            self._cache.pop(next(iter(self._cache)))  # the oldest run's
+        self._cache[run_id] = (key, time.monotonic(), table)
+        return table
+
+
+def node_records(cur, *, since_ts: float, until_ts: float, rules, archive_dir: str | Path | None = None) -> dict:
+    """Every node's record over [since_ts, until_ts) in the file behind `cur` (None: none) and the
+    archive, worst first (analysis/fleet.py `summarize`, with `by_kind` and `flagged` by the rules'
+    `[node_history]`): what `collector nodes` prints and `GET /v1/fleet/nodes` answers."""
+    cfg = rules.node_history
+    history = pl.from_arrow(fleet_history(cur, "", None, since_ts=since_ts, until_ts=until_ts,
+                                          archive_dir=archive_dir))
+    summary = analysis_fleet.summarize(history, since_ts=since_ts, fault_kinds=cfg.fault_kinds)
+    kinds = analysis_fleet.faults_by_kind(history, since_ts=since_ts, fault_kinds=cfg.fault_kinds)
+    runs = history.filter(pl.col("what") == analysis_fleet.SEEN)["past_run_id"].n_unique() if history.height else 0
+    return {"since_ts": since_ts, "until_ts": until_ts, "flag_runs": cfg.flag_runs,
+            "fault_kinds": list(cfg.fault_kinds), "num_runs": runs,
+            "nodes": [{**row, "by_kind": kinds.get(row["node"], {}), "flagged": row["fault_runs"] >= cfg.flag_runs}
+                      for row in summary.iter_rows(named=True)]}
