@@ -50,7 +50,13 @@ system-deps:
 JOBS ?= 2
 PYTEST := env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest
 
-test: venv system-deps
+# the test suite's own extras beyond the venv's: pyspark (450 MB, for the fleet queries on Spark; not for the demo)
+FLEET_STAMP := $(VENV)/.installed-fleet
+$(FLEET_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[dev,hf,lightning,fleet]'
+	touch $(FLEET_STAMP)
+
+test: venv $(FLEET_STAMP) system-deps
 	$(PYTEST) -q -m "not slow" -n $(JOBS) --dist loadfile --durations=10
 	$(PYTEST) -q -m slow --durations=25
 
@@ -72,7 +78,7 @@ screenshots: venv
 	$(PY) -m tests.browser.screenshots --db $(RUN_DIR)/telemetry.duckdb --run demo --out docs/screenshots
 
 bench: venv
-	$(PY) -m pip install -q -e '.[dev,hf,lightning,bench]'
+	$(PY) -m pip install -q -e '.[dev,hf,lightning,bench,fleet]'
 	for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 clean:

@@ -176,3 +176,59 @@ def _swap_in(staging: Path, out: Path, tables: list[str], run_ids: list[str]) ->
 
 def _sql_text(path: Path) -> str:
     return str(path).replace("'", "''")
+
+
+def open_archive(out_dir: str | Path, *, threads: int = 2) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection with one view per archived table over `out_dir`'s
+    Parquet files (every `ARCHIVED` table, hive partitions `run_id` and `day` as columns):
+    the archive queried as the collector's file is, `SELECT ... FROM incidents`. Runs
+    archived by an older collector are read by column name (`union_by_name`: a column
+    they lack is NULL); a table without files (an empty archive) is an empty table of the
+    collector's schema, so every query runs and answers nothing. The connection reads
+    files (the archive's): keep it to your own queries, not a client's."""
+    from collector.store.schema import migrate
+
+    root = Path(out_dir)
+    con = duckdb.connect(config={"threads": threads})
+    migrate(con)  # every table, empty: what a table without files reads as
+    for table in ARCHIVED:
+        folder = root / table
+        if not any(folder.glob("run_id=*/**/*.parquet")):
+            con.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS day VARCHAR")
+            continue
+        pattern = str(folder / "**" / "*.parquet").replace("'", "''")
+        con.execute(f"DROP TABLE {table}")
+        con.execute(f"CREATE VIEW {table} AS SELECT * FROM read_parquet('{pattern}', hive_partitioning = true, "
+                    f"union_by_name = true, hive_types = {{'run_id': VARCHAR, 'day': VARCHAR}})")
+    return con
+
+
+_SPARK_TYPES = {"VARCHAR": "STRING", "JSON": "STRING", "DOUBLE": "DOUBLE", "FLOAT": "FLOAT", "BIGINT": "BIGINT",
+                "INTEGER": "INT", "SMALLINT": "SMALLINT", "TINYINT": "TINYINT", "BOOLEAN": "BOOLEAN",
+                "HUGEINT": "DECIMAL(38,0)", "UBIGINT": "DECIMAL(20,0)"}
+
+
+def register_spark_views(spark, out_dir: str | Path, tables: list[str] | None = None) -> list[str]:
+    """The archive under `out_dir` as Spark temporary views, one per archived table (docs/fleet.md):
+    `spark.read.parquet` of the table's folder (hive partitions discovered; `mergeSchema` for runs of
+    an older schema), or, for a table without files, an empty frame of the collector's schema.
+    `spark` is a SparkSession made with `spark.sql.sources.partitionColumnTypeInference.enabled`
+    false (a run id of digits stays a string). Returns the tables that had files."""
+    from collector.store.schema import migrate
+
+    root = str(out_dir).rstrip("/")
+    local = "://" not in root
+    with duckdb.connect() as con:
+        migrate(con)
+        schemas = {t: ", ".join(f"`{name}` {_SPARK_TYPES.get(str(kind).split('(')[0], 'STRING')}"
+                                for name, kind, *_ in con.execute(f"DESCRIBE {t}").fetchall())
+                   for t in ARCHIVED}
+    found = []
+    for table in tables or list(ARCHIVED):
+        path = f"{root}/{table}"
+        if local and not any(Path(path).glob("run_id=*/**/*.parquet")):
+            spark.createDataFrame([], schemas[table] + ", `day` STRING").createOrReplaceTempView(table)
+            continue
+        spark.read.option("mergeSchema", "true").parquet(path).createOrReplaceTempView(table)
+        found.append(table)
+    return found
