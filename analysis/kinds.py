@@ -41,7 +41,7 @@ from types import MappingProxyType
 
 IN_PLACE, NEW_ATTEMPT, BY_RESTART, ENDS_RUN = "in_place", "new_attempt", "by_restart", "ends_run"
 LIFECYCLES = (IN_PLACE, NEW_ATTEMPT, BY_RESTART, ENDS_RUN)
-RULES = ("rollback", "persist", "hang", "crash", "divergence", "device_health", "history", "alert")
+RULES = ("rollback", "persist", "hang", "crash", "divergence", "device_health", "history", "preflight", "alert")
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +84,8 @@ INCIDENTS = _index([
     IncidentKind("checkpoint_slow", "a rank whose checkpoint writes are slow"),
     IncidentKind("replica_divergence", "replicas whose parameters differ (silent data corruption)", "divergence",
                  taints_weights=True),
+    IncidentKind("preflight", "a node that failed its pre-flight checks (compute or links) before the first step",
+                 "preflight"),
     IncidentKind("node_history", "a run starts on a node that failed in other runs lately (fleet memory)",
                  "history"),
 ])

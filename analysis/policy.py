@@ -60,6 +60,9 @@ What calls for what (DESIGN.md section 7, the keys are `[policy]` in rules.toml)
   - `thermal_throttle`, `power_throttle`: an alert only; the straggler detector
     prices the slowness a throttled GPU causes, and its policy isolates the node
     when that costs enough.
+- `preflight` (a node whose pre-flight checks failed, trainer/preflight.py):
+  **isolate** it (`isolate_on_preflight`): a spare takes its place, or the job goes
+  on without it.
 - `node_history` (a node that failed in other runs lately, analysis/fleet.py):
   **isolate** it when the run has a spare to take its place (`replace_flagged_nodes`),
   before it costs the run anything; else an alert only.
@@ -247,7 +250,7 @@ class Policy:
     # the method each of analysis/kinds.py's rules calls (tests/unit/test_kinds.py: one per rule)
     RULES = {"rollback": "_rollback", "persist": "_persist", "hang": "_hang", "crash": "_crash",
              "divergence": "_divergence", "device_health": "_device_health", "history": "_history",
-             "alert": "_alert"}
+             "preflight": "_preflight", "alert": "_alert"}
 
     def _alert(self, st: RunPolicy, inc: dict[str, Any], now: float) -> list[Decision]:
         return []  # the incident is its own alert
@@ -257,6 +260,15 @@ class Policy:
             return []
         return self._isolate(st, inc, inc.get("node"), now,
                              f"hang: rank {inc.get('rank')} stopped entering collectives")
+
+    def _preflight(self, st: RunPolicy, inc: dict[str, Any], now: float) -> list[Decision]:
+        """A node that failed its pre-flight checks: out before it costs the run (a spare takes its
+        place when there is one; without one the job goes on with the others, min_nodes allowing)."""
+        if not self.cfg.isolate_on_preflight:
+            return []
+        ev = inc.get("evidence") or {}
+        return self._isolate(st, inc, inc.get("node"), now,
+                             f"preflight: node {inc.get('node')} failed its pre-flight checks ({ev.get('verdict')})")
 
     def _history(self, st: RunPolicy, inc: dict[str, Any], now: float) -> list[Decision]:
         """A node that failed in other runs lately (node_history): a spare takes its place

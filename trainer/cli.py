@@ -117,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "it would do and do nothing; off: detect and alert only")
     g.add_argument("--max-restarts", type=int, help="restarts after a crash or a hang (default 3)")
     g.add_argument("--min-nodes", type=int, help="never isolate below this many nodes (default 1)")
+    g.add_argument("--preflight", action="store_true", default=None,
+                   help="before the first step, time every node's matmuls and, in rounds of pairs, its links "
+                        "(trainer/preflight.py); a slow node is isolated before it costs the run (a spare takes its "
+                        "place)")
     g.add_argument("--spare-nodes", type=int, metavar="N",
                    help="standby nodes (embedded launcher): an isolated node's place is taken by one, the data-"
                         "parallel size stays; the policy weighs replacing against shrinking (default 0)")
@@ -153,7 +157,7 @@ _MAP = {
     "dashboard": ("telemetry", "dashboard"), "dashboard_port": ("telemetry", "dashboard_port"),
     "policy": ("healing", "policy"), "max_restarts": ("healing", "max_restarts"),
     "min_nodes": ("healing", "min_nodes"), "on_isolate": ("healing", "on_isolate"),
-    "spare_nodes": ("healing", "spare_nodes"),
+    "spare_nodes": ("healing", "spare_nodes"), "preflight": ("healing", "preflight"),
 }
 _TOP = ("steps", "seed", "eval_every", "metrics_jsonl", "run_id", "run_dir")
 

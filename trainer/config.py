@@ -207,6 +207,9 @@ class HealingConfig:
     on_isolate: str | None = None  # a shell command run on each isolation (LLMWATCH_RUN_ID, _NODE, _REASON)
     isolate_grace_s: float = 5.0  # ranks of an isolated node's job that do not leave by themselves are stopped
     spare_nodes: int = 0  # standby nodes of the embedded launcher: one takes an isolated node's place, dp stays
+    # before the first step, every node's compute and links are timed (trainer/preflight.py); a node that
+    # fails is recorded as the `preflight` event, and the collector's policy isolates it
+    preflight: bool = False
 
     def validate(self) -> None:
         if self.policy not in POLICY_MODES:

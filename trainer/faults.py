@@ -439,6 +439,19 @@ class FaultInjector:
         return StepFaults(nan=nan, slowdown=slowdown * jitter, spike=spike, overflow=overflow,
                           slow_links=tuple(sorted(links.items())))
 
+    def preflight_factors(self) -> tuple[float, float]:
+        """(compute, link): how many times as long this rank's pre-flight matmuls and its
+        node's pre-flight link ops take (trainer/preflight.py): the straggler and slowlink
+        injections that start at step 0 (1.0: none). Pure: the ground truth is written
+        by `step_faults` at the first step, as for every slow-down."""
+        compute = link = 1.0
+        for inj in self.injections:
+            if inj.step == 0 and self._mine(inj) and inj.kind == "straggler":
+                compute = max(compute, inj.factor)
+            elif inj.step == 0 and self._mine(inj) and inj.kind == "slowlink":
+                link = max(link, inj.factor)
+        return compute, link
+
     def slowio_factor(self, what: str, step: int) -> float:
         """How many times as long this rank's data fetch (`what="data"`) or checkpoint
         shard writes (`"ckpt"`) take at `step` (1.0: no slowio). Pure: the ground truth

@@ -169,6 +169,19 @@ def _exit_on_sigterm(signum, frame) -> None:
     sys.exit(143)
 
 
+def _preflight(agent, *, node: str, device, injector, rank: int) -> None:
+    """The pre-flight checks (trainer/preflight.py) on every rank; rank 0 prints the report and
+    records it as the `preflight` event, flushed at once (the collector's policy acts on it)."""
+    from trainer.preflight import render, run_checks
+
+    compute, link = injector.preflight_factors()
+    report = run_checks(node=node, device=device, compute_factor=compute, link_factor=link)
+    if rank == 0:
+        print(render(report), flush=True)
+        agent.event("preflight", step=0, **report)
+        agent.flush(timeout_s=5.0)
+
+
 def run_worker(cfg: JobConfig, *, token: str | None = None) -> int:
     """Run this rank. `token`: the collector token the agent sends (not in `cfg`)."""
     rank = int(os.environ["RANK"])
@@ -285,6 +298,8 @@ def run_worker(cfg: JobConfig, *, token: str | None = None) -> int:
         # a supervisor's restart says the attempt it starts at: the collector tells its
         # first new step from the old round's last ones by it
         agent.event("run_started", step=0, pid=os.getpid(), node=node, restart=restart, attempt_floor=floor)
+        if cfg.healing.preflight and restart == 0:
+            _preflight(agent, node=node, device=device, injector=injector, rank=rank)
         state = trainer.fit()
         if checkpointer is not None:
             checkpointer.close()

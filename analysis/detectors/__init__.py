@@ -8,5 +8,5 @@ spikes, the loss spike before the grad-norm spike (which folds into it).
 # isort: off
 from analysis.detectors import crash, hang, nan, spikes, loss_scale, straggler, slow_link, device_health  # noqa: F401
 from analysis.detectors import data_stall, checkpoint_slow  # noqa: F401
-from analysis.detectors import replica_divergence, node_history  # noqa: F401
+from analysis.detectors import replica_divergence, node_history, preflight  # noqa: F401
 # isort: on

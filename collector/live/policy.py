@@ -277,7 +277,7 @@ class PolicyRunner:
 
     def _incident(self, row: dict[str, Any]) -> None:
         st = self._state(row["run_id"])
-        if row.get("kind") in COSTED or rule_of(row.get("kind")) == "history":
+        if row.get("kind") in COSTED or rule_of(row.get("kind")) in ("history", "preflight"):
             # weighed by the cost model, or handed to a spare: the run's side of its inputs (its spares)
             apply_cost_inputs(st, self._cost_inputs(row["run_id"]))
         now = self.clock()

@@ -214,6 +214,15 @@ def lemon(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def preflight(tmp_path_factory):
+    # four nodes and a spare; node2's link is 8x slow from the start: the pre-flight checks find it
+    d = tmp_path_factory.mktemp("preflight") / "run"
+    return run_healing(d, "--dp", "4", "--nodes", "4", "--micro-batches", "1", *rules(d.parent / "rules.toml"),
+                       "--steps", "40", *ckpt(d, every=10), "--spare-nodes", "1", "--preflight",
+                       "--inject", "slowlink@rank=2,axis=dp,from=0,factor=8")
+
+
+@pytest.fixture(scope="module")
 def place_loop(tmp_path_factory):
     # the spare scenario, but the slowness is rank 1's place (its data, its stage), not node1's hardware:
     # the spare that takes rank 1 is as slow there
@@ -521,6 +530,26 @@ def test_a_spare_takes_the_straggling_nodes_place_and_the_job_keeps_its_size(spa
     assert (new["dp"], new["nodes"], new["micro_batches"]) == (2, 2, 2), new
     assert samples_per_step(after) == {GLOBAL_SAMPLES}, o.report()
     assert "spare node2 takes node1's place" in o.run.stderr + o.run.stdout, o.report()
+
+
+def test_a_node_whose_link_fails_the_preflight_checks_is_replaced_before_it_costs_the_run(preflight):
+    """--preflight: before the first step the nodes time their links in pairs; node2's pair is slow
+    in the first round, and again paired with a healthy node in the second (its first partner,
+    node3, is cleared). A critical preflight incident names it at step 0, the policy isolates it,
+    and the spare takes its place: the run completes at dp 4 without it."""
+    o = preflight
+    (flag,) = o.of("preflight")
+    assert (flag["rank"], flag["node"], flag["step_from"], flag["severity"]) == (2, "node2", 0, "critical"), o.report()
+    ev = flag["evidence"]
+    assert ev["verdict"] == "slow_link" and ev["rounds"] == 2 and ev["link_ratio"] >= 2.0, ev
+    assert "preflight: 4 node(s), 2 link round(s)" in o.run.stdout, o.report()
+    assert_isolated(o, "node2", flag, "failed its pre-flight checks (slow_link)")
+    assert o.run.returncode == 0 and o.query("SELECT status, world_size FROM runs") == [
+        {"status": "completed", "world_size": 4}], o.report()
+    after = last_attempt(o)
+    assert max(r["step"] for r in after) == 40 and {r["node"] for r in after} == {"node0", "node1", "node3",
+                                                                                 "node4"}, o.report()
+    assert (o.nodes["node4"]["status"], json.loads(o.nodes["node4"]["ranks"])) == ("healthy", [2]), o.report()
 
 
 def test_a_node_that_failed_in_two_runs_this_week_is_replaced_by_the_spare_at_the_start(lemon):

@@ -10,7 +10,7 @@ def test_builtin_detectors_in_order_cover_every_kind():
     names = detector_names()
     assert names == ["crash", "hang", "nan", "loss_spike", "grad_spike", "loss_scale_collapse", "straggler",
                      "slow_link", "device_health", "data_stall", "checkpoint_slow", "replica_divergence",
-                     "node_history"]
+                     "node_history", "preflight"]
     kinds = {k for d in build_detectors(rules_from_dict()) for k in d.kinds}
     assert kinds == set(KINDS)
 
