@@ -17,6 +17,7 @@ from typing import Callable
 from agent import wire
 from agent.api import ApiClient, ApiError
 from collector.http.auth import ALL_ROLES_ENV, Role, TokenSources, client_token
+from collector.offline.files import open_closed
 from collector.offline.retention import MIN_ROLLUP_AGE_S, parse_age
 from collector.settings import (
     AlertSettings,
@@ -516,22 +517,10 @@ def _rollup_age(text: str) -> float:
     return check_age(parse_age(text))
 
 
-def _open_closed(path: str, what: str, *, read_only: bool):
-    import duckdb
-
-    if not Path(path).exists():
-        raise SystemExit(f"collector {what}: no such file: {path}")
-    try:
-        return duckdb.connect(str(path), read_only=read_only)
-    except duckdb.Error as e:
-        hint = " (a running collector holds it: stop it, or work on a copy)" if "lock" in str(e).lower() else ""
-        raise SystemExit(f"collector {what}: cannot open {path}: {e}{hint}") from None
-
-
 def _archive(args: argparse.Namespace) -> int:
     from collector.offline.archive import ArchiveError, archive
 
-    con = _open_closed(args.db, "archive", read_only=True)
+    con = open_closed(args.db, "archive", read_only=True)
     try:
         result = archive(args.db, args.out, run_ids=args.run or None, force=args.force, con=con)
     except ArchiveError as e:
@@ -561,7 +550,7 @@ def _rollup(args: argparse.Namespace) -> int:
         print(f"collector rollup: error: {e}", file=sys.stderr)
         return 2
     before = retention.file_bytes(args.db) if Path(args.db).exists() else 0
-    con = _open_closed(args.db, "rollup", read_only=False)
+    con = open_closed(args.db, "rollup", read_only=False)
     try:
         migrate(con)  # an older file gets the rollup tables
         r = retention.rollup(con, older_than_s=older_than_s, run_id=args.run)
@@ -590,7 +579,7 @@ def _compact(args: argparse.Namespace) -> int:
 
     from collector.offline.retention import compact
 
-    _open_closed(args.db, "compact", read_only=True).close()  # exists, and no collector holds it
+    open_closed(args.db, "compact", read_only=True).close()  # exists, and no collector holds it
     try:
         c = compact(args.db, out=args.out)
     except (duckdb.Error, FileExistsError, RuntimeError) as e:

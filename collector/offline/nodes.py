@@ -18,10 +18,10 @@ import datetime as dt
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from analysis import RulesError, load_rules
+from collector.offline.files import open_closed
 from collector.offline.retention import DAY_S, parse_age
 from collector.read import fleet
 
@@ -79,39 +79,20 @@ def main(args: argparse.Namespace) -> int:
         print(f"collector nodes: error: {e}", file=sys.stderr)
         return 2
     if url:
-        report = _remote(args, window_s)
-        if args.json:
-            print(json.dumps(report))
-        else:
-            print(render(report["nodes"], since_ts=report["since_ts"], flag_runs=report["flag_runs"],
-                         sources=f"{report['num_runs']} run(s) of the collector at {url}"))
-        return 0
-    now = time.time()
-    since = now - window_s
-    con = None
-    if args.db:
-        import duckdb
-
-        from collector.storage import connect
-
-        if not Path(args.db).exists():
-            print(f"collector nodes: no such file: {args.db}", file=sys.stderr)
-            return 2
+        report, sources = _remote(args, window_s), f"the collector at {url}"
+    else:
+        now = time.time()
+        con = open_closed(args.db, "nodes", read_only=True) if args.db else None
         try:
-            con = connect(args.db, read_only=True)
-        except duckdb.Error as e:
-            hint = " (a running collector holds it: read a copy, or stop it)" if "lock" in str(e).lower() else ""
-            print(f"collector nodes: cannot open {args.db}: {e}{hint}", file=sys.stderr)
-            return 2
-    try:
-        report = fleet.node_records(con, since_ts=since, until_ts=now, rules=rules, archive_dir=args.archive)
-    finally:
-        if con is not None:
-            con.close()
+            report = fleet.node_records(con, since_ts=now - window_s, until_ts=now, rules=rules,
+                                        archive_dir=args.archive)
+        finally:
+            if con is not None:
+                con.close()
+        sources = " and ".join(s for s in (args.db, args.archive and f"the archive {args.archive}") if s)
     if args.json:
         print(json.dumps(report))
         return 0
-    sources = " and ".join(s for s in (args.db and f"{args.db}", args.archive and f"the archive {args.archive}") if s)
-    print(render(report["nodes"], since_ts=since, flag_runs=report["flag_runs"],
+    print(render(report["nodes"], since_ts=report["since_ts"], flag_runs=report["flag_runs"],
                  sources=f"{report['num_runs']} run(s) of {sources}"))
     return 0
