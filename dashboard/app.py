@@ -30,7 +30,7 @@ from dashboard.figures import fmt_ts
 from dashboard.source import Source, SourceError
 
 REFRESH_MS = 2000  # the live pages' polling interval
-PAGES = ("overview", "ranks", "comm", "incidents", "nodes", "sql", "runs")  # dashboard/pages/<name>.py, in nav order
+PAGES = ("overview", "ranks", "comm", "incidents", "nodes", "sql", "runs", "fleet")  # dashboard/pages/<name>.py, in nav order
 _HERE = Path(__file__).parent
 
 

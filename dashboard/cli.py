@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--collector", metavar="URL", help="a running collector's URL (live mode)")
     src.add_argument("--db", metavar="PATH", help="a finished run's DuckDB file (postmortem mode, read-only)")
+    p.add_argument("--archive", metavar="DIR",
+                   help="with --db: the Parquet archive (`collector archive --out DIR`) the Fleet page reads with the "
+                        "file's runs (a live collector's page reads the archive it was started with)")
     p.add_argument("--token-file", metavar="PATH",
                    help=f"file holding the collector's read token (default: ${TOKEN_ENV})")
     p.add_argument("--ca-file", metavar="PEM", help="CA bundle to verify an https:// --collector")
@@ -69,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
               "(or, with --collector, the read token)", file=sys.stderr)
         return 2
     try:
-        source = (HttpSource(args.collector, token, ca_file=args.ca_file) if args.collector else DbSource(args.db))
+        source = (HttpSource(args.collector, token, ca_file=args.ca_file) if args.collector
+                  else DbSource(args.db, archive_dir=args.archive))
     except SourceError as e:
         print(f"dashboard: {e}", file=sys.stderr)
         return 2

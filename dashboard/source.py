@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,11 @@ class Source(ABC):
     @abstractmethod
     def report_html(self, run_id: str) -> str:
         """The run's postmortem report (collector/offline/postmortem.py)."""
+
+    def fleet(self, since_s: float | None = None) -> dict[str, Any]:
+        """Every node and run of the last `since_s` seconds (None: the rules' window) across runs
+        (collector/read/fleet.py `node_records`: `nodes`, `runs`, `cells`)."""
+        raise SourceError(f"{self.describe()} has no fleet view")
 
     def close(self) -> None:
         pass
@@ -125,6 +131,9 @@ class HttpSource(Source):
     def report_html(self, run_id: str) -> str:
         return self._request(f"/v1/runs/{_quote(run_id)}/report").decode("utf-8")
 
+    def fleet(self, since_s: float | None = None) -> dict[str, Any]:
+        return self._json("/v1/fleet/nodes", since_s=since_s)  # the collector's runs and its --archive
+
 
 class _NotFound(SourceError):
     pass
@@ -155,7 +164,10 @@ class DbSource(Source):
     """A closed collector file, read-only. One connection; a cursor per call (DuckDB
     cursors are per thread, and the dashboard's server answers on several)."""
 
-    def __init__(self, path: str | Path, *, sql_timeout_s: float = 10.0) -> None:
+    def __init__(self, path: str | Path, *, sql_timeout_s: float = 10.0, archive_dir: str | Path | None = None,
+                 rules: Any = None) -> None:
+        """`archive_dir`: the Parquet archive the Fleet page reads with the file's runs;
+        `rules`: the rules its window and fault kinds come from (default: analysis/rules.toml)."""
         import duckdb
 
         from collector.storage import connect
@@ -169,6 +181,8 @@ class DbSource(Source):
             hint = " (a running collector holds it: use --collector URL)" if "lock" in str(e).lower() else ""
             raise SourceError(f"cannot open {self.path}: {e}{hint}") from None
         self.sql_timeout_s = sql_timeout_s
+        self.archive_dir = archive_dir
+        self._rules = rules
         self._lock = threading.Lock()
 
     def describe(self) -> str:
@@ -225,6 +239,15 @@ class DbSource(Source):
             return postmortem.render_html(self._read(postmortem.gather, run_id))
         except LookupError as e:
             raise _NotFound(str(e)) from None
+
+    def fleet(self, since_s: float | None = None) -> dict[str, Any]:
+        from analysis import load_rules
+        from collector.read import fleet
+
+        rules = self._rules or load_rules()
+        now = time.time()
+        since = now - (since_s if since_s is not None else 86400.0 * rules.node_history.window_days)
+        return self._read(fleet.node_records, since_ts=since, until_ts=now, rules=rules, archive_dir=self.archive_dir)
 
     def close(self) -> None:
         self._con.close()

@@ -167,17 +167,93 @@ class RunHistories:
         return table
 
 
+# The share of each run's wall time in steps that counted: a step counts in its last attempt, at
+# its slowest rank's step_s; the wall from the first step's start to the last one's end. The same
+# SQL is docs/fleet.md's `goodput_per_run` (a test holds them equal), run here on the file's
+# `steps` or the archive's (collector/offline/archive.py `open_archive`).
+GOODPUT_PER_RUN_SQL = """WITH s AS (
+    SELECT run_id, attempt, step, max(step_s) AS step_s, min(ts - step_s) AS start_ts, max(ts) AS end_ts
+    FROM steps WHERE step_s IS NOT NULL{where}
+    GROUP BY run_id, attempt, step),
+e AS (
+    SELECT s.*, max(attempt) OVER (PARTITION BY run_id, step) AS last_attempt FROM s)
+SELECT run_id, count(DISTINCT step) AS steps, max(attempt) AS attempts,
+       sum(CASE WHEN attempt = last_attempt THEN step_s ELSE 0 END) AS counted_s,
+       max(end_ts) - min(start_ts) AS wall_s,
+       sum(CASE WHEN attempt = last_attempt THEN step_s ELSE 0 END) / (max(end_ts) - min(start_ts)) AS goodput
+FROM e
+GROUP BY run_id
+ORDER BY run_id"""
+MAX_GOODPUT_RUNS = 50  # the newest runs whose goodput the fleet report reads (each a scan of its steps)
+
+
+def run_goodputs(cur, run_ids: Sequence[str]) -> dict[str, float | None]:
+    """run id -> goodput (GOODPUT_PER_RUN_SQL), of the runs among `run_ids` with steps."""
+    if not run_ids:
+        return {}
+    rows = cur.execute(GOODPUT_PER_RUN_SQL.format(where=" AND run_id IN (SELECT unnest($runs))"),
+                       {"runs": sorted(set(run_ids))}).fetchall()
+    return {r[0]: (float(r[5]) if r[5] is not None and r[4] else None) for r in rows}
+
+
+def _goodputs(cur, archive_dir: str | Path | None, run_ids: list[str]) -> dict[str, float | None]:
+    """The runs' goodput from the file behind `cur` (None: none), then from the archive for the rest."""
+    out = run_goodputs(cur, run_ids) if cur is not None else {}
+    rest = [r for r in run_ids if r not in out]
+    if rest and archive_dir is not None and Path(archive_dir).is_dir():
+        from collector.offline.archive import open_archive
+
+        try:
+            con = open_archive(archive_dir, threads=1)
+            try:
+                out.update(run_goodputs(con, rest))
+            finally:
+                con.close()
+        except duckdb.Error as e:
+            log.warning("cannot read the archive %s: %s", archive_dir, e)
+    return out
+
+
+def grid(history: pl.DataFrame, fault_kinds) -> tuple[list[dict], list[dict]]:
+    """(cells, runs): per (run, node) its faults (incidents of `fault_kinds`), their kinds and
+    whether it was isolated there; per run when it began (its nodes' first rows) and its nodes."""
+    if not history.height:
+        return [], []
+    kinds = sorted(set(fault_kinds))
+    h = history.with_columns(pl.col("what").is_in(kinds).alias("_fault"))
+    cells = h.group_by("past_run_id", "node").agg(
+        pl.col("_fault").sum().alias("faults"),
+        pl.col("what").filter(pl.col("_fault")).unique().sort().alias("kinds"),
+        (pl.col("what") == analysis_fleet.ISOLATED).any().alias("isolated"),
+        pl.col("ts").filter(pl.col("what") == analysis_fleet.SEEN).min().alias("seen_ts"),
+    ).sort("past_run_id", "node")
+    runs = h.group_by("past_run_id").agg(pl.col("ts").min().alias("first_ts"), pl.col("node").n_unique().alias("nodes")) \
+        .sort("first_ts", "past_run_id")
+    return ([{"run_id": c["past_run_id"], "node": c["node"], "faults": int(c["faults"]), "kinds": c["kinds"],
+              "isolated": bool(c["isolated"]), "seen": c["seen_ts"] is not None} for c in cells.iter_rows(named=True)],
+            [{"run_id": r["past_run_id"], "first_ts": r["first_ts"], "nodes": int(r["nodes"])}
+             for r in runs.iter_rows(named=True)])
+
+
 def node_records(cur, *, since_ts: float, until_ts: float, rules, archive_dir: str | Path | None = None) -> dict:
-    """Every node's record over [since_ts, until_ts) in the file behind `cur` (None: none) and the
-    archive, worst first (analysis/fleet.py `summarize`, with `by_kind` and `flagged` by the rules'
-    `[node_history]`): what `collector nodes` prints and `GET /v1/fleet/nodes` answers."""
+    """The fleet over [since_ts, until_ts) in the file behind `cur` (None: none) and the archive:
+    `nodes`, every node's record, worst first (analysis/fleet.py `summarize`, with `by_kind` and
+    `flagged` by the rules' `[node_history]`); `runs`, every run with when it began, its nodes and
+    its goodput (the newest MAX_GOODPUT_RUNS); `cells`, per run and node its faults, their kinds
+    and whether it was isolated. What `collector nodes` prints, `GET /v1/fleet/nodes` answers and
+    the dashboard's Fleet page draws."""
     cfg = rules.node_history
     history = pl.from_arrow(fleet_history(cur, "", None, since_ts=since_ts, until_ts=until_ts,
                                           archive_dir=archive_dir))
     summary = analysis_fleet.summarize(history, since_ts=since_ts, fault_kinds=cfg.fault_kinds)
     kinds = analysis_fleet.faults_by_kind(history, since_ts=since_ts, fault_kinds=cfg.fault_kinds)
-    runs = history.filter(pl.col("what") == analysis_fleet.SEEN)["past_run_id"].n_unique() if history.height else 0
+    cells, runs = grid(history, cfg.fault_kinds)
+    newest = [r["run_id"] for r in runs[-MAX_GOODPUT_RUNS:]]
+    goodput = _goodputs(cur, archive_dir, newest)
+    for r in runs:
+        r["goodput"] = goodput.get(r["run_id"])
     return {"since_ts": since_ts, "until_ts": until_ts, "flag_runs": cfg.flag_runs,
-            "fault_kinds": list(cfg.fault_kinds), "num_runs": runs,
+            "fault_kinds": list(cfg.fault_kinds), "num_runs": len(runs),
             "nodes": [{**row, "by_kind": kinds.get(row["node"], {}), "flagged": row["fault_runs"] >= cfg.flag_runs}
-                      for row in summary.iter_rows(named=True)]}
+                      for row in summary.iter_rows(named=True)],
+            "runs": runs, "cells": cells}

@@ -32,6 +32,7 @@ PAGES: dict[str, tuple[str, int, tuple[str, ...]]] = {
     "nodes": ("/nodes", 2, ()),  # ranks per node, checkpoint write time
     "sql": ("/sql", 1, ()),  # the result's chart (the default example's, on arrival)
     "runs": ("/runs", 2, ()),  # loss by run, where the wall time went
+    "fleet": ("/fleet", 2, ()),  # goodput by run, faults by run and node (one run here)
 }
 DRAW_TIMEOUT_S = 30.0  # a page's charts, drawn from a finished run
 LOSS_POINTS_JS = """

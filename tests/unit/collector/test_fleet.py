@@ -208,3 +208,24 @@ def test_a_running_collector_answers_for_its_runs_and_its_archive(fleet_file, tm
     got = {n["node"]: (n["runs"], n["fault_runs"], n["flagged"]) for n in json.loads(out.stdout)["nodes"]}
     assert got == {"node1": (2, 2, True), "node2": (2, 2, True), "node0": (2, 0, False)}, got
     assert refused.returncode != 0 and "401" in refused.stderr, refused.stderr
+
+
+def test_the_fleet_report_has_each_run_on_each_node_and_the_runs_goodput(fleet_file):
+    """What the Fleet page draws: per run and node its faults, kinds and isolation; per run its
+    goodput, by the same SQL as docs/fleet.md's goodput_per_run."""
+    from analysis import load_rules
+    from tests.docs_sql import DOCS, sql_blocks
+
+    assert sql_blocks(DOCS / "fleet.md")["goodput_per_run"].split() == fleet.GOODPUT_PER_RUN_SQL.format(
+        where="").split()
+    con = duckdb.connect(str(fleet_file), read_only=True)
+    try:
+        report = fleet.node_records(con, since_ts=NOW - 7 * DAY, until_ts=NOW, rules=load_rules())
+    finally:
+        con.close()
+    cells = {(c["run_id"], c["node"]): c for c in report["cells"]}
+    assert cells[("r2", "node1")] == {"run_id": "r2", "node": "node1", "faults": 1, "kinds": ["hang"],
+                                      "isolated": True, "seen": True}
+    assert cells[("r1", "node1")]["faults"] == 2 and cells[("r2", "node0")]["faults"] == 0  # a spike: not a fault
+    assert [r["run_id"] for r in report["runs"]] == ["r1", "r2"] and report["num_runs"] == 2
+    assert all(r["goodput"] is None for r in report["runs"])  # these runs have no steps
