@@ -75,6 +75,8 @@ _HEALTH_ROWS = 256  # device-health samples held while batches wait (one per hea
 FLUSH_SLOT_RANKS = 64  # about this many ranks flush in the same instant in a large job (`flush_phase`)
 FLUSH_SLOTS_MAX = 64
 _HB_EARLY = 0.25  # a heartbeat due this fraction of its interval later rides with the flush now
+HW_ID_ENV = "LLMWATCH_HW_ID"  # this rank's hardware id, when NVML has none to give (a CPU host, a test)
+_UNKNOWN = object()
 
 
 def flush_phase(node: str, world_size: int, interval_s: float) -> float:
@@ -292,6 +294,7 @@ class Agent(Recorder):
         self._next_hb = 0.0
         # flusher thread only (under _io_lock): no lock with the training thread
         self._health: DeviceHealthSampler | None = DeviceHealthSampler(config.gpu_index) if config.device_health else None
+        self._hw_id: object = _UNKNOWN  # _hardware_id(), asked once on the flusher thread
         self._health_overlay: Callable[[tuple, int], tuple] | None = None
         self._health_buf = KindBuffer(wire.DEVICE_HEALTH, _HEALTH_ROWS)
         self._closed = False
@@ -737,6 +740,15 @@ class Agent(Recorder):
         self._buffer_dropped[EVENT] += bufs.num_events_dropped
         return rows
 
+    def _hardware_id(self) -> str | None:
+        """This rank's hardware id, asked once on the flusher thread: $LLMWATCH_HW_ID, else its
+        GPU's NVML UUID (agent/device_health.py), else None. A node's history across runs follows
+        it (a renamed host keeps its record; a host whose GPU was replaced starts a new one)."""
+        if self._hw_id is _UNKNOWN:
+            self._hw_id = os.environ.get(HW_ID_ENV, "").strip()[:200] or (
+                self._health.hw_id() if self._health is not None else None)
+        return self._hw_id
+
     def _encode(self, bufs: BufferSet, rows: dict[str, int]) -> bytes | None:
         ship = self._shipper.stats
         # stats.dropped carries the drops not yet carried by a batch that was sent or
@@ -747,7 +759,8 @@ class Agent(Recorder):
         self._drops_in_flight = totals
         header = {
             "run_id": self.run_id, "rank": self.rank, "incarnation": self.incarnation,
-            "batch_seq": self._batch_seq, "node": self.node, "pid": os.getpid(), "coords": self.coords,
+            "batch_seq": self._batch_seq, "node": self.node, "pid": os.getpid(), "hw_id": self._hardware_id(),
+            "coords": self.coords,
             "world_size": self.world_size, "sent_ts": self._clock(), "dicts": self._dict_snapshot(bufs),
             "events": bufs.events, "run": self._run_info if self._batch_seq == 0 else None,
             "stats": {"dropped": dropped, "spooled": ship.num_batches_spooled,

@@ -158,6 +158,18 @@ class DeviceHealthSampler:
         retired = self._call("retired_pages", lambda: sum(len(nvml.nvmlDeviceGetRetiredPages(h, c)) for c in causes))
         return self._gpu_index, temp, power, clock, reasons, ecc, retired
 
+    def hw_id(self) -> str | None:
+        """The GPU's NVML UUID ("GPU-..."): the hardware a node's history across runs follows
+        (collector/read/fleet.py); None without NVML or a device."""
+        if not self._opened:
+            self._open_nvml()
+        if self._handle is None:
+            return None
+        uuid = self._call("uuid", lambda: self._nvml.nvmlDeviceGetUUID(self._handle))
+        if isinstance(uuid, bytes):
+            uuid = uuid.decode("ascii", "replace")
+        return str(uuid) if uuid else None
+
     # -- the sample ---------------------------------------------------------
     def sample(self) -> tuple:
         """The values of `FIELDS`, None where not measured."""

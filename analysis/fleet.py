@@ -12,6 +12,10 @@ archive (`collector archive`); collector/read/fleet.py reads both into one frame
     what         "seen" (the node held ranks of that run), "isolated" (the policy took it
                  out), or an incident kind (straggler, slow_link, hang, ...)
     incident_id  the incident's id in that run (null for the others)
+    hw_id        the node's hardware id in that run (its GPUs' UUID; null when not known)
+
+A node is its hardware where both sides know it, else its hostname (`mine`): a host
+renamed since keeps its record, and a host whose hardware was replaced starts anew.
 
 `summarize` turns them into one record per node; `flagged` says which of them have
 failed in too many runs lately. Pure: polars in, polars out; the window and the
@@ -32,7 +36,7 @@ import polars as pl
 SEEN, ISOLATED = "seen", "isolated"
 
 HISTORY_SCHEMA = {"run_id": pl.String, "past_run_id": pl.String, "node": pl.String, "ts": pl.Float64,
-                  "what": pl.String, "incident_id": pl.Int64}
+                  "what": pl.String, "incident_id": pl.Int64, "hw_id": pl.String}
 
 SUMMARY_SCHEMA = {"node": pl.String, "runs": pl.UInt32, "fault_runs": pl.UInt32, "faults": pl.UInt32,
                   "isolations": pl.UInt32, "first_seen_ts": pl.Float64, "last_seen_ts": pl.Float64,
@@ -40,8 +44,19 @@ SUMMARY_SCHEMA = {"node": pl.String, "runs": pl.UInt32, "fault_runs": pl.UInt32,
 
 
 def history_frame(rows: Iterable[dict[str, Any]] | None = None) -> pl.DataFrame:
-    """History rows as a frame of HISTORY_SCHEMA (for tests and for a source with none)."""
-    return pl.DataFrame(list(rows or []), schema=HISTORY_SCHEMA)
+    """History rows as a frame of HISTORY_SCHEMA (for tests and for a source with none); a
+    row without `hw_id` has none."""
+    return pl.DataFrame([{"hw_id": None, **r} for r in rows or []], schema=HISTORY_SCHEMA)
+
+
+def mine(history: pl.DataFrame, node: str, hw_ids: Iterable[str] = ()) -> pl.DataFrame:
+    """The rows about this node: by hardware id where the row and the node both have one, else by
+    hostname."""
+    hw = sorted({h for h in hw_ids if h})
+    if not hw or "hw_id" not in history.columns:
+        return history.filter(pl.col("node") == node)
+    known = pl.col("hw_id").is_not_null()
+    return history.filter((known & pl.col("hw_id").is_in(hw)) | (~known & (pl.col("node") == node)))
 
 
 def summarize(history: pl.DataFrame, *, since_ts: float, fault_kinds: Iterable[str],
@@ -81,17 +96,21 @@ def flagged(summary: pl.DataFrame, *, flag_runs: int) -> pl.DataFrame:
 
 
 def node_record(history: pl.DataFrame, node: str, *, since_ts: float, fault_kinds: Iterable[str],
-                exclude_run: str | None = None, max_faults: int = 10) -> dict[str, Any]:
-    """One node's record for an incident's evidence: its summary row, its faults by kind,
-    and its latest `max_faults` faults (run, what, when, incident id), newest first."""
+                exclude_run: str | None = None, max_faults: int = 10, hw_ids: Iterable[str] = ()) -> dict[str, Any]:
+    """One node's record for an incident's evidence (its rows by `mine`): its summary row, its
+    faults by kind, its latest `max_faults` faults (run, what, when, incident id), newest first,
+    and `past_names`: other hostnames its hardware had."""
     kinds = set(fault_kinds)
-    mine = history.filter((pl.col("node") == node) & (pl.col("ts") >= since_ts))
+    rows = mine(history, node, hw_ids).filter(pl.col("ts") >= since_ts)
     if exclude_run is not None:
-        mine = mine.filter(pl.col("past_run_id") != exclude_run)
-    summary = summarize(mine, since_ts=since_ts, fault_kinds=kinds)
+        rows = rows.filter(pl.col("past_run_id") != exclude_run)
+    names = sorted(set(rows["node"].to_list()) - {node})
+    rows = rows.with_columns(pl.lit(node).alias("node"))  # one record, under today's name
+    summary = summarize(rows, since_ts=since_ts, fault_kinds=kinds)
     out: dict[str, Any] = summary.row(0, named=True) if summary.height else {"node": node}
-    faults = mine.filter(pl.col("what").is_in(sorted(kinds | {ISOLATED}))).sort("ts", descending=True)
-    out["by_kind"] = faults_by_kind(mine, since_ts=since_ts, fault_kinds=kinds).get(node, {})
+    faults = rows.filter(pl.col("what").is_in(sorted(kinds | {ISOLATED}))).sort("ts", descending=True)
+    out["by_kind"] = faults_by_kind(rows, since_ts=since_ts, fault_kinds=kinds).get(node, {})
+    out["past_names"] = names
     out["latest_faults"] = [{"run_id": r["past_run_id"], "what": r["what"], "ts": r["ts"],
                              "incident_id": r["incident_id"]}
                             for r in faults.head(max_faults).iter_rows(named=True)]

@@ -118,7 +118,7 @@ OPTIONAL: dict[str, dict[str, tuple]] = {
                    "last_axis": (STR, "its axis"), "last_group_id": (I32, "its group"),
                    "last_group_seq": (I64, "its group_seq")},
     "events": {"attempt": (I32, "attempt of a restart or checkpoint event")},
-    "ranks": {},
+    "ranks": {"hw_id": (STR, "the rank's hardware id (node_history: a node's history follows it)")},
     "runs": {},
     "nodes": {"status": (STR, "healthy, suspect, isolated (not used)")},
     "scalars": {"ts": (F64, "sample time (not used)")},
@@ -127,7 +127,8 @@ OPTIONAL: dict[str, dict[str, tuple]] = {
                       "ecc_uncorrectable": (I64, "volatile uncorrectable ECC errors"),
                       "temperature_c": (F64, "GPU temperature (evidence)"),
                       "mem_available_bytes": (I64, "host MemAvailable"), "mem_total_bytes": (I64, "host MemTotal")},
-    "node_history": {"incident_id": (I64, "the incident's id in its run (evidence)")},
+    "node_history": {"incident_id": (I64, "the incident's id in its run (evidence)"),
+                     "hw_id": (STR, "the node's hardware id in that run (analysis/fleet.py `mine`)")},
 }
 
 TABLES = tuple(REQUIRED)

@@ -258,7 +258,7 @@ class Storage:
         tables = self.read(queries.run_meta_tables, run_id)
         if self._histories is not None:
             nodes = tables["ranks"].column("node").to_pylist() + tables["nodes"].column("node").to_pylist()
-            tables["node_history"] = self._histories.for_run(run_id, nodes)
+            tables["node_history"] = self._histories.for_run(run_id, nodes, tables["ranks"].column("hw_id").to_pylist())
         return tables
 
     def wait_detected(self, timeout_s: float) -> bool:

@@ -63,6 +63,10 @@ ENV_VARS: dict[str, tuple[str, str]] = {
                                "read too)."),
     "LLMWATCH_WEBHOOK_SECRET": ("you", "The webhooks' HMAC key, when no `--webhook-secret-file` is given "
                                 "(`collector serve`, `trainer` for its embedded collector)."),
+    "LLMWATCH_HW_ID": ("you", "This rank's hardware id, for a host whose GPU NVML cannot name (a CPU host, a "
+                              "test): the agent sends it with every batch (`ranks.hw_id`), and a node's history "
+                              "across runs follows it (docs/rules.md `[node_history]`). Default: the GPU's NVML "
+                              "UUID, else none."),
     "LLMWATCH_NODE_NAME": ("you", "Under `torchrun`: this node's name, set per elastic agent (one agent per "
                            "node); the ranks publish it so every rank knows the node map."),
     "LLMWATCH_NODE_INDEX": ("you", "Under `torchrun`: this node's index in the job's first layout, set per "
@@ -114,7 +118,8 @@ ENV_VARS: dict[str, tuple[str, str]] = {
                                "`shadow`, `off`) when `--policy` is not given; default `shadow`."),
     "LLMWATCH_RUN_ID_GENERATED": ("launcher", "`1` when `llmwatch-instrument` made the run id up: a rank under "
                                               "a multi-node torchrun then uses the rendezvous id instead."),
-    "LLMWATCH_NODE": ("trainer", "Set for the `--on-isolate` command: the node being isolated."),
+    "LLMWATCH_NODE": ("trainer", "Set for the `--on-isolate` command: the node being isolated. Read by "
+                      "`python -m trainer.preflight` as this host's node name (default: the hostname)."),
     "LLMWATCH_REASON": ("trainer", "Set for the `--on-isolate` command: why."),
     "RANK": ("torchrun", "The process's global rank; with `WORLD_SIZE` and `LOCAL_RANK` it means \"running "
              "under torchrun\" (no embedded launcher)."),

@@ -10,14 +10,15 @@ from collector.store.schema import migrate
 
 
 def past_run(con, run_id: str, t0: float, nodes: dict[str, list[str]], *, isolated: tuple[str, ...] = (),
-             status: str = "completed") -> None:
-    """A finished run on `nodes` (node -> its incidents' kinds), two ranks a node, `isolated` taken out."""
+             status: str = "completed", hw: dict[str, str] | None = None) -> None:
+    """A finished run on `nodes` (node -> its incidents' kinds), two ranks a node, `isolated` taken out;
+    `hw`: node -> the hardware id its ranks report."""
     con.execute("INSERT INTO runs (run_id, created_ts, updated_ts, status, world_size) VALUES (?, ?, ?, ?, ?)",
                 [run_id, t0, t0 + 600, status, 2 * len(nodes)])
     for i, (node, kinds) in enumerate(nodes.items()):
         for r in (2 * i, 2 * i + 1):
-            con.execute("INSERT INTO ranks (run_id, rank, node, first_seen_ts, last_seen_ts) VALUES (?, ?, ?, ?, ?)",
-                        [run_id, r, node, t0 + 1 + i, t0 + 600])
+            con.execute("INSERT INTO ranks (run_id, rank, node, first_seen_ts, last_seen_ts, hw_id) "
+                        "VALUES (?, ?, ?, ?, ?, ?)", [run_id, r, node, t0 + 1 + i, t0 + 600, (hw or {}).get(node)])
         con.execute("INSERT INTO nodes (run_id, node, status, updated_ts, isolated_ts) VALUES (?, ?, ?, ?, ?)",
                     [run_id, node, "isolated" if node in isolated else "healthy", t0 + 300,
                      t0 + 300 if node in isolated else None])
@@ -29,12 +30,12 @@ def past_run(con, run_id: str, t0: float, nodes: dict[str, list[str]], *, isolat
 
 
 def runs_file(path: Path, runs: list[tuple]) -> Path:
-    """A collector file holding `runs`: (run_id, t0, nodes[, isolated]) each, as `past_run` takes them."""
+    """A collector file holding `runs`: (run_id, t0, nodes[, isolated[, hw]]) each, as `past_run` takes them."""
     con = connect(path)
     try:
         migrate(con)
-        for run_id, t0, nodes, *isolated in runs:
-            past_run(con, run_id, t0, nodes, isolated=tuple(isolated[0]) if isolated else ())
+        for run_id, t0, nodes, *rest in runs:
+            past_run(con, run_id, t0, nodes, isolated=tuple(rest[0]) if rest else (), hw=rest[1] if len(rest) > 1 else None)
     finally:
         con.close()
     return path

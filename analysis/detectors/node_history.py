@@ -7,7 +7,10 @@ node of the run is judged once, when both its ranks and the history are known:
 a node that had a fault (an incident of one of `fault_kinds`, or an isolation) in
 `flag_runs` or more different runs within the last `window_days` opens an incident
 at step 0, its record in the evidence (runs seen, fault runs, faults by kind, its
-latest faults with their runs and incident ids).
+latest faults with their runs and incident ids). A node is its hardware where the
+history and the run both know its ranks' hardware ids (their GPUs' UUIDs, from the
+agents), else its hostname: a host renamed since keeps its record (`past_names`),
+and one whose hardware was replaced starts anew.
 
 The incident stays open while the node is in the run: it is not a fault of this
 run, but the run is on a suspect node. The policy (`[policy]
@@ -32,11 +35,12 @@ DAY_S = 86400.0
 
 
 class _State:
-    __slots__ = ("history", "judged")
+    __slots__ = ("history", "judged", "hw_ids")
 
     def __init__(self) -> None:
         self.history: pl.DataFrame | None = None  # the latest history given (bounded by the window)
         self.judged: set[str] = set()  # nodes judged (each once a round)
+        self.hw_ids: dict[str, set[str]] = {}  # node -> its ranks' hardware ids (the meta rows')
 
     def footprint(self) -> dict[str, int]:
         return {"history_rows": 0 if self.history is None else self.history.height, "judged_nodes": len(self.judged)}
@@ -58,6 +62,10 @@ class NodeHistoryDetector:
         given = p.frames.node_history
         if given is not None and given.height:
             st.history = given
+        ranks = p.frames.ranks
+        if ranks is not None and "hw_id" in ranks.columns:
+            for node, hw in ranks.select("node", "hw_id").drop_nulls().iter_rows():
+                st.hw_ids.setdefault(str(node), set()).add(str(hw))
         if st.history is None:
             return
         topo = p.topo
@@ -71,7 +79,7 @@ class NodeHistoryDetector:
                 continue
             st.judged.add(node)
             record = fleet.node_record(st.history, node, since_ts=since, fault_kinds=self.kinds_counted,
-                                       exclude_run=p.run.run_id)
+                                       exclude_run=p.run.run_id, hw_ids=st.hw_ids.get(node, ()))
             if record.get("fault_runs", 0) >= self.cfg.flag_runs:
                 rank = int(held[topo.node_of[held] == code].min())
                 self._report(p, node, rank, record)
@@ -80,10 +88,13 @@ class NodeHistoryDetector:
         n, runs = int(record["fault_runs"]), int(record["runs"])
         kinds = ", ".join(f"{k} x{c}" for k, c in record["by_kind"].items())
         latest = record["latest_faults"][0] if record["latest_faults"] else None
-        root = (f"node {node} had faults in {n} of its {runs} runs in the last {self.cfg.window_days:g} days ({kinds})"
+        renamed = f" (as {', '.join(record['past_names'])})" if record.get("past_names") else ""
+        root = (f"node {node}{renamed} had faults in {n} of its {runs} runs in the last {self.cfg.window_days:g} days "
+                f"({kinds})"
                 + (f"; the latest: {latest['what']} in run {latest['run_id']}" if latest else "")
                 + ": this run starts on a suspect node")
-        evidence = {**record, "window_days": self.cfg.window_days, "flag_runs": self.cfg.flag_runs,
+        evidence = {**record, "hw_ids": sorted(p.run.detectors[self.name].hw_ids.get(node, ())),
+                    "window_days": self.cfg.window_days, "flag_runs": self.cfg.flag_runs,
                     "fault_kinds": list(self.kinds_counted), **p.topo.coords(rank)}
         p.report(Finding(kind="node_history", key=p.book.new_key(f"node_history:{node}"), run_id=p.run.run_id,
                          severity="warning", rank=rank, node=node, step_from=0, step_to=0, evidence=evidence,

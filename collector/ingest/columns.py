@@ -213,6 +213,7 @@ def ranks_table(latest: Sequence[DecodedBatch], drops: dict[tuple[str, int], int
         "first_seen_ts": pa.array(np.full(len(latest), received_ts)),
         "last_seen_ts": pa.array(np.full(len(latest), received_ts)),
         "agent_drops": pa.array([drops.get((b.run_id, b.rank), 0) for b in latest], pa.int64()),
+        "hw_id": pa.array([b.hw_id for b in latest], pa.string()),
     })
 
 

@@ -88,6 +88,7 @@ class HeaderMeta(_Strict):
     batch_seq: Annotated[int, Field(ge=0, le=INT64_MAX)]
     node: Name = ""
     pid: Int64 | None = None
+    hw_id: Name | None = None  # the rank's hardware id (its GPU's UUID): fleet memory
     coords: Coords | None = None
     events: Annotated[list[Event], Field(max_length=MAX_EVENTS)] = []
     run: RunInfo | None = None
@@ -176,6 +177,7 @@ class DecodedBatch:
     num_drops: int = 0
     nbytes: int = 0
     content_hash: bytes = b""  # blake2b-128 of the whole body; b"" when unknown
+    hw_id: str | None = None  # the rank's hardware id, when its agent knows one
 
     @property
     def key(self) -> tuple[str, int, str, int]:
@@ -275,7 +277,7 @@ def decode(body: bytes | memoryview) -> DecodedBatch:
         run_id=run_id, rank=meta.rank, incarnation=meta.incarnation, batch_seq=meta.batch_seq,
         node=meta.node, pid=meta.pid, coords=meta.coords, sections=sections, events=events,
         run=meta.run, run_json=run_json, num_drops=num_drops, nbytes=len(body),
-        content_hash=content_hash(body),
+        content_hash=content_hash(body), hw_id=meta.hw_id or None,
     )
 
 

@@ -35,35 +35,43 @@ from analysis import fleet as analysis_fleet
 
 log = logging.getLogger("collector.read.fleet")
 
-HISTORY_COLUMNS = ("run_id", "past_run_id", "node", "ts", "what", "incident_id")
+HISTORY_COLUMNS = ("run_id", "past_run_id", "node", "ts", "what", "incident_id", "hw_id")
 HISTORY_SCHEMA = pa.schema([("run_id", pa.string()), ("past_run_id", pa.string()), ("node", pa.string()),
-                            ("ts", pa.float64()), ("what", pa.string()), ("incident_id", pa.int64())])
+                            ("ts", pa.float64()), ("what", pa.string()), ("incident_id", pa.int64()),
+                            ("hw_id", pa.string())])
 # the archive's tables read, and the columns of each the history needs
-_ARCHIVED = {"ranks": ("run_id", "node", "first_seen_ts"), "nodes": ("run_id", "node", "isolated_ts", "incident_id"),
+_ARCHIVED = {"ranks": ("run_id", "node", "first_seen_ts", "hw_id"),
+             "nodes": ("run_id", "node", "isolated_ts", "incident_id"),
              "incidents": ("id", "run_id", "kind", "node", "opened_ts")}
 
-# the history rows of tables named ranks, nodes and incidents: the file's own, or views of the archive's
+# The history rows of tables named ranks, nodes and incidents (the file's own, or views of the
+# archive's), with each row's hardware id (its node's ranks' in that run): the rows of the nodes
+# named, or of the hardware ids given (a node renamed since), within [since, until).
 _HISTORY_SQL = """
-    SELECT $run AS run_id, run_id AS past_run_id, node, min(first_seen_ts) AS ts, 'seen' AS what,
-           NULL::BIGINT AS incident_id
-    FROM ranks WHERE node IS NOT NULL AND ($nodes IS NULL OR node IN (SELECT unnest($nodes))) AND run_id <> $run AND NOT list_contains($skip, run_id)
-    GROUP BY run_id, node HAVING min(first_seen_ts) >= $since AND min(first_seen_ts) < $until
-    UNION ALL
-    SELECT $run, run_id, node, isolated_ts, 'isolated', incident_id::BIGINT
-    FROM nodes WHERE node IS NOT NULL AND ($nodes IS NULL OR node IN (SELECT unnest($nodes))) AND run_id <> $run AND NOT list_contains($skip, run_id)
-        AND isolated_ts >= $since AND isolated_ts < $until
-    UNION ALL
-    SELECT $run, run_id, node, opened_ts, kind, id::BIGINT
-    FROM incidents WHERE node IS NOT NULL AND ($nodes IS NULL OR node IN (SELECT unnest($nodes))) AND run_id <> $run AND NOT list_contains($skip, run_id)
-        AND opened_ts >= $since AND opened_ts < $until
+    WITH hw AS (SELECT run_id, node, max(hw_id) AS hw_id FROM ranks WHERE node IS NOT NULL GROUP BY run_id, node),
+    h AS (
+        SELECT run_id AS past_run_id, node, min(first_seen_ts) AS ts, 'seen' AS what, NULL::BIGINT AS incident_id,
+               max(hw_id) AS hw_id
+        FROM ranks WHERE node IS NOT NULL GROUP BY run_id, node
+        UNION ALL
+        SELECT n.run_id, n.node, n.isolated_ts, 'isolated', n.incident_id::BIGINT, hw.hw_id
+        FROM nodes n LEFT JOIN hw ON hw.run_id = n.run_id AND hw.node = n.node WHERE n.isolated_ts IS NOT NULL
+        UNION ALL
+        SELECT i.run_id, i.node, i.opened_ts, i.kind, i.id::BIGINT, hw.hw_id
+        FROM incidents i LEFT JOIN hw ON hw.run_id = i.run_id AND hw.node = i.node WHERE i.node IS NOT NULL)
+    SELECT $run AS run_id, past_run_id, node, ts, what, incident_id, hw_id FROM h
+    WHERE past_run_id <> $run AND NOT list_contains($skip, past_run_id) AND ts >= $since AND ts < $until
+        AND ($nodes IS NULL OR node IN (SELECT unnest($nodes))
+             OR (hw_id IS NOT NULL AND list_contains($hw, hw_id)))
     ORDER BY ts, past_run_id, node"""
 
 
 def _params(run_id: str, nodes: Iterable[str] | None, since_ts: float, until_ts: float,
-            skip: Iterable[str] = ()) -> dict:
+            skip: Iterable[str] = (), hw_ids: Iterable[str] = ()) -> dict:
     """The query's parameters; `nodes` None: every node (`collector nodes`)."""
     return {"run": run_id, "nodes": None if nodes is None else sorted({str(n) for n in nodes}),
-            "since": float(since_ts), "until": float(until_ts), "skip": sorted({str(r) for r in skip})}
+            "since": float(since_ts), "until": float(until_ts), "skip": sorted({str(r) for r in skip}),
+            "hw": sorted({str(h) for h in hw_ids if h})}
 
 
 def run_nodes(cur, run_id: str) -> list[str]:
@@ -77,27 +85,34 @@ def file_run_ids(cur) -> list[str]:
     return [r for (r,) in cur.execute("SELECT run_id FROM runs ORDER BY 1").fetchall()]
 
 
-def file_history(cur, run_id: str, nodes: Sequence[str] | None, *, since_ts: float, until_ts: float) -> pa.Table:
-    """The history rows of `nodes` (None: every node) in the file's runs other than `run_id`."""
-    if nodes is not None and not nodes:
+def run_hw_ids(cur, run_id: str) -> list[str]:
+    """The hardware ids of `run_id`'s ranks in the file."""
+    return [h for (h,) in cur.execute("SELECT DISTINCT hw_id FROM ranks WHERE run_id = $r AND hw_id IS NOT NULL "
+                                      "ORDER BY 1", {"r": run_id}).fetchall()]
+
+
+def file_history(cur, run_id: str, nodes: Sequence[str] | None, *, since_ts: float, until_ts: float,
+                 hw_ids: Sequence[str] = ()) -> pa.Table:
+    """The history rows of `nodes` (None: every node) and `hw_ids` in the file's runs other than `run_id`."""
+    if nodes is not None and not nodes and not hw_ids:
         return HISTORY_SCHEMA.empty_table()
-    return cur.sql(_HISTORY_SQL, params=_params(run_id, nodes, since_ts, until_ts)).to_arrow_table().cast(
-        HISTORY_SCHEMA)
+    return cur.sql(_HISTORY_SQL, params=_params(run_id, nodes, since_ts, until_ts, hw_ids=hw_ids)) \
+        .to_arrow_table().cast(HISTORY_SCHEMA)
 
 
 def archive_history(archive_dir: str | Path, run_id: str, nodes: Sequence[str] | None, *, since_ts: float,
-                    until_ts: float, skip_runs: Iterable[str] = ()) -> pa.Table:
-    """The history rows of `nodes` (None: every node) in the archive's runs (not `run_id`,
-    nor `skip_runs`)."""
+                    until_ts: float, skip_runs: Iterable[str] = (), hw_ids: Sequence[str] = ()) -> pa.Table:
+    """The history rows of `nodes` (None: every node) and `hw_ids` in the archive's runs (not
+    `run_id`, nor `skip_runs`)."""
     root = Path(archive_dir)
-    if (nodes is not None and not nodes) or not root.is_dir():
+    if (nodes is not None and not nodes and not hw_ids) or not root.is_dir():
         return HISTORY_SCHEMA.empty_table()
     con = duckdb.connect(config={"threads": 1})
     try:
         for table, columns in _ARCHIVED.items():
             con.execute(f"CREATE TEMP VIEW {table} AS {_archived_select(con, root, table, columns)}")
-        return con.sql(_HISTORY_SQL, params=_params(run_id, nodes, since_ts, until_ts, skip_runs)).to_arrow_table() \
-            .cast(HISTORY_SCHEMA)
+        return con.sql(_HISTORY_SQL, params=_params(run_id, nodes, since_ts, until_ts, skip_runs, hw_ids)) \
+            .to_arrow_table().cast(HISTORY_SCHEMA)
     finally:
         con.close()
 
@@ -105,7 +120,8 @@ def archive_history(archive_dir: str | Path, run_id: str, nodes: Sequence[str] |
 def _archived_select(con: duckdb.DuckDBPyConnection, root: Path, table: str, columns: Sequence[str]) -> str:
     """A SELECT of `columns` over the archive's files of `table`: the columns the files lack
     are NULL (a run archived by an older collector); no files: no rows."""
-    types = {"run_id": "VARCHAR", "node": "VARCHAR", "kind": "VARCHAR", "id": "BIGINT", "incident_id": "BIGINT"}
+    types = {"run_id": "VARCHAR", "node": "VARCHAR", "kind": "VARCHAR", "id": "BIGINT", "incident_id": "BIGINT",
+             "hw_id": "VARCHAR"}
     empty = "SELECT " + ", ".join(f"NULL::{types.get(c, 'DOUBLE')} AS {c}" for c in columns) + " WHERE false"
     if not any((root / table).glob("run_id=*/**/*.parquet")):
         return empty
@@ -118,22 +134,25 @@ def _archived_select(con: duckdb.DuckDBPyConnection, root: Path, table: str, col
 
 
 def history(cur, run_id: str, *, since_ts: float, until_ts: float, archive_dir: str | Path | None = None,
-            nodes: Sequence[str] | None = None) -> pa.Table:
-    """The history rows of the run's nodes (default: `run_nodes`) in the file's other runs,
-    and in the archive's runs the file does not hold."""
+            nodes: Sequence[str] | None = None, hw_ids: Sequence[str] | None = None) -> pa.Table:
+    """The history rows of the run's nodes and hardware (default: `run_nodes`, `run_hw_ids`) in
+    the file's other runs, and in the archive's runs the file does not hold."""
     nodes = run_nodes(cur, run_id) if nodes is None else list(nodes)
-    return fleet_history(cur, run_id, nodes, since_ts=since_ts, until_ts=until_ts, archive_dir=archive_dir)
+    hw_ids = run_hw_ids(cur, run_id) if hw_ids is None else list(hw_ids)
+    return fleet_history(cur, run_id, nodes, since_ts=since_ts, until_ts=until_ts, archive_dir=archive_dir,
+                         hw_ids=hw_ids)
 
 
 def fleet_history(cur, run_id: str, nodes: Sequence[str] | None, *, since_ts: float, until_ts: float,
-                  archive_dir: str | Path | None = None) -> pa.Table:
-    """The history rows of `nodes` (None: every node) in the runs other than `run_id`
+                  archive_dir: str | Path | None = None, hw_ids: Sequence[str] = ()) -> pa.Table:
+    """The history rows of `nodes` (None: every node) and `hw_ids` in the runs other than `run_id`
     (`""`: every run) of the file behind `cur` (None: none) and of the archive."""
-    parts = [file_history(cur, run_id, nodes, since_ts=since_ts, until_ts=until_ts)] if cur is not None else []
+    parts = [file_history(cur, run_id, nodes, since_ts=since_ts, until_ts=until_ts, hw_ids=hw_ids)] \
+        if cur is not None else []
     if archive_dir is not None:
         try:
             parts.append(archive_history(archive_dir, run_id, nodes, since_ts=since_ts, until_ts=until_ts,
-                                         skip_runs=file_run_ids(cur) if cur is not None else ()))
+                                         skip_runs=file_run_ids(cur) if cur is not None else (), hw_ids=hw_ids))
         except duckdb.Error as e:  # a damaged archive costs the history, not the run's detection
             log.warning("cannot read the archive %s: %s", archive_dir, e)
     return pa.concat_tables(parts) if parts else HISTORY_SCHEMA.empty_table()
@@ -151,16 +170,18 @@ class RunHistories:
         self._read, self._archive = read, archive_dir
         self.window_s, self.max_age_s, self.max_runs = window_s, max_age_s, max_runs
         self._clock = clock
-        self._cache: dict[str, tuple[tuple[str, ...], float, pa.Table]] = {}
+        self._cache: dict[str, tuple[tuple, float, pa.Table]] = {}
 
-    def for_run(self, run_id: str, nodes: Iterable[str]) -> pa.Table:
-        key = tuple(sorted({str(n) for n in nodes if n is not None}))
+    def for_run(self, run_id: str, nodes: Iterable[str], hw_ids: Iterable[str] = ()) -> pa.Table:
+        names = tuple(sorted({str(n) for n in nodes if n is not None}))
+        hw = tuple(sorted({str(h) for h in hw_ids if h}))
+        key = (names, hw)
         had = self._cache.get(run_id)
         if had is not None and had[0] == key and time.monotonic() - had[1] < self.max_age_s:
             return had[2]
         now = self._clock()
         table = self._read(history, run_id, since_ts=now - self.window_s, until_ts=now, archive_dir=self._archive,
-                           nodes=list(key))
+                           nodes=list(names), hw_ids=list(hw))
         if len(self._cache) >= self.max_runs and run_id not in self._cache:
             self._cache.pop(next(iter(self._cache)))  # the oldest run's
         self._cache[run_id] = (key, time.monotonic(), table)

@@ -184,7 +184,7 @@ def run_meta_tables(cur: Cursor, run_id: str) -> dict[str, pa.Table]:
     queries = {
         "runs": """SELECT run_id, world_size, status, config::VARCHAR AS config, mesh::VARCHAR AS mesh,
                           node_map::VARCHAR AS node_map FROM runs WHERE run_id = ?""",
-        "ranks": "SELECT run_id, rank, node, dp, tp, pp FROM ranks WHERE run_id = ? ORDER BY rank",
+        "ranks": "SELECT run_id, rank, node, dp, tp, pp, hw_id FROM ranks WHERE run_id = ? ORDER BY rank",
         "nodes": "SELECT run_id, node, ranks::VARCHAR AS ranks, status FROM nodes WHERE run_id = ? ORDER BY node",
     }
     return {name: cur.sql(sql, params=[run_id]).to_arrow_table() for name, sql in queries.items()}

@@ -115,7 +115,8 @@ class LivenessProjection(Projection):
                     node = excluded.node, pid = excluded.pid, incarnation = excluded.incarnation,
                     dp = coalesce(excluded.dp, ranks.dp), tp = coalesce(excluded.tp, ranks.tp),
                     pp = coalesce(excluded.pp, ranks.pp), last_seen_ts = excluded.last_seen_ts,
-                    agent_drops = ranks.agent_drops + excluded.agent_drops""")
+                    agent_drops = ranks.agent_drops + excluded.agent_drops,
+                    hw_id = coalesce(excluded.hw_id, ranks.hw_id)""")
             con.unregister("__ranks")
         if plan.last_seen:
             con.register("__seen", columns.last_seen_table(plan.last_seen))

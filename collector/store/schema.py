@@ -546,6 +546,11 @@ _AGENT_SUMMARIES_V14 = [
     "ALTER TABLE collectives ADD COLUMN sampled TINYINT",
 ]
 
+# v15: fleet memory. `ranks.hw_id`: the rank's hardware id (its GPU's NVML UUID, or the agent's
+# LLMWATCH_HW_ID), so a node's history follows its hardware when its hostname changes, and not the
+# hostname when the hardware behind it was replaced (collector/read/fleet.py).
+_HW_ID_V15 = ["ALTER TABLE ranks ADD COLUMN hw_id VARCHAR"]
+
 MIGRATIONS: list[tuple[int, list[str]]] = [
     (1, _TABLES_V1 + _VIEWS_V1),
     (2, _BATCH_HASH_V2),
@@ -561,6 +566,7 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
     (12, _GOODPUT_V12),
     (13, _GOODPUT_V13),
     (14, _AGENT_SUMMARIES_V14),
+    (15, _HW_ID_V15),
 ]
 
 

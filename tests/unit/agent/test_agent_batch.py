@@ -108,6 +108,19 @@ def test_batches_are_numbered_and_only_the_first_carries_the_run(spooled):
     assert [list(b.columns["scalar"]["value"]) for b in got] == [[0.0], [1.0], [2.0]]
 
 
+def test_every_batch_says_the_ranks_hardware_id(tmp_path, monkeypatch):
+    """LLMWATCH_HW_ID (a CPU host, a test), else the GPU's NVML UUID: the collector keeps it in
+    ranks.hw_id, and a node's history across runs follows it."""
+    monkeypatch.setenv("LLMWATCH_HW_ID", "rack4-slot2")
+    cfg = AgentConfig(url=f"http://127.0.0.1:{closed_port()}", spool_dir=str(tmp_path), capacity=64, timeout_s=0.5)
+    agent = Agent(cfg, run_id="r1", rank=0, node="node1", clock=Clock())
+    agent.record_scalar(1, "x", 1.0)
+    agent.flush(1.0)
+    agent.close()
+    got = spooled_batches(tmp_path)
+    assert got and {b.header["hw_id"] for b in got} == {"rack4-slot2"}
+
+
 def test_buffer_drops_are_reported_once_in_headers_and_in_stats(tmp_path):
     cfg = AgentConfig(url=f"http://127.0.0.1:{closed_port()}", spool_dir=str(tmp_path), capacity=2, timeout_s=0.5)
     agent = Agent(cfg, run_id="r1", rank=0)

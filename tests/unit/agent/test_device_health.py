@@ -84,7 +84,11 @@ def fake_nvml(*, new_reasons_name: bool = True, ecc_supported: bool = True, init
     def nvmlShutdown():
         record("nvmlShutdown")
 
-    for fn in (nvmlInit, nvmlDeviceGetHandleByIndex, nvmlDeviceGetHandleByUUID, nvmlDeviceGetTemperature,
+    def nvmlDeviceGetUUID(h):
+        record("nvmlDeviceGetUUID", h)
+        return b"GPU-8a9b" if isinstance(h, tuple) and h[1] == 3 else "GPU-other"
+
+    for fn in (nvmlDeviceGetUUID, nvmlInit, nvmlDeviceGetHandleByIndex, nvmlDeviceGetHandleByUUID, nvmlDeviceGetTemperature,
                nvmlDeviceGetPowerUsage, nvmlDeviceGetClockInfo, nvmlDeviceGetTotalEccErrors,
                nvmlDeviceGetRetiredPages, nvmlShutdown):
         setattr(nvml, fn.__name__, fn)
@@ -233,3 +237,12 @@ def test_device_health_off_ships_no_samples(tmp_path):
     agent.close()
     batch = spooled_batches(tmp_path)[0]
     assert wire.HEARTBEAT in batch.columns and wire.DEVICE_HEALTH not in batch.columns
+
+
+def test_the_hardware_id_is_the_gpus_nvml_uuid_and_none_without_nvml(monkeypatch, no_cuda_env):
+    """What a node's history across runs follows (collector/read/fleet.py): bytes or str from NVML."""
+    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml())
+    assert DeviceHealthSampler(gpu_index=3).hw_id() == "GPU-8a9b"
+    assert DeviceHealthSampler(gpu_index=1).hw_id() == "GPU-other"
+    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml(init_fails=True))
+    assert DeviceHealthSampler(gpu_index=3).hw_id() is None

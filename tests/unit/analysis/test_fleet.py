@@ -5,8 +5,11 @@ policy hands such a node to a spare, and keeps it without one."""
 
 from __future__ import annotations
 
+import polars as pl
+
 from analysis import Analyzer, Frames
 from analysis import fleet as f
+from analysis.frames import _frame
 from analysis.policy import ISOLATE, Policy, RunPolicy
 from analysis.rules import rules_from_dict
 from tests.unit.analysis.sim import Layout, Sim, feed, opened
@@ -52,7 +55,25 @@ def test_a_nodes_record_lists_its_faults_by_kind_and_its_latest_first():
     assert [(x["run_id"], x["what"], x["incident_id"]) for x in rec["latest_faults"]] == [
         ("r2", "isolated", 9), ("r2", "hang", 9)]
     assert f.node_record(h, "node9", since_ts=0.0, fault_kinds=KINDS) == {
-        "node": "node9", "by_kind": {}, "latest_faults": []}
+        "node": "node9", "by_kind": {}, "latest_faults": [], "past_names": []}
+
+
+def test_a_node_is_its_hardware_where_both_know_it_else_its_hostname():
+    h = f.history_frame([
+        *rows(("r1", "old7", 100.0, "seen"), ("r1", "old7", 110.0, "hang", 1),
+              ("r2", "old7", 200.0, "seen"), ("r2", "old7", 210.0, "crash", 2)),
+    ])
+    h = h.with_columns(pl.lit("GPU-1").alias("hw_id"))
+    # renamed since: the hardware keeps its record, under today's name, with the old one
+    rec = f.node_record(h, "node1", since_ts=0.0, fault_kinds=KINDS, hw_ids=["GPU-1"])
+    assert (rec["node"], rec["fault_runs"], rec["past_names"]) == ("node1", 2, ["old7"])
+    # the same hostname on new hardware (its GPU replaced): a new record
+    assert f.node_record(h.with_columns(pl.lit("old7").alias("node")), "old7", since_ts=0.0, fault_kinds=KINDS,
+                         hw_ids=["GPU-9"]).get("fault_runs", 0) == 0
+    # hardware unknown on either side: the hostname
+    assert f.node_record(h, "old7", since_ts=0.0, fault_kinds=KINDS)["fault_runs"] == 2
+    no_hw = h.with_columns(pl.lit(None, pl.String).alias("hw_id"))
+    assert f.node_record(no_hw, "old7", since_ts=0.0, fault_kinds=KINDS, hw_ids=["GPU-1"])["fault_runs"] == 2
 
 
 def _with_history(commits, history_rows, *, at: int = 0):
@@ -94,6 +115,26 @@ def test_nothing_without_history_or_below_the_threshold():
     assert not [x for x in feed(Analyzer(), _with_history(sim.build(), own)) if x.kind == "node_history"]
     stricter = Analyzer(rules_from_dict({"node_history": {"flag_runs": 1}}))
     assert [x.node for x in feed(stricter, _with_history(sim.build(), one)) if x.kind == "node_history"] == ["node1"]
+
+
+def test_a_renamed_node_is_flagged_by_its_hardware():
+    """The agents report each rank's hardware id (its GPU's UUID) with the run's ranks: node1 ran
+    as gpu-host-7 in two runs this week and failed in both; today's run names it node1."""
+    sim = Sim(layout=Layout(dp=2, nodes=2), steps=40, seed=6)
+    start = sim.start_ts
+    history = [{**r, "hw_id": "GPU-7"} for r in rows(
+        ("r1", "gpu-host-7", start - 2 * DAY, "seen"), ("r1", "gpu-host-7", start - 2 * DAY + 9, "straggler", 1),
+        ("r2", "gpu-host-7", start - DAY, "seen"), ("r2", "gpu-host-7", start - DAY + 9, "isolated", 4))]
+    commits = _with_history(sim.build(), history)
+    now, frames = commits[0]
+    ranks = _frame("ranks", [{"run_id": "sim", "rank": r, "node": f"node{r}", "dp": r, "tp": 0, "pp": 0,
+                              "hw_id": f"GPU-{7 if r == 1 else 0}"} for r in range(2)])
+    commits[0] = (now, Frames(**{**frames.tables(), "ranks": ranks}))
+    got = [x for x in feed(Analyzer(), commits) if x.kind == "node_history"]
+    assert [(x.node, x.rank) for x in got] == [("node1", 1)]
+    ev = got[0].evidence
+    assert ev["past_names"] == ["gpu-host-7"] and ev["hw_ids"] == ["GPU-7"] and ev["fault_runs"] == 2
+    assert "node node1 (as gpu-host-7) had faults in 2 of its 2 runs" in got[0].root_cause
 
 
 def test_history_given_before_the_ranks_is_judged_when_they_come():

@@ -179,6 +179,38 @@ def test_a_live_collector_flags_a_run_on_a_node_that_failed_in_two_runs(fleet_fi
     assert pl.DataFrame(ev["latest_faults"])["run_id"].to_list()[:2] == ["r2", "r2"]
 
 
+def test_a_renamed_host_keeps_its_record_by_its_hardware_id(tmp_path):
+    """The agents send each rank's hardware id (its GPU's UUID, or LLMWATCH_HW_ID) with every batch;
+    the collector keeps it in `ranks.hw_id`. A host that failed in two runs as gpu-host-7 and comes
+    back as node1 is flagged as node1, its old name in the evidence; and with the archive, the
+    same from the archived runs."""
+    path = runs_file(tmp_path / "hw.duckdb", [
+        ("r1", NOW - 2 * DAY, {"gpu-host-7": ["straggler"], "node0": []}, (), {"gpu-host-7": "GPU-7", "node0": "GPU-0"}),
+        ("r2", NOW - DAY, {"gpu-host-7": ["hang"], "node0": []}, (), {"gpu-host-7": "GPU-7", "node0": "GPU-0"})])
+    settings = Settings(db_path=path, writer=WriterSettings(linger_s=0.0, min_interval_s=0.0))
+    storage = Storage(settings, analyzer=Analyzer(), detection_tick_s=0.1)
+    try:
+        info = {"run_id": "new", "world_size": 2, "mesh": {"dp": 2, "tp": 1, "pp": 1}}
+        for rank, (node, hw) in enumerate((("node0", "GPU-0"), ("node1", "GPU-7"))):
+            storage.ingest_blocking(_decode(make_batch(
+                "new", rank, 0, node=node, hw_id=hw, run=info if rank == 0 else None,
+                coords={"dp": rank, "tp": 0, "pp": 0}, sections={wire.STEP: steps_section([1], step_s=0.5)})))
+
+        def flagged():
+            return [r for r in storage.read(queries.incidents, "new") if r["kind"] == "node_history"]
+
+        assert wait_until(flagged, timeout_s=20)
+        got = flagged()
+        stored = storage.read(lambda cur: cur.execute(
+            "SELECT rank, hw_id FROM ranks WHERE run_id = 'new' ORDER BY rank").fetchall())
+    finally:
+        storage.close()
+    assert stored == [(0, "GPU-0"), (1, "GPU-7")]
+    assert [(i["node"], i["rank"]) for i in got] == [("node1", 1)], got
+    ev = got[0]["evidence"] if isinstance(got[0]["evidence"], dict) else json.loads(got[0]["evidence"])
+    assert ev["past_names"] == ["gpu-host-7"] and ev["hw_ids"] == ["GPU-7"] and ev["fault_runs"] == 2
+
+
 def _decode(body: bytes):
     from collector.ingest.decode import decode
 
