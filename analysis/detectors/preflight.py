@@ -5,7 +5,12 @@ node's matmuls and, in rounds of pairs, its links before training (trainer/prefl
 and rank 0 records the report as the `preflight` event: per node its verdict (`ok`,
 `slow_compute`, `slow_link`), matmul seconds and ratio to the median node, its link
 times, and the pairs of each round. Each node whose verdict is not `ok` opens one
-incident at step 0, the node's rows of the report in its evidence. It stays open
+incident at step 0, the node's rows of the report in its evidence. The verdicts are
+the collector's, by the rules' `ratio`, from the report's times: a node's matmul
+time over the median node's, and a suspect's time in the second round over the
+first round's reference pair (the median pair's; of two pairs, the faster). The
+ranks' own verdicts (printed at start) use the check's ratio, 2 by default, which
+also picked the suspects the second round re-paired. It stays open
 while the node is in the run; the policy isolates the node (`[policy]
 isolate_on_preflight`; a spare takes its place when there is one), and the restart
 round without it closes it.
@@ -14,6 +19,7 @@ round without it closes it.
 from __future__ import annotations
 
 import json
+import statistics
 
 from analysis.findings import Finding, json_number
 from analysis.registry import register
@@ -27,6 +33,23 @@ class _State:
 
     def footprint(self) -> dict[str, int]:
         return {"reported_nodes": len(self.reported)}
+
+
+def verdicts(report: dict, ratio: float) -> dict[str, str]:
+    """node -> "slow_compute" or "slow_link" by `ratio`, from the report's times (the others pass)."""
+    out: dict[str, str] = {}
+    for node, r in (report.get("nodes") or {}).items():
+        c = r.get("compute_ratio") if isinstance(r, dict) else None
+        if isinstance(c, (int, float)) and c >= ratio:
+            out[str(node)] = "slow_compute"
+    rounds = [[p for p in rnd if isinstance(p, list) and len(p) == 3] for rnd in report.get("pairs") or []]
+    first = [float(p[2]) for p in rounds[0]] if rounds else []
+    if len(first) >= 2 and len(rounds) >= 2:
+        ref = statistics.median(first) if len(first) >= 3 else min(first)
+        for suspect, _, t in rounds[1]:
+            if float(t) >= ratio * ref:
+                out.setdefault(str(suspect), "slow_link")
+    return out
 
 
 @register
@@ -50,11 +73,12 @@ class PreflightDetector:
                 nodes = dict(report.get("nodes") or {})
             except (ValueError, TypeError, AttributeError):
                 continue
+            slow = verdicts(report, self.cfg.ratio)
             for node, r in nodes.items():
-                if not isinstance(r, dict) or r.get("verdict", "ok") == "ok" or node in st.reported:
+                if not isinstance(r, dict) or node not in slow or node in st.reported:
                     continue
                 st.reported.add(node)
-                self._report(p, str(node), r, report)
+                self._report(p, str(node), {**r, "verdict": slow[node]}, report)
 
     def _report(self, p, node: str, r: dict, report: dict) -> None:
         ranks = [int(x) for x in r.get("ranks") or [] if isinstance(x, (int, float))]

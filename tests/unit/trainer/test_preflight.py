@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 from analysis import Analyzer, Frames
+from analysis.detectors.preflight import verdicts
 from analysis.frames import _frame
 from analysis.policy import ISOLATE, Policy, RunPolicy
 from analysis.rules import rules_from_dict
@@ -67,6 +68,16 @@ def test_each_failed_node_opens_one_critical_incident_at_step_0():
     assert "slow_link" in link.root_cause and "6.07x the median pair" in link.root_cause
     assert "matmuls take 4.10x the median node's" in compute.root_cause and compute.rank == 4
     assert not [f for f in got if f.kind == "preflight" and f.resolved]
+
+
+def test_the_collector_judges_the_reports_times_by_the_rules_ratio():
+    """node2 re-paired at 6x the first round's reference, node3's matmuls at 4.1x: both fail at the
+    default 2, neither at 8; at 5 only node2 (the check's own verdicts are not what counts)."""
+    assert verdicts(REPORT, 2.0) == {"node2": "slow_link", "node3": "slow_compute"}
+    assert verdicts(REPORT, 8.0) == {}
+    assert verdicts(REPORT, 5.0) == {"node2": "slow_link"}
+    strict = Analyzer(rules_from_dict({"preflight": {"ratio": 8.0}}))
+    assert not [f for f in strict.feed(_events(("preflight", json.dumps(REPORT))), now=101.0) if f.kind == "preflight"]
 
 
 def test_the_policy_isolates_a_node_that_failed_its_checks():
