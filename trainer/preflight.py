@@ -89,7 +89,7 @@ def second_pairs(suspects: list[str], healthy: list[str]) -> list[list[tuple[str
     return out
 
 
-def judge_compute(node_s: dict[str, float], ratio: float) -> dict[str, float]:
+def compute_ratios(node_s: dict[str, float]) -> dict[str, float]:
     """Each node's matmul time over the median node's."""
     med = statistics.median(node_s.values())
     return {n: (s / med if med > 0 else 1.0) for n, s in node_s.items()}
@@ -185,7 +185,7 @@ def run_checks(*, node: str, checks: Checks = Checks(), device: torch.device | N
     leader = {n: ranks[n][0] for n in nodes}
     # the node's link slow-down acts at its leader, whichever of its ranks it was injected on
     my_link = factors[node] if rank == leader[node] else 1.0
-    compute_ratio = judge_compute(node_s, checks.ratio)
+    compute_ratio = compute_ratios(node_s)
     rounds: list[dict[tuple[str, str], float]] = []
     link_s: dict[str, list[float]] = {n: [] for n in nodes}
     suspects: list[str] = []

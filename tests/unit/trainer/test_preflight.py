@@ -12,7 +12,7 @@ from analysis.detectors.preflight import verdicts
 from analysis.frames import _frame
 from analysis.policy import ISOLATE, Policy, RunPolicy
 from analysis.rules import rules_from_dict
-from trainer.preflight import bad_nodes, first_pairs, judge_compute, second_pairs, slow_pairs
+from trainer.preflight import bad_nodes, compute_ratios, first_pairs, second_pairs, slow_pairs
 
 
 def test_round_one_pairs_neighbours_and_the_odd_one_out_after_them():
@@ -32,7 +32,7 @@ def test_round_two_pairs_each_suspect_with_a_healthy_node_in_disjoint_sub_rounds
     assert second_pairs(["c", "d"], ["a", "b"]) == [[("c", "a"), ("d", "b")]]
     assert second_pairs(["c", "d", "e"], ["a"]) == [[("c", "a")], [("d", "a")], [("e", "a")]]
     assert second_pairs(["c"], []) == []
-    assert judge_compute({"a": 1.0, "b": 1.0, "c": 3.0}, 2.0) == {"a": 1.0, "b": 1.0, "c": 3.0}
+    assert compute_ratios({"a": 1.0, "b": 1.0, "c": 3.0}) == {"a": 1.0, "b": 1.0, "c": 3.0}
 
 
 REPORT = {"nodes": {
