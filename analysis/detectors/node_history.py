@@ -5,7 +5,8 @@ other runs (analysis/fleet.py: incidents, isolations, and the runs each node was
 seen in, from its own file and the Parquet archive; collector/read/fleet.py). Each
 node of the run is judged once, when both its ranks and the history are known:
 a node that had a fault (an incident of one of `fault_kinds`, or an isolation) in
-`flag_runs` or more different runs within the last `window_days` opens an incident
+`flag_runs` or more different runs within the last `window_days` (judged once
+every rank of the node has reported, with its hardware id) opens an incident
 at step 0, its record in the evidence (runs seen, fault runs, faults by kind, its
 latest faults with their runs and incident ids). A node is its hardware where the
 history and the run both know its ranks' hardware ids (their GPUs' UUIDs, from the
@@ -35,12 +36,13 @@ DAY_S = 86400.0
 
 
 class _State:
-    __slots__ = ("history", "judged", "hw_ids")
+    __slots__ = ("history", "judged", "hw_ids", "ranked")
 
     def __init__(self) -> None:
         self.history: pl.DataFrame | None = None  # the latest history given (bounded by the window)
         self.judged: set[str] = set()  # nodes judged (each once a round)
         self.hw_ids: dict[str, set[str]] = {}  # node -> its ranks' hardware ids (the meta rows')
+        self.ranked: set[int] | None = None  # ranks whose rows came (None: this source sends none)
 
     def footprint(self) -> dict[str, int]:
         return {"history_rows": 0 if self.history is None else self.history.height, "judged_nodes": len(self.judged)}
@@ -63,9 +65,11 @@ class NodeHistoryDetector:
         if given is not None and given.height:
             st.history = given
         ranks = p.frames.ranks
-        if ranks is not None and "hw_id" in ranks.columns:
-            for node, hw in ranks.select("node", "hw_id").drop_nulls().iter_rows():
-                st.hw_ids.setdefault(str(node), set()).add(str(hw))
+        if ranks is not None and ranks.height:
+            st.ranked = (st.ranked or set()) | set(ranks["rank"].to_list())
+            if "hw_id" in ranks.columns:
+                for node, hw in ranks.select("node", "hw_id").drop_nulls().iter_rows():
+                    st.hw_ids.setdefault(str(node), set()).add(str(hw))
         if st.history is None:
             return
         topo = p.topo
@@ -77,12 +81,14 @@ class NodeHistoryDetector:
             node = topo.node_names[code]
             if node in st.judged:
                 continue
+            mine = held[topo.node_of[held] == code]
+            if st.ranked is not None and not set(mine.tolist()) <= st.ranked:
+                continue  # its ranks' rows (their hardware ids) are not all in yet: the run's node map came first
             st.judged.add(node)
             record = fleet.node_record(st.history, node, since_ts=since, fault_kinds=self.kinds_counted,
                                        exclude_run=p.run.run_id, hw_ids=st.hw_ids.get(node, ()))
             if record.get("fault_runs", 0) >= self.cfg.flag_runs:
-                rank = int(held[topo.node_of[held] == code].min())
-                self._report(p, node, rank, record)
+                self._report(p, node, int(mine.min()), record)
 
     def _report(self, p, node: str, rank: int, record: dict) -> None:
         n, runs = int(record["fault_runs"]), int(record["runs"])

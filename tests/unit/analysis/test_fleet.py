@@ -137,6 +137,25 @@ def test_a_renamed_node_is_flagged_by_its_hardware():
     assert "node node1 (as gpu-host-7) had faults in 2 of its 2 runs" in got[0].root_cause
 
 
+def test_a_node_is_judged_once_its_ranks_have_reported_their_hardware():
+    """Rank 0's run description names every node before the other ranks' first rows come: node1 is
+    judged when its rank's row (and its hardware id) is in, not from the node map alone, which would
+    have found no record under today's name."""
+    history = [{**r, "hw_id": "GPU-7"} for r in rows(
+        ("r1", "gpu-host-7", 1000.0 - 2 * DAY, "hang", 1), ("r2", "gpu-host-7", 1000.0 - DAY, "crash", 2))]
+    runs = _frame("runs", [{"run_id": "sim", "world_size": 2, "status": "running", "config": "{}",
+                            "mesh": '{"dp": 2, "tp": 1, "pp": 1}', "node_map": '{"0": "node0", "1": "node1"}'}])
+    rank = lambda r, node, hw: _frame("ranks", [{"run_id": "sim", "rank": r, "node": node, "dp": r, "tp": 0,  # noqa: E731
+                                                 "pp": 0, "hw_id": hw}])
+    a = Analyzer()
+    first = a.feed(Frames(runs=runs, ranks=rank(0, "node0", "GPU-0"), node_history=f.history_frame(history)),
+                   now=1000.0)
+    assert not [x for x in first if x.kind == "node_history"]  # node1's rank has not reported
+    got = a.feed(Frames(ranks=rank(1, "node1", "GPU-7")), now=1001.0)
+    assert [(x.node, x.rank, x.evidence["past_names"]) for x in got if x.kind == "node_history"] == [
+        ("node1", 1, ["gpu-host-7"])]
+
+
 def test_history_given_before_the_ranks_is_judged_when_they_come():
     sim = Sim(layout=Layout(dp=2, nodes=2), steps=40, seed=5)
     commits = sim.build()
