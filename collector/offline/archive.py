@@ -181,11 +181,12 @@ def _sql_text(path: Path) -> str:
 def open_archive(out_dir: str | Path, *, threads: int = 2) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB connection with one view per archived table over `out_dir`'s
     Parquet files (every `ARCHIVED` table, hive partitions `run_id` and `day` as columns):
-    the archive queried as the collector's file is, `SELECT ... FROM incidents`. Runs
-    archived by an older collector are read by column name (`union_by_name`: a column
-    they lack is NULL); a table without files (an empty archive) is an empty table of the
-    collector's schema, so every query runs and answers nothing. The connection reads
-    files (the archive's): keep it to your own queries, not a client's."""
+    the archive queried as the collector's file is, `SELECT ... FROM incidents`. Every
+    view has this collector's columns: runs archived by an older collector are read by
+    column name (`union_by_name`), a column none of the files has is NULL; a table without
+    files (an empty archive) is an empty table of the collector's schema, so every query
+    runs and answers nothing. The connection reads files (the archive's): keep it to your
+    own queries, not a client's."""
     from collector.store.schema import migrate
 
     root = Path(out_dir)
@@ -197,9 +198,13 @@ def open_archive(out_dir: str | Path, *, threads: int = 2) -> duckdb.DuckDBPyCon
             con.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS day VARCHAR")
             continue
         pattern = str(folder / "**" / "*.parquet").replace("'", "''")
+        source = (f"read_parquet('{pattern}', hive_partitioning = true, union_by_name = true, "
+                  f"hive_types = {{'run_id': VARCHAR, 'day': VARCHAR}})")
+        have = {name for name, *_ in con.execute(f"DESCRIBE SELECT * FROM {source}").fetchall()}
+        columns = [(name, kind) for name, kind, *_ in con.execute(f"DESCRIBE {table}").fetchall()]
+        select = ", ".join(f'"{n}"' if n in have else f'NULL::{k} AS "{n}"' for n, k in columns)
         con.execute(f"DROP TABLE {table}")
-        con.execute(f"CREATE VIEW {table} AS SELECT * FROM read_parquet('{pattern}', hive_partitioning = true, "
-                    f"union_by_name = true, hive_types = {{'run_id': VARCHAR, 'day': VARCHAR}})")
+        con.execute(f"CREATE VIEW {table} AS SELECT {select}, day FROM {source}")
     return con
 
 

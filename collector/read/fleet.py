@@ -6,9 +6,9 @@ Two sources, one shape (HISTORY_COLUMNS, what analysis/fleet.py reads):
 - `file_history(cur, ...)`: a collector's own file, live or closed (a long-lived
   collector holds many runs);
 - `archive_history(dir, ...)`: the archive's `ranks`, `nodes` and `incidents` folders
-  (hive layout, docs/scale.md), read with DuckDB's own Parquet reader on a connection
-  of its own (the collector's connection may read no file: collector/sql/). Runs of
-  an older schema are read by name (a column they lack is NULL), an empty or missing
+  (hive layout, docs/scale.md), through collector/offline/archive.py `open_archive` (a
+  connection of its own: the collector's may read no file, collector/sql/). Runs of an
+  older schema are read by name (a column they lack is NULL), an empty or missing
   archive is no history.
 
 `history(...)` joins them: a run in both is read from the file only (it may have gone
@@ -39,11 +39,6 @@ HISTORY_COLUMNS = ("run_id", "past_run_id", "node", "ts", "what", "incident_id",
 HISTORY_SCHEMA = pa.schema([("run_id", pa.string()), ("past_run_id", pa.string()), ("node", pa.string()),
                             ("ts", pa.float64()), ("what", pa.string()), ("incident_id", pa.int64()),
                             ("hw_id", pa.string())])
-# the archive's tables read, and the columns of each the history needs
-_ARCHIVED = {"ranks": ("run_id", "node", "first_seen_ts", "hw_id"),
-             "nodes": ("run_id", "node", "isolated_ts", "incident_id"),
-             "incidents": ("id", "run_id", "kind", "node", "opened_ts")}
-
 # The history rows of tables named ranks, nodes and incidents (the file's own, or views of the
 # archive's), with each row's hardware id (its node's ranks' in that run): the rows of the nodes
 # named, or of the hardware ids given (a node renamed since), within [since, until).
@@ -107,30 +102,14 @@ def archive_history(archive_dir: str | Path, run_id: str, nodes: Sequence[str] |
     root = Path(archive_dir)
     if (nodes is not None and not nodes and not hw_ids) or not root.is_dir():
         return HISTORY_SCHEMA.empty_table()
-    con = duckdb.connect(config={"threads": 1})
+    from collector.offline.archive import open_archive
+
+    con = open_archive(root, threads=1)
     try:
-        for table, columns in _ARCHIVED.items():
-            con.execute(f"CREATE TEMP VIEW {table} AS {_archived_select(con, root, table, columns)}")
         return con.sql(_HISTORY_SQL, params=_params(run_id, nodes, since_ts, until_ts, skip_runs, hw_ids)) \
             .to_arrow_table().cast(HISTORY_SCHEMA)
     finally:
         con.close()
-
-
-def _archived_select(con: duckdb.DuckDBPyConnection, root: Path, table: str, columns: Sequence[str]) -> str:
-    """A SELECT of `columns` over the archive's files of `table`: the columns the files lack
-    are NULL (a run archived by an older collector); no files: no rows."""
-    types = {"run_id": "VARCHAR", "node": "VARCHAR", "kind": "VARCHAR", "id": "BIGINT", "incident_id": "BIGINT",
-             "hw_id": "VARCHAR"}
-    empty = "SELECT " + ", ".join(f"NULL::{types.get(c, 'DOUBLE')} AS {c}" for c in columns) + " WHERE false"
-    if not any((root / table).glob("run_id=*/**/*.parquet")):
-        return empty
-    pattern = str(root / table / "**" / "*.parquet").replace("'", "''")
-    source = (f"read_parquet('{pattern}', hive_partitioning = true, union_by_name = true, "
-              f"hive_types = {{'run_id': VARCHAR}})")
-    have = {row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {source}").fetchall()}
-    return "SELECT " + ", ".join(c if c in have else f"NULL::{types.get(c, 'DOUBLE')} AS {c}" for c in columns) + \
-        f" FROM {source}"
 
 
 def history(cur, run_id: str, *, since_ts: float, until_ts: float, archive_dir: str | Path | None = None,

@@ -82,7 +82,7 @@ def test_the_archive_gives_the_same_history_and_a_run_in_both_counts_once(fleet_
 def test_an_older_schemas_runs_an_empty_archive_and_no_archive(tmp_path):
     root = tmp_path / "archive"
     con = duckdb.connect()
-    try:  # an archive written before nodes had isolated_ts and incident_id
+    try:  # an archive written before nodes had isolated_ts and incident_id, and ranks hw_id
         for table, sql in {
             "ranks": f"SELECT 'old' AS run_id, 0 AS rank, 'node1' AS node, {NOW - DAY} AS first_seen_ts",
             "nodes": f"SELECT 'old' AS run_id, 'node1' AS node, 'isolated' AS status, {NOW - DAY} AS updated_ts",
@@ -90,7 +90,8 @@ def test_an_older_schemas_runs_an_empty_archive_and_no_archive(tmp_path):
                          f"{NOW - DAY} AS opened_ts",
         }.items():
             (root / table).mkdir(parents=True)
-            con.execute(f"COPY ({sql}) TO '{root / table}' (FORMAT parquet, PARTITION_BY (run_id))")
+            con.execute(f"COPY (SELECT *, '2026-01-01' AS day FROM ({sql})) TO '{root / table}' "
+                        "(FORMAT parquet, PARTITION_BY (run_id, day))")  # the archive's layout: run and day
     finally:
         con.close()
     got = fleet.archive_history(root, "new", ["node1"], since_ts=NOW - 7 * DAY, until_ts=NOW)

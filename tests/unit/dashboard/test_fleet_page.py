@@ -56,7 +56,7 @@ def test_the_grid_has_every_run_and_node_worst_first(page, source):
     assert [n for n, r in rows.items() if r["flag"] == "!"] == ["node2", "node5"]
     assert rows["node2"]["kinds"] == "straggler 6" and rows["node5"]["kinds"] == "crash 1, hang 1, isolated 1"
     assert rows["node5"]["last"].endswith("crash in old2") and rows["node0"]["last"] == "–"
-    assert "flagged" in out["summary"] and "10 run(s)" in out["summary"]
+    assert "2 flagged" in out["summary"] and "in 10 run(s)" in out["summary"]
 
 
 def test_an_empty_window_says_so(page, source):
