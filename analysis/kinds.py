@@ -15,7 +15,9 @@ ones it emits). Their traits:
   to its method; `alert` does nothing but the alert every incident is);
 - `taints_weights`: the model's parameters after its first step may be bad (a NaN, a
   spike's update, a corrupted replica): a checkpoint from then on is not known-good
-  while the incident is open (analysis/watermark.py).
+  while the incident is open (analysis/watermark.py);
+- `weighs_spares`: its rule takes the node out when a spare can take its place, so the
+  policy reads the run's inputs (its spares) first, as for a `costed` kind.
 
 Action kinds are the `kind` of an `actions` row and of the command it sends. Their
 lifecycle says who ends one, and when:
@@ -52,6 +54,7 @@ class IncidentKind:
     costed: bool = False
     acted_when_closed: bool = False
     taints_weights: bool = False
+    weighs_spares: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,9 +88,9 @@ INCIDENTS = _index([
     IncidentKind("replica_divergence", "replicas whose parameters differ (silent data corruption)", "divergence",
                  taints_weights=True),
     IncidentKind("preflight", "a node that failed its pre-flight checks (compute or links) before the first step",
-                 "preflight"),
+                 "preflight", weighs_spares=True),
     IncidentKind("node_history", "a run starts on a node that failed in other runs lately (fleet memory)",
-                 "history"),
+                 "history", weighs_spares=True),
 ])
 
 ACTIONS = _index([
@@ -108,6 +111,8 @@ ACTION_KINDS = tuple(ACTIONS)
 COSTED = tuple(k for k, v in INCIDENTS.items() if v.costed)
 ACTED_WHEN_CLOSED = frozenset(k for k, v in INCIDENTS.items() if v.acted_when_closed)
 TAINTS_WEIGHTS = frozenset(k for k, v in INCIDENTS.items() if v.taints_weights)
+# the kinds whose decision reads the run's side of the cost model's inputs (its spares among them)
+NEEDS_RUN_INPUTS = frozenset(k for k, v in INCIDENTS.items() if v.costed or v.weighs_spares)
 DONE_IN_PLACE = frozenset(k for k, v in ACTIONS.items() if v.lifecycle == IN_PLACE)
 ENDED_BY_RESTART = frozenset(k for k, v in ACTIONS.items() if v.lifecycle == BY_RESTART)
 

@@ -56,7 +56,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from analysis.kinds import COSTED, DONE_IN_PLACE, ENDED_BY_RESTART, rule_of
+from analysis.kinds import COSTED, DONE_IN_PLACE, ENDED_BY_RESTART, NEEDS_RUN_INPUTS
 from analysis.policy import ISOLATE, REPAIR, RESTART, Decision, Policy, RunPolicy, apply_cost_inputs
 from analysis.rules import Rules, merge_rules
 from collector.read import queries
@@ -277,8 +277,7 @@ class PolicyRunner:
 
     def _incident(self, row: dict[str, Any]) -> None:
         st = self._state(row["run_id"])
-        if row.get("kind") in COSTED or rule_of(row.get("kind")) in ("history", "preflight"):
-            # weighed by the cost model, or handed to a spare: the run's side of its inputs (its spares)
+        if row.get("kind") in NEEDS_RUN_INPUTS:  # the cost model's, or a spare's: the run's side of its inputs
             apply_cost_inputs(st, self._cost_inputs(row["run_id"]))
         now = self.clock()
         decisions = self.policy.on_incident(st, row, now)
