@@ -18,7 +18,7 @@ A node is its hardware where both sides know it, else its hostname (`mine`): a h
 renamed since keeps its record, and a host whose hardware was replaced starts anew.
 
 `summarize` turns them into one record per node; `flagged` says which of them have
-failed in too many runs lately. Pure: polars in, polars out; the window and the
+failed in too many runs lately; `grid` is every run on every node (the Fleet page). Pure: polars in, polars out; the window and the
 thresholds are the rules' `[node_history]` (analysis/rules.toml).
 
 Counting runs, not incidents: a straggler that reopened five times in one bad run is
@@ -90,9 +90,18 @@ def summarize(history: pl.DataFrame, *, since_ts: float, fault_kinds: Iterable[s
         ["fault_runs", "isolations", "faults", "node"], descending=[True, True, True, False])
 
 
+def _least_fault_runs(flag_runs: int) -> int:
+    return max(1, int(flag_runs))  # a node with no fault is never flagged
+
+
+def is_flagged(fault_runs: int, flag_runs: int) -> bool:
+    """A node with faults in `flag_runs` runs or more is flagged."""
+    return fault_runs >= _least_fault_runs(flag_runs)
+
+
 def flagged(summary: pl.DataFrame, *, flag_runs: int) -> pl.DataFrame:
-    """The nodes of `summary` that had a fault in `flag_runs` runs or more."""
-    return summary.filter(pl.col("fault_runs") >= max(1, int(flag_runs)))
+    """The nodes of `summary` that are flagged (`is_flagged`)."""
+    return summary.filter(pl.col("fault_runs") >= _least_fault_runs(flag_runs))
 
 
 def node_record(history: pl.DataFrame, node: str, *, since_ts: float, fault_kinds: Iterable[str],
@@ -128,3 +137,24 @@ def faults_by_kind(history: pl.DataFrame, *, since_ts: float, fault_kinds: Itera
     for node, what, n in got.iter_rows():
         out.setdefault(node, {})[what] = n
     return out
+
+
+def grid(history: pl.DataFrame, fault_kinds) -> tuple[list[dict], list[dict]]:
+    """(cells, runs): per (run, node) its faults (incidents of `fault_kinds`), their kinds and
+    whether it was isolated there; per run when it began (its nodes' first rows) and its nodes."""
+    if not history.height:
+        return [], []
+    kinds = sorted(set(fault_kinds))
+    h = history.with_columns(pl.col("what").is_in(kinds).alias("_fault"))
+    cells = h.group_by("past_run_id", "node").agg(
+        pl.col("_fault").sum().alias("faults"),
+        pl.col("what").filter(pl.col("_fault")).unique().sort().alias("kinds"),
+        (pl.col("what") == ISOLATED).any().alias("isolated"),
+        pl.col("ts").filter(pl.col("what") == SEEN).min().alias("seen_ts"),
+    ).sort("past_run_id", "node")
+    runs = h.group_by("past_run_id").agg(pl.col("ts").min().alias("first_ts"), pl.col("node").n_unique().alias("nodes")) \
+        .sort("first_ts", "past_run_id")
+    return ([{"run_id": c["past_run_id"], "node": c["node"], "faults": int(c["faults"]), "kinds": c["kinds"],
+              "isolated": bool(c["isolated"]), "seen": c["seen_ts"] is not None} for c in cells.iter_rows(named=True)],
+            [{"run_id": r["past_run_id"], "first_ts": r["first_ts"], "nodes": int(r["nodes"])}
+             for r in runs.iter_rows(named=True)])

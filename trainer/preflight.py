@@ -69,12 +69,17 @@ def first_pairs(nodes: list[str]) -> list[list[tuple[str, str]]]:
     return [sub for sub in out if sub]
 
 
+def reference(times: dict[tuple[str, str], float]) -> float:
+    """The pair time the others are measured against: the median pair's; of two, the faster's."""
+    return statistics.median(times.values()) if len(times) >= 3 else min(times.values())
+
+
 def slow_pairs(times: dict[tuple[str, str], float], ratio: float) -> set[tuple[str, str]]:
-    """The pairs `ratio` times the median pair's time or slower (none of fewer than 2 pairs:
-    nothing to compare; of 2, the faster one is the reference)."""
+    """The pairs `ratio` times the reference or slower (none of fewer than 2 pairs: nothing to
+    compare)."""
     if len(times) < 2:
         return set()
-    ref = statistics.median(times.values()) if len(times) >= 3 else min(times.values())
+    ref = reference(times)
     return {p for p, t in times.items() if t >= ratio * ref}
 
 
@@ -198,7 +203,7 @@ def run_checks(*, node: str, checks: Checks = Checks(), device: torch.device | N
         slow = slow_pairs(first, checks.ratio)
         suspects = [n for n in nodes if any(n in p for p in slow)]
         healthy = [n for n in nodes if n not in suspects]
-        ref = statistics.median(first.values()) if len(first) >= 3 else min(first.values())
+        ref = reference(first)
         if suspects and healthy:
             again: dict[tuple[str, str], float] = {}
             for sub in second_pairs(suspects, healthy):

@@ -87,7 +87,7 @@ class NodeHistoryDetector:
             st.judged.add(node)
             record = fleet.node_record(st.history, node, since_ts=since, fault_kinds=self.kinds_counted,
                                        exclude_run=p.run.run_id, hw_ids=st.hw_ids.get(node, ()))
-            if record.get("fault_runs", 0) >= self.cfg.flag_runs:
+            if fleet.is_flagged(record.get("fault_runs", 0), self.cfg.flag_runs):
                 self._report(p, node, int(mine.min()), record)
 
     def _report(self, p, node: str, rank: int, record: dict) -> None:

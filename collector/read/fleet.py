@@ -214,27 +214,6 @@ def _goodputs(cur, archive_dir: str | Path | None, run_ids: list[str]) -> dict[s
     return out
 
 
-def grid(history: pl.DataFrame, fault_kinds) -> tuple[list[dict], list[dict]]:
-    """(cells, runs): per (run, node) its faults (incidents of `fault_kinds`), their kinds and
-    whether it was isolated there; per run when it began (its nodes' first rows) and its nodes."""
-    if not history.height:
-        return [], []
-    kinds = sorted(set(fault_kinds))
-    h = history.with_columns(pl.col("what").is_in(kinds).alias("_fault"))
-    cells = h.group_by("past_run_id", "node").agg(
-        pl.col("_fault").sum().alias("faults"),
-        pl.col("what").filter(pl.col("_fault")).unique().sort().alias("kinds"),
-        (pl.col("what") == analysis_fleet.ISOLATED).any().alias("isolated"),
-        pl.col("ts").filter(pl.col("what") == analysis_fleet.SEEN).min().alias("seen_ts"),
-    ).sort("past_run_id", "node")
-    runs = h.group_by("past_run_id").agg(pl.col("ts").min().alias("first_ts"), pl.col("node").n_unique().alias("nodes")) \
-        .sort("first_ts", "past_run_id")
-    return ([{"run_id": c["past_run_id"], "node": c["node"], "faults": int(c["faults"]), "kinds": c["kinds"],
-              "isolated": bool(c["isolated"]), "seen": c["seen_ts"] is not None} for c in cells.iter_rows(named=True)],
-            [{"run_id": r["past_run_id"], "first_ts": r["first_ts"], "nodes": int(r["nodes"])}
-             for r in runs.iter_rows(named=True)])
-
-
 def node_records(cur, *, since_ts: float, until_ts: float, rules, archive_dir: str | Path | None = None) -> dict:
     """The fleet over [since_ts, until_ts) in the file behind `cur` (None: none) and the archive:
     `nodes`, every node's record, worst first (analysis/fleet.py `summarize`, with `by_kind` and
@@ -247,13 +226,14 @@ def node_records(cur, *, since_ts: float, until_ts: float, rules, archive_dir: s
                                           archive_dir=archive_dir))
     summary = analysis_fleet.summarize(history, since_ts=since_ts, fault_kinds=cfg.fault_kinds)
     kinds = analysis_fleet.faults_by_kind(history, since_ts=since_ts, fault_kinds=cfg.fault_kinds)
-    cells, runs = grid(history, cfg.fault_kinds)
+    cells, runs = analysis_fleet.grid(history, cfg.fault_kinds)
     newest = [r["run_id"] for r in runs[-MAX_GOODPUT_RUNS:]]
     goodput = _goodputs(cur, archive_dir, newest)
     for r in runs:
         r["goodput"] = goodput.get(r["run_id"])
     return {"since_ts": since_ts, "until_ts": until_ts, "flag_runs": cfg.flag_runs,
             "fault_kinds": list(cfg.fault_kinds), "num_runs": len(runs),
-            "nodes": [{**row, "by_kind": kinds.get(row["node"], {}), "flagged": row["fault_runs"] >= cfg.flag_runs}
+            "nodes": [{**row, "by_kind": kinds.get(row["node"], {}),
+                       "flagged": analysis_fleet.is_flagged(row["fault_runs"], cfg.flag_runs)}
                       for row in summary.iter_rows(named=True)],
             "runs": runs, "cells": cells}
