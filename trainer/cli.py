@@ -121,6 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="before the first step, time every node's matmuls and, in rounds of pairs, its links "
                         "(trainer/preflight.py); a slow node is isolated before it costs the run (a spare takes its "
                         "place)")
+    g.add_argument("--preflight-ratio", type=float, metavar="X",
+                   help="pre-flight: a node this many times the median node (or pair) is slow, and its pair is "
+                        "re-paired (default 2; set it to the rules' [preflight] ratio, which the collector judges by)")
+    g.add_argument("--preflight-timeout-s", type=float, metavar="S",
+                   help="pre-flight: a rank that has not answered a phase by then has its node judged no_answer "
+                        "(default 30)")
     g.add_argument("--spare-nodes", type=int, metavar="N",
                    help="standby nodes (embedded launcher): an isolated node's place is taken by one, the data-"
                         "parallel size stays; the policy weighs replacing against shrinking (default 0)")
@@ -158,6 +164,7 @@ _MAP = {
     "policy": ("healing", "policy"), "max_restarts": ("healing", "max_restarts"),
     "min_nodes": ("healing", "min_nodes"), "on_isolate": ("healing", "on_isolate"),
     "spare_nodes": ("healing", "spare_nodes"), "preflight": ("healing", "preflight"),
+    "preflight_ratio": ("healing", "preflight_ratio"), "preflight_timeout_s": ("healing", "preflight_timeout_s"),
 }
 _TOP = ("steps", "seed", "eval_every", "metrics_jsonl", "run_id", "run_dir")
 

@@ -348,14 +348,15 @@ class IsolateHandler(Handler):
 
     def act(self, ctx: RunContext, cmd: AgreedCommand, step: int) -> Outcome:
         node = cmd.args["node"]
-        if ctx.ckpt is not None:
+        if ctx.ckpt is not None and step > 0:  # at step 0 (pre-flight) nothing is trained: the restart starts fresh
             ctx.save(step)
             ctx.ckpt.wait()  # the restart resumes from it: it must be finalized before we exit
         if ctx.dims.rank == 0:
             record_isolation(ctx.run_dir, node=node, reason=str(cmd.args.get("reason") or ""),
                              incident_id=cmd.args.get("incident_id"), step=step, command_id=cmd.id)
         ctx.comm.barrier(Axis.WORLD)  # the file is written before any rank exits
-        ctx.log(f"isolate {node}: checkpointed step {step}; the job restarts without it")
+        ctx.log(f"isolate {node}: " + (f"checkpointed step {step}" if step > 0 else "before step 1")
+                + "; the job restarts without it")
         if ctx.node == node and under_elastic_agent():
             # Under torchrun the isolated node's elastic agent must leave, not restart its
             # workers: told to stop, it does not rejoin (and does not close the rendezvous),

@@ -452,6 +452,15 @@ class FaultInjector:
                 link = max(link, inj.factor)
         return compute, link
 
+    def preflight_hang(self) -> bool:
+        """Whether this rank stops answering the pre-flight checks (a hang at step 0: a peer
+        that never answers, trainer/preflight.py). Writes the ground truth when it does."""
+        for inj in self.injections:
+            if inj.kind == "hang" and inj.step == 0 and self._mine(inj) and self._mark_fired(inj.name):
+                self._truth(inj, 0, 0, pid=os.getpid())
+                return True
+        return False
+
     def slowio_factor(self, what: str, step: int) -> float:
         """How many times as long this rank's data fetch (`what="data"`) or checkpoint
         shard writes (`"ckpt"`) take at `step` (1.0: no slowio). Pure: the ground truth

@@ -27,9 +27,16 @@ Injected slow-downs that start at step 0 (`--inject straggler@rank=R,from=0,...`
 `slowlink@rank=R,...,from=0,...`) slow the checks of their rank too: its matmuls and
 its node's link ops take `factor` times as long (the rank sleeps the difference).
 
-Not built: a peer that never answers. The collectives wait for the process group's
-timeout (`--timeout-s`), then the check raises, and the job fails at start as it
-would have at its first step.
+A peer that never answers (a hung GPU, a dead link, a process stuck in its start)
+is named, not waited for: the ranks tell each other their results through the job's
+c10d store, never by a collective over the world (`Exchange`), and rank 0 waits for
+each phase at most `timeout_s` (30 s; each pair's partner as long, then its round's
+results twice that). A rank that has not answered by then is `silent`, its node's
+verdict is `no_answer`, and the other nodes are still checked and judged (a node whose
+partner never came is re-paired in round 2). Each pair's process group is made from
+the store for its two ranks alone, with the same timeout. Should rank 0 itself stop
+answering, the others raise `PreflightError` naming it. `--inject hang@rank=R,step=0`
+makes rank R stop answering after its matmuls.
 
     torchrun --nnodes 4 --nproc-per-node 8 ... -m trainer.preflight [--ratio 1.5] [--json]
 """
@@ -44,12 +51,13 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-OK, SLOW_COMPUTE, SLOW_LINK = "ok", "slow_compute", "slow_link"
+OK, SLOW_COMPUTE, SLOW_LINK, NO_ANSWER = "ok", "slow_compute", "slow_link", "no_answer"
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +66,7 @@ class Checks:
     reps: int = 7  # timed repetitions of each check (after one warm-up)
     nbytes: int = 4 << 20  # each link op's payload
     ratio: float = 2.0  # this many times the median node (or pair) or slower is slow
+    timeout_s: float = 30.0  # a rank that has not answered a phase by then is `no_answer`
 
 
 def first_pairs(nodes: list[str]) -> list[list[tuple[str, str]]]:
@@ -122,16 +131,29 @@ def _time_matmul(checks: Checks, device: torch.device, factor: float) -> float:
     return statistics.median(times)
 
 
-def _time_link(checks: Checks, group, device: torch.device, factor: float) -> float:
+def _pair_group(store, *, key: str, rank: int, device: torch.device, timeout_s: float):
+    """A process group of the two ranks of one pair, made straight from the store (not
+    `new_group`, which every rank of the world must enter): gloo, or NCCL on a GPU. Its
+    timeout bounds the ops of a partner that answered the handshake and then stopped."""
+    pg_store = dist.PrefixStore(key, store)
+    timeout = timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(pg_store, rank, 2, opts)
+    return dist.ProcessGroupGloo(pg_store, rank, 2, timeout)
+
+
+def _time_link(checks: Checks, pg, device: torch.device, factor: float) -> float:
     n = max(1, checks.nbytes // 4)
     x = torch.ones(n, device=device)
     out = [torch.empty(n, device=device) for _ in range(2)]
-    dist.all_reduce(x, group=group)  # warm-up (and the pair's connection)
+    pg.allreduce([x]).wait()  # warm-up (and the pair's connection)
     times = []
     for _ in range(checks.reps):
         t = time.perf_counter()
-        dist.all_reduce(x, group=group)
-        dist.all_gather(out, x, group=group)
+        pg.allreduce([x]).wait()
+        pg.allgather([out], [x]).wait()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         _sleep_for(time.perf_counter() - t, factor)
@@ -139,95 +161,230 @@ def _time_link(checks: Checks, group, device: torch.device, factor: float) -> fl
     return statistics.median(times)
 
 
-def _round(pairs: list[tuple[str, str]], leader: dict[str, int], rank: int, checks: Checks, device: torch.device,
-           link_factor: float, shared: bool = False) -> dict[tuple[str, str], float]:
-    """Time every pair's link at once (disjoint pairs; one after the other when the nodes share
-    a host); every rank gets every pair's time. Every rank makes every pair's group (new_group
-    is collective), in the same order."""
-    groups = [dist.new_group([leader[a], leader[b]]) for a, b in pairs]
-    mine = None
-    for (a, b), g in zip(pairs, groups):
-        if rank in (leader[a], leader[b]):
-            mine = ((a, b), _time_link(checks, g, device, link_factor))
-        if shared:
-            dist.barrier()
-    got: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(got, mine)
-    for g in groups:
-        dist.destroy_process_group(g)
-    return {tuple(p): t for p, t in (x for x in got if x is not None)}
+class PreflightError(RuntimeError):
+    """The checks could not finish: the coordinator (rank 0) stopped answering."""
 
 
-def run_checks(*, node: str, checks: Checks = Checks(), device: torch.device | None = None,
-               compute_factor: float = 1.0, link_factor: float = 1.0) -> dict[str, Any]:
-    """The checks above, on the default process group (every rank calls it); the report.
-    `compute_factor`, `link_factor`: this rank's injected slow-downs (1: none)."""
+class Exchange:
+    """What the ranks tell each other during the checks: through the job's c10d store,
+    with deadlines, never a collective over the world, which a rank that stopped
+    answering would hold up until the process group's timeout (minutes), and then fail
+    without saying who it was.
+
+    Each phase, every rank posts its value; the coordinator (rank 0) collects them for
+    at most `wait_s` and publishes those it got; every rank reads that, so all agree on
+    who answered. A rank that did not is `silent` from then on (no later phase waits for
+    it). A coordinator that does not publish in time raises `PreflightError` on the
+    others. Waits are polls with a bound (1 to 20 ms apart)."""
+
+    def __init__(self, store, *, rank: int, world: int, timeout_s: float, prefix: str = "llmwatch/preflight",
+                 clock=time.monotonic, sleep=time.sleep) -> None:
+        self.store = store
+        self.rank, self.world = rank, world
+        self.timeout_s = timeout_s
+        self.prefix = prefix
+        self.clock, self.sleep = clock, sleep
+        self.alive: list[int] = list(range(world))  # the ranks that answered every phase so far
+        self.silent: dict[int, str] = {}  # rank -> the first phase it did not answer
+
+    def key(self, *parts: Any) -> str:
+        return "/".join([self.prefix, *map(str, parts)])
+
+    def wait_for(self, keys: list[str], wait_s: float) -> dict[str, Any]:
+        """The values of those of `keys` that are set within `wait_s` (all of them, unless
+        the wait ran out)."""
+        got: dict[str, Any] = {}
+        deadline, pause = self.clock() + wait_s, 0.001
+        while True:
+            for k in keys:
+                if k not in got and self.store.check([k]):
+                    got[k] = json.loads(self.store.get(k))
+            if len(got) == len(keys) or self.clock() >= deadline:
+                return got
+            self.sleep(pause)
+            pause = min(0.02, 2 * pause)
+
+    def gather(self, phase: str, value: Any, wait_s: float | None = None) -> dict[int, Any]:
+        """Every alive rank's value of `phase`, by rank (the ranks that did not answer in
+        `wait_s`, the timeout by default, are left out, and made silent)."""
+        wait_s = self.timeout_s if wait_s is None else wait_s
+        self.store.set(self.key(phase, self.rank), json.dumps(value))
+        if self.rank == 0:
+            want = {self.key(phase, r): r for r in self.alive}
+            got = {want[k]: v for k, v in self.wait_for(list(want), wait_s).items()}
+            self.store.set(self.key(phase, "all"), json.dumps(sorted(got.items())))
+        else:
+            # the coordinator's own part of the phase (its link checks) may precede its wait
+            published = self.wait_for([self.key(phase, "all")], wait_s + self.timeout_s)
+            if not published:
+                raise PreflightError(f"preflight: the coordinator (rank 0) did not answer phase {phase!r} "
+                                     f"within {wait_s + self.timeout_s:g} s")
+            got = {int(r): v for r, v in published[self.key(phase, "all")]}
+        for r in self.alive:
+            if r not in got:
+                self.silent.setdefault(r, phase)
+        self.alive = sorted(got)
+        return got
+
+    def handshake(self, tag: str, me: str, partner: str) -> bool:
+        """Both sides of a pair say they are there; False when the partner did not within
+        the timeout."""
+        self.store.set(self.key(tag, me), json.dumps(True))
+        return bool(self.wait_for([self.key(tag, partner)], self.timeout_s))
+
+
+def _stop_answering() -> None:
+    """An injected hang at step 0 (a peer that never answers): the rank stays alive and
+    silent until it is stopped."""
+    while True:
+        time.sleep(3600)
+
+
+def _round(pairs: list[tuple[str, str]], leader: dict[str, int], ex: Exchange, tag: str, checks: Checks,
+           device: torch.device, link_factor: float, shared: bool = False,
+           ) -> tuple[dict[tuple[str, str], float], dict[tuple[str, str], str]]:
+    """Time every pair's link at once (disjoint pairs; one after the other when the nodes
+    share a host). Returns every pair's time, and the pairs whose partner did not come
+    (pair -> the node that did not). Every alive rank calls it with the same pairs."""
+    times: dict[tuple[str, str], float] = {}
+    unanswered: dict[tuple[str, str], str] = {}
+    for i, group in enumerate([[p] for p in pairs] if shared else [pairs]):
+        mine = None
+        for a, b in group:
+            if ex.rank not in (leader[a], leader[b]):
+                continue
+            me, partner = (a, b) if ex.rank == leader[a] else (b, a)
+            if not ex.handshake(f"{tag}/{i}/{a}-{b}", me, partner):
+                mine = [a, b, None, partner]
+                continue
+            pg = _pair_group(ex.store, key=ex.key(tag, i, f"{a}-{b}", "pg"), rank=0 if me == a else 1,
+                             device=device, timeout_s=ex.timeout_s)
+            try:
+                mine = [a, b, _time_link(checks, pg, device, link_factor), None]
+            except RuntimeError:  # the partner came, then stopped answering
+                mine = [a, b, None, partner]
+            finally:
+                del pg
+        # a leader may wait out its partner's handshake before it posts
+        got = ex.gather(f"{tag}/{i}", mine, wait_s=2 * ex.timeout_s)
+        for v in got.values():
+            if v is None:
+                continue
+            a, b, t, missing = v
+            if t is not None:
+                times[(a, b)] = float(t)
+            else:  # the side that came says who did not; a side that did not come says nothing
+                unanswered.setdefault((a, b), missing)
+        for a, b in group:  # neither leader posted: the first silent one is named
+            if (a, b) not in times and (a, b) not in unanswered:
+                unanswered[(a, b)] = a if leader[a] not in got else b
+    return times, unanswered
+
+
+def run_checks(*, node: str, store, rank: int, world: int, checks: Checks = Checks(),
+               device: torch.device | None = None, compute_factor: float = 1.0, link_factor: float = 1.0,
+               hang: bool = False, node_of: dict[int, str] | None = None) -> dict[str, Any]:
+    """The checks above, every rank of the job calling it with the job's c10d store
+    (trainer/worker.py's, or torchrun's); the report, the same on every rank that answered.
+    No collective over the world is used: a rank that never answers (`checks.timeout_s`)
+    has its node judged `no_answer`, and the rest are still judged.
+    `compute_factor`, `link_factor`: this rank's injected slow-downs (1: none); `hang`:
+    this rank stops answering before the link checks (an injected hang at step 0);
+    `node_of`: every rank's node where the launcher knows it (names a rank silent from the start)."""
     t0 = time.perf_counter()
     device = device or torch.device("cpu")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    seen: list[Any] = [None] * world
-    dist.all_gather_object(seen, (rank, node, socket.gethostname(), link_factor))
+    ex = Exchange(store, rank=rank, world=world, timeout_s=checks.timeout_s)
+    seen = ex.gather("hello", [node, socket.gethostname(), link_factor])
+    node_by_rank = {r: n for r, (n, _, _) in seen.items()}
+    node_by_rank.update({r: n for r, n in (node_of or {}).items() if r in ex.silent})
     ranks: dict[str, list[int]] = {}
-    factors: dict[str, float] = {}
-    for r, n, _, f in sorted(seen):
+    for r, n in sorted(node_by_rank.items()):
         ranks.setdefault(n, []).append(r)
+    factors: dict[str, float] = {}
+    for n, _, f in seen.values():
         factors[n] = max(factors.get(n, 1.0), f)
-    nodes = sorted(ranks, key=lambda n: ranks[n][0])
     # simulated nodes sharing one host (tests, a laptop) take turns: timed at once they would
     # time each other's contention for the host's cores, not themselves
-    shared = len({h for _, _, h, _ in seen}) < len(nodes)
+    shared = len({h for _, h, _ in seen.values()}) < len(ranks)
+    turns = sorted(ranks, key=lambda n: ranks[n][0])
     matmul_s = 0.0
-    for turn in nodes if shared else [None]:
+    for i, turn in enumerate(turns if shared else [None]):
         if turn is None or turn == node:
             matmul_s = _time_matmul(checks, device, compute_factor)
-        if shared:
-            dist.barrier()
-    times: list[Any] = [None] * world
-    dist.all_gather_object(times, (node, matmul_s))
+        if shared and i < len(turns) - 1:
+            ex.gather(f"turn/{i}", None)
+    times = ex.gather("compute", matmul_s)
+    if hang:
+        _stop_answering()
     node_s: dict[str, float] = {}
-    for n, s in times:
+    for r, s in times.items():
+        n = node_by_rank[r]
         node_s[n] = max(node_s.get(n, 0.0), s)
+    compute_ratio = compute_ratios(node_s) if node_s else {}
+    unanswered: list[tuple[int, tuple[str, str], str]] = []  # (round, pair, the node that did not come)
+
+    def silent_nodes() -> set[str]:
+        return {node_by_rank[r] for r in ex.silent if r in node_by_rank} | {who for _, _, who in unanswered}
+
+    nodes = [n for n in turns if n not in silent_nodes()]  # the nodes whose links are checked
     leader = {n: ranks[n][0] for n in nodes}
     # the node's link slow-down acts at its leader, whichever of its ranks it was injected on
-    my_link = factors[node] if rank == leader[node] else 1.0
-    compute_ratio = compute_ratios(node_s)
+    my_link = factors.get(node, 1.0) if rank == leader.get(node) else 1.0
     rounds: list[dict[tuple[str, str], float]] = []
-    link_s: dict[str, list[float]] = {n: [] for n in nodes}
+    link_s: dict[str, list[float]] = {n: [] for n in ranks}
     suspects: list[str] = []
     slow_link: set[str] = set()
+    ref = None
+
+    def run_round(no: int, subs: list[list[tuple[str, str]]]) -> dict[tuple[str, str], float]:
+        # every alive rank takes part in every gather, in a pair or not
+        out: dict[tuple[str, str], float] = {}
+        for j, sub in enumerate(subs):
+            t, missed = _round(sub, leader, ex, f"round{no}/{j}", checks, device, my_link, shared)
+            out.update(t)
+            unanswered.extend((no, pair, who) for pair, who in missed.items())
+        return out
+
     if len(nodes) >= 2:
-        first: dict[tuple[str, str], float] = {}
-        for sub in first_pairs(nodes):
-            first.update(_round(sub, leader, rank, checks, device, my_link, shared))
+        first = run_round(1, first_pairs(nodes))
         rounds.append(first)
         slow = slow_pairs(first, checks.ratio)
-        suspects = [n for n in nodes if any(n in p for p in slow)]
-        healthy = [n for n in nodes if n not in suspects]
-        ref = reference(first)
-        if suspects and healthy:
-            again: dict[tuple[str, str], float] = {}
-            for sub in second_pairs(suspects, healthy):
-                again.update(_round(sub, leader, rank, checks, device, my_link, shared))
+        gone = silent_nodes()
+        # a node whose partner did not come has no time yet: it is re-paired, as a suspect is
+        suspects = [n for n in nodes if n not in gone and (any(n in p for p in slow) or not any(n in p for p in first))]
+        healthy = [n for n in nodes if n not in suspects and n not in gone]
+        ref = reference(first) if first else None
+        if suspects and healthy and ref is not None:
+            again = run_round(2, second_pairs(suspects, healthy))
             rounds.append(again)
             slow_link = {s for (s, _), t in again.items() if t >= checks.ratio * ref}
         for r in rounds:
             for (a, b), t in r.items():
                 link_s[a].append(t)
                 link_s[b].append(t)
+    gone = silent_nodes()
     report_nodes = {}
-    for n in nodes:
+    for n in turns:
         verdict = OK
-        if compute_ratio[n] >= checks.ratio:
+        if n in gone:
+            verdict = NO_ANSWER
+        elif compute_ratio.get(n, 0.0) >= checks.ratio:
             verdict = SLOW_COMPUTE
         elif n in slow_link:
             verdict = SLOW_LINK
-        best = min(link_s[n]) if link_s[n] else None
-        report_nodes[n] = {"ranks": ranks[n], "matmul_s": node_s[n], "compute_ratio": compute_ratio[n],
-                           "link_s": link_s[n], "suspect": n in suspects, "verdict": verdict,
-                           "link_ratio": (max(link_s[n]) / ref) if link_s[n] and len(nodes) >= 3 else None,
-                           "best_link_s": best}
+        entry = {"ranks": ranks[n], "matmul_s": node_s.get(n), "compute_ratio": compute_ratio.get(n),
+                 "link_s": link_s[n], "suspect": n in suspects, "verdict": verdict,
+                 "link_ratio": (max(link_s[n]) / ref) if link_s[n] and ref and len(nodes) >= 3 else None,
+                 "best_link_s": min(link_s[n]) if link_s[n] else None}
+        if verdict == NO_ANSWER:
+            entry["silent_ranks"] = sorted(r for r in ex.silent if r in ranks[n])
+            entry["silent_in"] = sorted({ex.silent[r].split("/")[0] for r in entry["silent_ranks"]} |
+                                        {f"round{k}" for k, _, who in unanswered if who == n})
+        report_nodes[n] = entry
     return {"nodes": report_nodes, "rounds": len(rounds), "shared_host": shared,
             "pairs": [[[a, b, t] for (a, b), t in r.items()] for r in rounds],
+            "unanswered": [[k, a, b, who] for k, (a, b), who in unanswered],
+            "silent_ranks": sorted(ex.silent), "timeout_s": checks.timeout_s,
             "ratio": checks.ratio, "matmul_n": checks.matmul_n, "nbytes": checks.nbytes, "reps": checks.reps,
             "elapsed_s": time.perf_counter() - t0}
 
@@ -242,8 +399,16 @@ def render(report: dict[str, Any]) -> str:
              f"{report['elapsed_s']:.1f} s; slow at {report['ratio']:g}x the median"]
     for n, r in report["nodes"].items():
         links = ", ".join(f"{1e3 * t:.1f}" for t in r["link_s"]) or "-"
-        lines.append(f"  {n:<12} {r['verdict']:<13} matmul {1e3 * r['matmul_s']:.2f} ms "
-                     f"({r['compute_ratio']:.2f}x)  link ms {links}")
+        matmul = (f"matmul {1e3 * r['matmul_s']:.2f} ms ({r['compute_ratio']:.2f}x)" if r.get("matmul_s") is not None
+                  else "matmul -")
+        line = f"  {n:<12} {r['verdict']:<13} {matmul}  link ms {links}"
+        if r["verdict"] == NO_ANSWER:
+            line += (f"  (silent in {', '.join(r.get('silent_in') or ['?'])} for {report.get('timeout_s', 0):g} s"
+                     + (f": rank {', '.join(map(str, r['silent_ranks']))}" if r.get("silent_ranks") else "") + ")")
+        lines.append(line)
+    unknown = [r for r in report.get("silent_ranks") or [] if not any(r in x["ranks"] for x in report["nodes"].values())]
+    if unknown:
+        lines.append(f"  rank(s) {', '.join(map(str, unknown))} never said which node they are on")
     return "\n".join(lines)
 
 
@@ -260,55 +425,69 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nodes", type=int, default=0,
                     help="simulated nodes on one host: rank r is on node r // (world / nodes) (default: the "
                          "hostname, or LLMWATCH_NODE)")
+    ap.add_argument("--timeout-s", type=float, default=Checks().timeout_s,
+                    help="a rank that has not answered a phase by then is no_answer (default %(default)s)")
     ap.add_argument("--json", action="store_true", help="rank 0 prints the report as JSON")
     ap.add_argument("--inject", action="append", default=[], metavar="SPEC",
-                    help="slow a rank down for a test, as trainer --inject does: straggler@rank=R,from=0,factor=F "
-                         "(its matmuls), slowlink@rank=R,axis=dp,from=0,factor=F (its node's links)")
+                    help="fault a rank for a test, as trainer --inject does: straggler@rank=R,from=0,factor=F "
+                         "(its matmuls), slowlink@rank=R,axis=dp,from=0,factor=F (its node's links), "
+                         "hang@rank=R,step=0 (it stops answering)")
     args = ap.parse_args(argv)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # torchrun's store (served by node 0's agent): no process group over the world is made,
+    # so none can be held up by a rank that never answers
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world,
+                                       timeout=timedelta(seconds=max(60.0, 4 * args.timeout_s))))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if args.nodes:
+        node = f"node{rank // max(1, world // args.nodes)}"
+    else:
+        node = os.environ.get("LLMWATCH_NODE") or socket.gethostname()
+    compute, link, hang = injected_faults(args.inject, rank=rank, world=world)
     try:
-        rank, world = dist.get_rank(), dist.get_world_size()
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" \
-            else torch.device("cpu")
-        if args.nodes:
-            node = f"node{rank // max(1, world // args.nodes)}"
-        else:
-            node = os.environ.get("LLMWATCH_NODE") or socket.gethostname()
-        compute, link = injected_factors(args.inject, rank=rank, world=world)
-        report = run_checks(node=node, device=device, compute_factor=compute, link_factor=link,
-                            checks=Checks(matmul_n=args.matmul_n, reps=args.reps, nbytes=args.nbytes, ratio=args.ratio))
-        if rank == 0:
-            print(json.dumps(report) if args.json else render(report), flush=True)
-            _record(report, node)
-        return 3 if bad_nodes(report) else 0
-    finally:
-        dist.destroy_process_group()
+        report = run_checks(node=node, store=store, rank=rank, world=world, device=device, compute_factor=compute,
+                            link_factor=link, hang=hang,
+                            checks=Checks(matmul_n=args.matmul_n, reps=args.reps, nbytes=args.nbytes,
+                                          ratio=args.ratio, timeout_s=args.timeout_s))
+    except PreflightError as e:
+        print(str(e), file=sys.stderr, flush=True)
+        return 3
+    if rank == 0:
+        print(json.dumps(report) if args.json else render(report), flush=True)
+        _record(report, node, world)
+    return 3 if bad_nodes(report) else 0
 
 
-def injected_factors(specs: list[str], *, rank: int, world: int) -> tuple[float, float]:
-    """(compute, link) slow-downs of `rank` from `--inject` specs that start at step 0
-    (trainer/faults.py's syntax; the others do not touch the checks)."""
+def injected_faults(specs: list[str], *, rank: int, world: int) -> tuple[float, float, bool]:
+    """(compute, link, hang) of `rank` from `--inject` specs at step 0 (trainer/faults.py's
+    syntax; the others do not touch the checks): its matmul and link slow-downs, and
+    whether it stops answering."""
     from trainer.faults import parse_injections
 
     compute = link = 1.0
+    hang = False
     for inj in parse_injections(specs, world_size=world):
         if inj.step == 0 and inj.rank in (-1, rank):
             if inj.kind == "straggler":
                 compute = max(compute, inj.factor)
             elif inj.kind == "slowlink":
                 link = max(link, inj.factor)
-    return compute, link
+            elif inj.kind == "hang":
+                hang = True
+    return compute, link, hang
 
 
-def _record(report: dict[str, Any], node: str) -> None:
+def _record(report: dict[str, Any], node: str, world: int) -> None:
     """The report as the `preflight` event of the run $LLMWATCH_RUN_ID (the job's, when its
     launcher set it), when a collector is configured ($LLMWATCH_URL)."""
     if not os.environ.get("LLMWATCH_URL"):
         return
     from agent.integrations._common import make_agent
 
-    a = make_agent(run_id=None, rank=0, world_size=dist.get_world_size(), node=node)
+    a = make_agent(run_id=None, rank=0, world_size=world, node=node)
     try:
         a.event("preflight", step=0, **report)
     finally:

@@ -97,6 +97,7 @@ class Trainer:
         self.poison = poison
         self.is_logger = dims.rank == 0
         self.attempt_floor = attempt_floor
+        self.preflight_failed = False  # a node failed the pre-flight checks: the collector's verdict before step 1
         self.state = LoopState()
         self.telemetry = cfg.telemetry.enabled  # also enables the control channel
         run_dir = Path(cfg.run_dir) if cfg.run_dir else None
@@ -171,6 +172,8 @@ class Trainer:
                                      bad_windows=self.bad_batches.windows)
         self.ctx.loader = loader
         try:
+            if self.preflight_failed and self._preflight_verdict():
+                return self.state  # an isolation before step 1: every rank leaves for the restart
             while True:  # the steps, then the wait for the verdict on the last ones (a rollback goes on)
                 while self.state.step < cfg.steps:
                     step = self.state.step + 1
@@ -350,6 +353,27 @@ class Trainer:
         if outcome.exit_code:
             self.state.exit_code = outcome.exit_code
         return not (outcome.stop or outcome.exit_code)
+
+    def _preflight_verdict(self) -> bool:
+        """A node failed the pre-flight checks (trainer/preflight.py): before step 1, wait for
+        the collector's policy to act on it, in boundaries without steps (trainer/control.py
+        `await_end`) at most its `end_wait_s` (0 while it is away, or when its policy would
+        not act). True: the command agreed ends the loop here (an isolation: the node is
+        replaced or left out before it cost a step)."""
+        if self.channel is None or self.state.step > 0:
+            return False
+        said = self.agent.end_wait_s() if self.is_logger else None  # rank 0 decides alone
+        wait_s = 0.0 if said is None else min(said, END_WAIT_MAX_S)
+        t0 = time.monotonic()
+        outcome = self.channel.await_end(self.ctx, self.state.step, ready=lambda: False, wait_s=wait_s)
+        if outcome is None:
+            if self.is_logger:
+                self._log(f"preflight: the collector took no action within {time.monotonic() - t0:.1f} s; "
+                          "training on every node")
+            return False
+        if outcome.exit_code:
+            self.state.exit_code = outcome.exit_code
+        return outcome.stop or bool(outcome.exit_code)
 
     # -- control channel -----------------------------------------------------
     def _control(self, step: int) -> bool:

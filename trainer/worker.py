@@ -169,17 +169,40 @@ def _exit_on_sigterm(signum, frame) -> None:
     sys.exit(143)
 
 
-def _preflight(agent, *, node: str, device, injector, rank: int) -> None:
+SILENT_MARGIN_S = 10.0  # past the collector's verdict time and the supervisor's grace: nobody stopped us
+
+
+def _preflight(agent, *, cfg: JobConfig, store, node: str, node_of: dict[int, str], device, injector,
+               rank: int, world: int) -> dict:
     """The pre-flight checks (trainer/preflight.py) on every rank; rank 0 prints the report and
-    records it as the `preflight` event, flushed at once (the collector's policy acts on it)."""
-    from trainer.preflight import render, run_checks
+    records it as the `preflight` event, flushed at once (the collector's policy acts on it).
+    A node that never answered holds up every collective of the job: its ranks and ours
+    wait here, at most the collector's verdict time and a margin, for the supervisor to stop
+    them (the policy isolates the node); then, or without a collector, PreflightError."""
+    from trainer.preflight import NO_ANSWER, Checks, PreflightError, bad_nodes, render, run_checks
 
     compute, link = injector.preflight_factors()
-    report = run_checks(node=node, device=device, compute_factor=compute, link_factor=link)
+    checks = Checks(ratio=cfg.healing.preflight_ratio, timeout_s=cfg.healing.preflight_timeout_s)
+    report = run_checks(node=node, store=dist.PrefixStore(f"llmwatch/{cfg.run_id}", store), rank=rank, world=world,
+                        device=device, compute_factor=compute, link_factor=link, hang=injector.preflight_hang(),
+                        node_of=node_of, checks=checks)
     if rank == 0:
         print(render(report), flush=True)
         agent.event("preflight", step=0, **report)
         agent.flush(timeout_s=5.0)
+    silent = sorted(n for n, v in bad_nodes(report).items() if v == NO_ANSWER)
+    if silent:
+        said = agent.end_wait_s()  # 0 or None: no collector, or its policy would not act
+        wait_s = said + cfg.healing.isolate_grace_s + SILENT_MARGIN_S if said else 0.0
+        if rank == 0 and wait_s:
+            print(f"preflight: {', '.join(silent)} never answered; waiting up to {wait_s:.0f} s for the "
+                  "collector to isolate it", flush=True)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:  # the supervisor stops this process (a bounded poll of nothing)
+            time.sleep(0.2)
+        raise PreflightError(f"preflight: {', '.join(silent)} never answered the pre-flight checks "
+                             f"(within {checks.timeout_s:g} s); the job cannot start with it")
+    return report
 
 
 def run_worker(cfg: JobConfig, *, token: str | None = None) -> int:
@@ -299,7 +322,9 @@ def run_worker(cfg: JobConfig, *, token: str | None = None) -> int:
         # first new step from the old round's last ones by it
         agent.event("run_started", step=0, pid=os.getpid(), node=node, restart=restart, attempt_floor=floor)
         if cfg.healing.preflight and restart == 0:
-            _preflight(agent, node=node, device=device, injector=injector, rank=rank)
+            report = _preflight(agent, cfg=cfg, store=store, node=node, device=device, injector=injector, rank=rank,
+                                world=world, node_of={r: node_names[dims.node_of(r)] for r in range(world)})
+            trainer.preflight_failed = any(r["verdict"] != "ok" for r in report["nodes"].values())
         state = trainer.fit()
         if checkpointer is not None:
             checkpointer.close()

@@ -3,10 +3,11 @@
 `trainer --preflight` (or `python -m trainer.preflight` under torchrun) times every
 node's matmuls and, in rounds of pairs, its links before training (trainer/preflight.py),
 and rank 0 records the report as the `preflight` event: per node its verdict (`ok`,
-`slow_compute`, `slow_link`), matmul seconds and ratio to the median node, its link
-times, and the pairs of each round. Each node whose verdict is not `ok` opens one
-incident at step 0, the node's rows of the report in its evidence. The verdicts are
-the collector's, by the rules' `ratio`, from the report's times: a node's matmul
+`slow_compute`, `slow_link`, `no_answer`), matmul seconds and ratio to the median node,
+its link times, and the pairs of each round. Each node whose verdict is not `ok` opens one
+incident at step 0, the node's rows of the report in its evidence. `no_answer` (a rank
+of the node did not answer a phase within the check's timeout) is the ranks' finding,
+taken as it is. The others are the collector's, by the rules' `ratio`, from the report's times: a node's matmul
 time over the median node's, and a suspect's time in the second round over the
 first round's reference pair (the median pair's; of two pairs, the faster). The
 ranks' own verdicts (printed at start) use the check's ratio, 2 by default, which
@@ -36,9 +37,12 @@ class _State:
 
 
 def verdicts(report: dict, ratio: float) -> dict[str, str]:
-    """node -> "slow_compute" or "slow_link" by `ratio`, from the report's times (the others pass)."""
+    """node -> "no_answer" (as the ranks found: a fact, not a ratio), or "slow_compute" or
+    "slow_link" by `ratio`, from the report's times (the others pass)."""
     out: dict[str, str] = {}
     for node, r in (report.get("nodes") or {}).items():
+        if isinstance(r, dict) and r.get("verdict") == "no_answer":
+            out[str(node)] = "no_answer"
         c = r.get("compute_ratio") if isinstance(r, dict) else None
         if isinstance(c, (int, float)) and c >= ratio:
             out[str(node)] = "slow_compute"
@@ -84,7 +88,11 @@ class PreflightDetector:
         ranks = [int(x) for x in r.get("ranks") or [] if isinstance(x, (int, float))]
         verdict = str(r.get("verdict"))
         compute = r.get("compute_ratio")
-        if verdict == "slow_compute":
+        if verdict == "no_answer":
+            phases = ", ".join(r.get("silent_in") or []) or "the checks"
+            who = f" (rank {', '.join(map(str, r['silent_ranks']))})" if r.get("silent_ranks") else ""
+            what = f"it never answered{who}: silent in {phases} for {report.get('timeout_s')} s"
+        elif verdict == "slow_compute":
             what = (f"its matmuls take {compute:.2f}x the median node's" if isinstance(compute, (int, float))
                     else "its matmuls are slow")
         else:
@@ -96,6 +104,9 @@ class PreflightDetector:
                     "link_ratio": json_number(r.get("link_ratio"), 3), "rounds": report.get("rounds"),
                     "pairs": report.get("pairs"), "ratio": report.get("ratio"),
                     "elapsed_s": json_number(report.get("elapsed_s"), 3), "shared_host": report.get("shared_host")}
+        if verdict == "no_answer":
+            evidence.update(silent_ranks=r.get("silent_ranks"), silent_in=r.get("silent_in"),
+                            timeout_s=report.get("timeout_s"), unanswered=report.get("unanswered"))
         p.report(Finding(kind="preflight", key=p.book.new_key(f"preflight:{node}"), run_id=p.run.run_id,
                          severity="critical", rank=min(ranks) if ranks else None, node=node, step_from=0, step_to=0,
                          evidence=evidence, root_cause=f"pre-flight: node {node} failed ({verdict}): {what}",

@@ -223,6 +223,15 @@ def preflight(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def preflight_silent(tmp_path_factory):
+    # the same fleet; rank 2 (node2) stops answering the pre-flight checks after its matmuls
+    d = tmp_path_factory.mktemp("preflightsilent") / "run"
+    return run_healing(d, "--dp", "4", "--nodes", "4", "--micro-batches", "1", *rules(d.parent / "rules.toml"),
+                       "--steps", "30", *ckpt(d, every=10), "--spare-nodes", "1", "--preflight",
+                       "--preflight-timeout-s", "3", "--inject", "hang@rank=2,step=0")
+
+
+@pytest.fixture(scope="module")
 def place_loop(tmp_path_factory):
     # the spare scenario, but the slowness is rank 1's place (its data, its stage), not node1's hardware:
     # the spare that takes rank 1 is as slow there
@@ -550,6 +559,29 @@ def test_a_node_whose_link_fails_the_preflight_checks_is_replaced_before_it_cost
     assert max(r["step"] for r in after) == 40 and {r["node"] for r in after} == {"node0", "node1", "node3",
                                                                                  "node4"}, o.report()
     assert (o.nodes["node4"]["status"], json.loads(o.nodes["node4"]["ranks"])) == ("healthy", [2]), o.report()
+    # isolated before step 1: the ranks waited at step 0 for the verdict; node2 never ran a step
+    assert "isolate node2: before step 1" in o.run.stdout + o.run.stderr, o.report()
+    assert o.query("SELECT count(*) AS n FROM steps WHERE node = 'node2'") == [{"n": 0}], o.report()
+
+
+def test_a_node_that_never_answers_the_preflight_checks_is_named_and_replaced(preflight_silent):
+    """A peer that never answers: rank 2 goes silent after its matmuls. node3, its partner, waits the
+    3 s timeout and is re-paired; the report names node2 `no_answer` (not the process group's timeout,
+    minutes later), the policy isolates it, the supervisor stops the silent rank with the others, and
+    the spare takes its place: the run completes at dp 4, and node2 never ran a step."""
+    o = preflight_silent
+    (flag,) = o.of("preflight")
+    assert (flag["rank"], flag["node"], flag["step_from"], flag["severity"]) == (2, "node2", 0, "critical"), o.report()
+    ev = flag["evidence"]
+    assert ev["verdict"] == "no_answer" and ev["silent_ranks"] == [2] and ev["timeout_s"] == 3.0, ev
+    assert "node2        no_answer" in o.run.stdout, o.report()
+    assert_isolated(o, "node2", flag, "failed its pre-flight checks (no_answer)")
+    assert o.run.returncode == 0 and o.query("SELECT status, world_size FROM runs") == [
+        {"status": "completed", "world_size": 4}], o.report()
+    assert o.query("SELECT count(*) AS n FROM steps WHERE node = 'node2'") == [{"n": 0}], o.report()
+    after = last_attempt(o)
+    assert max(r["step"] for r in after) == 30 and {r["node"] for r in after} == {"node0", "node1", "node3",
+                                                                                 "node4"}, o.report()
 
 
 def test_a_node_that_failed_in_two_runs_this_week_is_replaced_by_the_spare_at_the_start(lemon):

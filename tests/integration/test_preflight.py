@@ -1,7 +1,8 @@
 """`python -m trainer.preflight` under torchrun, for any job: four simulated nodes; a clean fleet
 passes in one round of link pairs; a node whose link is slowed is found in two rounds (its first
 partner cleared), the check exits 3, and a collector given by LLMWATCH_URL opens a `preflight`
-incident naming the node. `trainer --preflight` is in tests/e2e/test_healing.py."""
+incident naming the node; a rank that never answers has its node named `no_answer` within the
+timeout, not the job's. `trainer --preflight` is in tests/e2e/test_healing.py."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import duckdb
 import pytest
@@ -71,3 +73,19 @@ def test_a_slow_link_is_found_in_two_rounds_and_recorded_as_an_incident(tmp_path
         assert con.execute("SELECT count(*) FROM events WHERE kind = 'preflight'").fetchone()[0] == 1
     finally:
         con.close()
+
+
+def test_a_peer_that_never_answers_is_named_within_the_timeout():
+    """Rank 2 stops answering after its matmuls: node3, its partner, waits 2 s for it and is re-paired
+    with node0; rank 0 prints node2 as no_answer and every rank that answered exits 3, so torchrun
+    stops the silent one and the job never starts on it."""
+    t = time.monotonic()
+    run = _preflight("--inject", "hang@rank=2,step=0", "--timeout-s", "2")
+    took = time.monotonic() - t
+    assert run.returncode != 0, run.stdout
+    report = _report(run.stdout)
+    verdicts = {n: r["verdict"] for n, r in report["nodes"].items()}
+    assert verdicts == {"node0": "ok", "node1": "ok", "node2": "no_answer", "node3": "ok"}, report
+    assert report["nodes"]["node2"]["silent_ranks"] == [2] and report["unanswered"] == [[1, "node2", "node3", "node2"]]
+    assert report["rounds"] == 2 and len(report["nodes"]["node3"]["link_s"]) == 1  # re-paired, judged
+    assert report["elapsed_s"] < 20 and took < 90, (report["elapsed_s"], took)  # not the store's minutes

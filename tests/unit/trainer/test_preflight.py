@@ -1,18 +1,37 @@
 """Pre-flight checks (trainer/preflight.py, analysis/detectors/preflight.py): the rounds of pairs
-find the node whose link is slow (its first partner cleared in the second round), the report of a
-failed node opens one critical incident at step 0 naming it, and the policy isolates it. The checks
-themselves, on real processes under torchrun, are in tests/integration/test_preflight.py."""
+find the node whose link is slow (its first partner cleared in the second round), a peer that never
+answers is named after the timeout (ranks as threads over one in-memory store, each pair a real
+gloo group), the report of a failed node opens one critical incident at step 0 naming it, and the
+policy isolates it. The checks on real processes under torchrun are in
+tests/integration/test_preflight.py."""
 
 from __future__ import annotations
 
 import json
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
 
 from analysis import Analyzer, Frames
 from analysis.detectors.preflight import verdicts
 from analysis.frames import _frame
 from analysis.policy import ISOLATE, Policy, RunPolicy
 from analysis.rules import rules_from_dict
-from trainer.preflight import bad_nodes, compute_ratios, first_pairs, second_pairs, slow_pairs
+from trainer import preflight as pf
+from trainer.faults import FaultInjector, parse_injections
+from trainer.preflight import (
+    Checks,
+    Exchange,
+    PreflightError,
+    bad_nodes,
+    compute_ratios,
+    first_pairs,
+    render,
+    second_pairs,
+    slow_pairs,
+)
 
 
 def test_round_one_pairs_neighbours_and_the_odd_one_out_after_them():
@@ -91,3 +110,136 @@ def test_the_policy_isolates_a_node_that_failed_its_checks():
     assert Policy(rules_from_dict({"policy": {"isolate_on_preflight": False}})).on_incident(off, inc, now=5.0) == []
     alone = RunPolicy(run_id="r", nodes=["node2"])  # min_nodes: the last node stays
     assert [x.refused is not None for x in Policy(rules_from_dict({})).on_incident(alone, inc, now=5.0)] == [True]
+
+
+# -- a peer that never answers ----------------------------------------------------------------------
+
+class _Left(BaseException):
+    """A rank's thread leaves without a word (a hung process, as far as the others can tell)."""
+
+
+def _threads(world: int, target, skip=()) -> dict[int, object]:
+    """Run `target(rank)` for every rank but `skip` in threads; each one's result or exception."""
+    out: dict[int, object] = {}
+
+    def run(r):
+        try:
+            out[r] = target(r)
+        except _Left:
+            out[r] = "left"
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            out[r] = e
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world) if r not in skip]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a rank is still waiting: the waits must be bounded"
+    return out
+
+
+def test_a_rank_that_does_not_answer_a_phase_is_left_out_of_it_and_of_every_later_one():
+    store = dist.HashStore()
+
+    def rank(r):
+        ex = Exchange(store, rank=r, world=3, timeout_s=2.0)
+        first = ex.gather("hello", r * 10)
+        if r == 2:
+            raise _Left
+        second = ex.gather("compute", r)
+        t = time.monotonic()
+        third = ex.gather("next", r)  # rank 2 is not waited for again
+        return first, second, third, dict(ex.silent), time.monotonic() - t
+
+    out = _threads(3, rank)
+    assert out[2] == "left"
+    for r in (0, 1):  # both see the same ranks, through the coordinator's word
+        first, second, third, silent, took = out[r]
+        assert first == {0: 0, 1: 10, 2: 20} and second == {0: 0, 1: 1} == third
+        assert silent == {2: "compute"} and took < 1.0  # not the 2 s timeout
+
+
+def test_the_others_raise_when_the_coordinator_does_not_answer():
+    store = dist.HashStore()
+    out = _threads(2, lambda r: Exchange(store, rank=r, world=2, timeout_s=0.2).gather("hello", r), skip=(0,))
+    assert isinstance(out[1], PreflightError) and "coordinator (rank 0)" in str(out[1])
+
+
+def _checks(world: int, nodes: int, *, hang=(), skip=(), node_of=None, timeout_s=1.0) -> dict[int, object]:
+    store = dist.HashStore()
+    per = world // nodes
+    # ratio: timing on threads is noisy; these tests judge who answered, not how fast
+    checks = Checks(matmul_n=64, reps=2, nbytes=1 << 14, ratio=1e6, timeout_s=timeout_s)
+    return _threads(world, lambda r: pf.run_checks(node=f"node{r // per}", store=store, rank=r, world=world,
+                                                   checks=checks, hang=r in hang, node_of=node_of), skip=skip)
+
+
+@pytest.fixture
+def leaves(monkeypatch):
+    """An injected hang ends the rank's thread instead of sleeping in it."""
+    def leave():
+        raise _Left
+
+    monkeypatch.setattr(pf, "_stop_answering", leave)
+
+
+def test_a_leader_that_never_answers_its_partner_is_no_answer_and_the_partner_is_re_paired(leaves):
+    t = time.monotonic()
+    out = _checks(4, 4, hang=(2,))
+    took = time.monotonic() - t
+    assert out[2] == "left"
+    reports = [out[r] for r in (0, 1, 3)]
+    assert all(isinstance(x, dict) for x in reports), reports
+    assert all(bad_nodes(x) == {"node2": "no_answer"} for x in reports)  # every rank that answered agrees
+    report = reports[0]
+    assert report["silent_ranks"] == [2] and report["unanswered"] == [[1, "node2", "node3", "node2"]]
+    n2, n3 = report["nodes"]["node2"], report["nodes"]["node3"]
+    assert n2["silent_ranks"] == [2] and n2["silent_in"] == ["round1"] and n2["link_s"] == []
+    # node3 waited for node2 in round 1; it is re-paired with a healthy node in round 2 and judged there
+    assert report["rounds"] == 2 and n3["suspect"] and len(n3["link_s"]) == 1 and n3["verdict"] == "ok"
+    assert [p[:2] for p in report["pairs"][1]] == [["node3", "node0"]]
+    assert took < 10 * 1.0  # the handshake's timeout, and the round's wait for it: bounded, not the job's timeout
+    assert "no_answer" in render(report) and "silent in round1 for 1 s: rank 2" in render(report)
+
+
+def test_a_rank_that_is_not_its_nodes_leader_still_fails_its_node(leaves):
+    out = _checks(6, 3, hang=(3,))  # node1 is ranks 2 and 3; rank 2 pairs for it, rank 3 goes silent
+    report = out[0]
+    assert bad_nodes(report) == {"node1": "no_answer"} and report["nodes"]["node1"]["silent_ranks"] == [3]
+    assert out[3] == "left" and all(bad_nodes(out[r]) == {"node1": "no_answer"} for r in (1, 2, 4, 5))
+
+
+def test_a_rank_silent_from_the_start_is_named_by_the_launchers_node_map():
+    names = {r: f"node{r // 2}" for r in range(6)}
+    out = _checks(6, 3, skip=(5,), node_of=names, timeout_s=0.5)
+    report = out[0]
+    assert bad_nodes(report) == {"node2": "no_answer"}
+    assert report["nodes"]["node2"]["ranks"] == [4, 5] and report["nodes"]["node2"]["silent_in"] == ["hello"]
+    assert report["rounds"] == 1 and [p[:2] for p in report["pairs"][0]] == [["node0", "node1"]]
+    anonymous = _checks(4, 2, skip=(3,), timeout_s=0.3)[0]  # without the map, its rank alone is known
+    assert anonymous["silent_ranks"] == [3] and "rank(s) 3 never said which node" in render(anonymous)
+
+
+def test_a_hang_at_step_0_makes_the_rank_stop_answering_the_checks(tmp_path):
+    inj = parse_injections(["hang@rank=1,step=0", "hang@rank=0,step=9"], world_size=2)
+    hung = FaultInjector(inj, rank=1, node=1, run_dir=tmp_path)
+    assert hung.preflight_hang() and not hung.preflight_hang()  # once: a restart does not hang again
+    assert "hang" in (tmp_path / "injections.jsonl").read_text()
+    assert not FaultInjector(inj, rank=0, node=0, run_dir=tmp_path).preflight_hang()  # its hang is at step 9
+    assert pf.injected_faults(["hang@rank=1,step=0", "straggler@rank=1,from=0,factor=3"], rank=1, world=2) == (
+        3.0, 1.0, True)
+
+
+def test_a_node_that_never_answered_opens_an_incident_whatever_the_ratio():
+    report = {**REPORT, "timeout_s": 30.0, "unanswered": [[1, "node2", "node3", "node2"]], "nodes": {
+        **REPORT["nodes"], "node2": {"ranks": [2, 3], "matmul_s": 0.001, "compute_ratio": 1.0, "link_s": [],
+                                     "link_ratio": None, "suspect": False, "verdict": "no_answer",
+                                     "silent_ranks": [3], "silent_in": ["round1"]}}}
+    assert verdicts(report, 100.0) == {"node2": "no_answer"}  # a fact the ranks saw, not a ratio
+    got = [f for f in Analyzer(rules_from_dict({"preflight": {"ratio": 100.0}})).feed(
+        _events(("preflight", json.dumps(report))), now=101.0) if f.kind == "preflight"]
+    (f,) = got
+    assert (f.node, f.rank, f.severity, f.evidence["verdict"]) == ("node2", 2, "critical", "no_answer")
+    assert f.evidence["silent_ranks"] == [3] and f.evidence["unanswered"] == [[1, "node2", "node3", "node2"]]
+    assert "never answered (rank 3): silent in round1 for 30.0 s" in f.root_cause
