@@ -123,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "place)")
     g.add_argument("--preflight-ratio", type=float, metavar="X",
                    help="pre-flight: a node this many times the median node (or pair) is slow, and its pair is "
-                        "re-paired (default 2; set it to the rules' [preflight] ratio, which the collector judges by)")
+                        "re-paired (default: the --rules file's [preflight] ratio, which the collector judges by, "
+                        "else 2)")
     g.add_argument("--preflight-timeout-s", type=float, metavar="S",
                    help="pre-flight: a rank that has not answered a phase by then has its node judged no_answer "
                         "(default 30)")

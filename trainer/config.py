@@ -210,7 +210,9 @@ class HealingConfig:
     # before the first step, every node's compute and links are timed (trainer/preflight.py); a node that
     # fails is recorded as the `preflight` event, and the collector's policy isolates it
     preflight: bool = False
-    preflight_ratio: float = 2.0  # the checks' own verdicts, and the suspects they re-pair: this many times the median
+    # the checks' own verdicts, and the suspects they re-pair: this many times the median; None: the
+    # embedded collector's rules file's [preflight] ratio (the one it judges by), else 2, the rules' default
+    preflight_ratio: float | None = None
     preflight_timeout_s: float = 30.0  # a rank that has not answered a phase of the checks by then: `no_answer`
 
     def validate(self) -> None:
@@ -218,7 +220,7 @@ class HealingConfig:
             raise ConfigError(f"--policy {self.policy!r}: one of {', '.join(POLICY_MODES)}")
         if self.max_restarts < 0 or self.min_nodes < 1 or self.isolate_grace_s < 0 or self.spare_nodes < 0:
             raise ConfigError("--max-restarts and --spare-nodes must be >= 0, --min-nodes >= 1")
-        if self.preflight_ratio <= 1.0 or self.preflight_timeout_s <= 0:
+        if (self.preflight_ratio is not None and self.preflight_ratio <= 1.0) or self.preflight_timeout_s <= 0:
             raise ConfigError("--preflight-ratio must be > 1 and --preflight-timeout-s > 0")
 
 

@@ -57,6 +57,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
 OK, SLOW_COMPUTE, SLOW_LINK, NO_ANSWER = "ok", "slow_compute", "slow_link", "no_answer"
 
 
@@ -67,6 +72,20 @@ class Checks:
     nbytes: int = 4 << 20  # each link op's payload
     ratio: float = 2.0  # this many times the median node (or pair) or slower is slow
     timeout_s: float = 30.0  # a rank that has not answered a phase by then is `no_answer`
+
+
+def rules_ratio(path: str | os.PathLike | None) -> float | None:
+    """The `[preflight] ratio` of a detection rules file (the collector judges the report by
+    it), None when the file does not set one. A file that cannot be read is the collector's
+    to refuse: None here."""
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            ratio = tomllib.load(f).get("preflight", {}).get("ratio")
+    except (OSError, tomllib.TOMLDecodeError, AttributeError):
+        return None
+    return float(ratio) if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) else None
 
 
 def first_pairs(nodes: list[str]) -> list[list[tuple[str, str]]]:

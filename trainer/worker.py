@@ -179,10 +179,12 @@ def _preflight(agent, *, cfg: JobConfig, store, node: str, node_of: dict[int, st
     A node that never answered holds up every collective of the job: its ranks and ours
     wait here, at most the collector's verdict time and a margin, for the supervisor to stop
     them (the policy isolates the node); then, or without a collector, PreflightError."""
-    from trainer.preflight import NO_ANSWER, Checks, PreflightError, bad_nodes, render, run_checks
+    from trainer.preflight import NO_ANSWER, Checks, PreflightError, bad_nodes, render, rules_ratio, run_checks
 
     compute, link = injector.preflight_factors()
-    checks = Checks(ratio=cfg.healing.preflight_ratio, timeout_s=cfg.healing.preflight_timeout_s)
+    # the suspects are picked, and the printed verdicts given, by the ratio the collector judges by
+    ratio = cfg.healing.preflight_ratio or rules_ratio(cfg.telemetry.rules) or Checks().ratio
+    checks = Checks(ratio=ratio, timeout_s=cfg.healing.preflight_timeout_s)
     report = run_checks(node=node, store=dist.PrefixStore(f"llmwatch/{cfg.run_id}", store), rank=rank, world=world,
                         device=device, compute_factor=compute, link_factor=link, hang=injector.preflight_hang(),
                         node_of=node_of, checks=checks)

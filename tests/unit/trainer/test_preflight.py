@@ -29,6 +29,7 @@ from trainer.preflight import (
     compute_ratios,
     first_pairs,
     render,
+    rules_ratio,
     second_pairs,
     slow_pairs,
 )
@@ -243,3 +244,14 @@ def test_a_node_that_never_answered_opens_an_incident_whatever_the_ratio():
     assert (f.node, f.rank, f.severity, f.evidence["verdict"]) == ("node2", 2, "critical", "no_answer")
     assert f.evidence["silent_ranks"] == [3] and f.evidence["unanswered"] == [[1, "node2", "node3", "node2"]]
     assert "never answered (rank 3): silent in round1 for 30.0 s" in f.root_cause
+
+
+def test_the_checks_pick_suspects_by_the_ratio_the_collector_judges_by(tmp_path):
+    """The trainer's checks take the --rules file's [preflight] ratio (the embedded collector judges
+    the report by it); without one, the check's default is the rules' default."""
+    assert Checks().ratio == rules_from_dict({}).preflight.ratio
+    rules = tmp_path / "rules.toml"
+    rules.write_text("[preflight]\nratio = 1.5\n")
+    assert rules_ratio(rules) == 1.5
+    rules.write_text("[straggler]\nratio = 3\n")
+    assert rules_ratio(rules) is None and rules_ratio(None) is None and rules_ratio(tmp_path / "none.toml") is None
