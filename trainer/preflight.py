@@ -211,17 +211,19 @@ class Exchange:
 
     def wait_for(self, keys: list[str], wait_s: float) -> dict[str, Any]:
         """The values of those of `keys` that are set within `wait_s` (all of them, unless
-        the wait ran out)."""
-        got: dict[str, Any] = {}
+        the wait ran out). One round trip a poll (`check` of them all); never the store's
+        own `wait` with a timeout, after which a TCPStore client can misread its next answer."""
         deadline, pause = self.clock() + wait_s, 0.001
         while True:
-            for k in keys:
-                if k not in got and self.store.check([k]):
-                    got[k] = json.loads(self.store.get(k))
-            if len(got) == len(keys) or self.clock() >= deadline:
-                return got
+            if self.store.check(keys):
+                present = keys
+                break
+            if self.clock() >= deadline:
+                present = [k for k in keys if self.store.check([k])]
+                break
             self.sleep(pause)
             pause = min(0.02, 2 * pause)
+        return dict(zip(present, (json.loads(v) for v in self.store.multi_get(present)))) if present else {}
 
     def gather(self, phase: str, value: Any, wait_s: float | None = None) -> dict[int, Any]:
         """Every alive rank's value of `phase`, by rank (the ranks that did not answer in
@@ -245,11 +247,25 @@ class Exchange:
         self.alive = sorted(got)
         return got
 
-    def handshake(self, tag: str, me: str, partner: str) -> bool:
-        """Both sides of a pair say they are there; False when the partner did not within
-        the timeout."""
-        self.store.set(self.key(tag, me), json.dumps(True))
-        return bool(self.wait_for([self.key(tag, partner)], self.timeout_s))
+    def handshake(self, tag: str) -> bool | None:
+        """The two sides of a pair meet, atomically: each adds 1 to the pair's counter; the
+        first waits up to the timeout for the second, then closes the counter (compare-and-
+        set), unless the second came meanwhile. True: both are here; False: the partner did
+        not come; None: this side came after the partner gave up (it is the late one)."""
+        key = self.key(tag, "arrived")
+        n = self.store.add(key, 1)
+        if n != 1:
+            return n == 2 or None
+        deadline, pause = self.clock() + self.timeout_s, 0.001
+        while self.clock() < deadline:
+            if self.store.add(key, 0) >= 2:
+                return True
+            self.sleep(pause)
+            pause = min(0.02, 2 * pause)
+        return self.store.compare_set(key, "1", str(_CLOSED)) != str(_CLOSED).encode()
+
+
+_CLOSED = -(1 << 20)  # a pair's counter once its first side gave up: the late side's add stays negative
 
 
 def _stop_answering() -> None:
@@ -273,17 +289,17 @@ def _round(pairs: list[tuple[str, str]], leader: dict[str, int], ex: Exchange, t
             if ex.rank not in (leader[a], leader[b]):
                 continue
             me, partner = (a, b) if ex.rank == leader[a] else (b, a)
-            if not ex.handshake(f"{tag}/{i}/{a}-{b}", me, partner):
-                mine = [a, b, None, partner]
+            met = ex.handshake(f"{tag}/{i}/{a}-{b}")
+            if not met:  # the partner did not come (False), or came before this side (None)
+                mine = [a, b, None, partner if met is False else me]
                 continue
-            pg = _pair_group(ex.store, key=ex.key(tag, i, f"{a}-{b}", "pg"), rank=0 if me == a else 1,
-                             device=device, timeout_s=ex.timeout_s)
             try:
+                pg = _pair_group(ex.store, key=ex.key(tag, i, f"{a}-{b}", "pg"), rank=0 if me == a else 1,
+                                 device=device, timeout_s=ex.timeout_s)
                 mine = [a, b, _time_link(checks, pg, device, link_factor), None]
-            except RuntimeError:  # the partner came, then stopped answering
-                mine = [a, b, None, partner]
-            finally:
                 del pg
+            except RuntimeError:  # the partner came, then stopped answering (DistStoreError, a gloo timeout)
+                mine = [a, b, None, partner]
         # a leader may wait out its partner's handshake before it posts
         got = ex.gather(f"{tag}/{i}", mine, wait_s=2 * ex.timeout_s)
         for v in got.values():
@@ -292,7 +308,7 @@ def _round(pairs: list[tuple[str, str]], leader: dict[str, int], ex: Exchange, t
             a, b, t, missing = v
             if t is not None:
                 times[(a, b)] = float(t)
-            else:  # the side that came says who did not; a side that did not come says nothing
+            else:  # the side that came says who did not (or that it came late itself)
                 unanswered.setdefault((a, b), missing)
         for a, b in group:  # neither leader posted: the first silent one is named
             if (a, b) not in times and (a, b) not in unanswered:

@@ -194,6 +194,8 @@ def _preflight(agent, *, cfg: JobConfig, store, node: str, node_of: dict[int, st
         agent.flush(timeout_s=5.0)
     silent = sorted(n for n, v in bad_nodes(report).items() if v == NO_ANSWER)
     if silent:
+        if rank != 0:
+            agent.flush(timeout_s=5.0)  # one answer from the collector, which says how long its verdict takes
         said = agent.end_wait_s()  # 0 or None: no collector, or its policy would not act
         wait_s = said + cfg.healing.isolate_grace_s + SILENT_MARGIN_S if said else 0.0
         if rank == 0 and wait_s:

@@ -167,6 +167,15 @@ def test_the_others_raise_when_the_coordinator_does_not_answer():
     assert isinstance(out[1], PreflightError) and "coordinator (rank 0)" in str(out[1])
 
 
+def test_a_pair_meets_once_and_a_side_that_comes_after_its_partner_gave_up_is_the_late_one():
+    store = dist.HashStore()
+    first, second = (Exchange(store, rank=r, world=2, timeout_s=0.1) for r in (0, 1))
+    assert first.handshake("gave-up") is False  # alone for the whole timeout: the counter is closed
+    assert second.handshake("gave-up") is None  # then the other side comes: it is the late one, not its partner
+    out = _threads(2, lambda r: Exchange(store, rank=r, world=2, timeout_s=5.0).handshake("met"))
+    assert out == {0: True, 1: True}
+
+
 def _checks(world: int, nodes: int, *, hang=(), skip=(), node_of=None, timeout_s=1.0) -> dict[int, object]:
     store = dist.HashStore()
     per = world // nodes
