@@ -46,6 +46,16 @@ def test_a_nodes_record_counts_the_runs_it_failed_in_not_its_incidents():
     assert f.summarize(f.history_frame(), since_ts=0.0, fault_kinds=KINDS).height == 0
 
 
+def test_a_failed_preflight_check_is_a_nodes_fault_by_default_isolated_or_not():
+    """Shadow mode (or no spare): the node failed its checks in two runs and was never isolated."""
+    h = f.history_frame(rows(("r1", "node1", 100.0, "seen"), ("r1", "node1", 101.0, "preflight", 1),
+                             ("r2", "node1", 200.0, "seen"), ("r2", "node1", 201.0, "preflight", 2)))
+    kinds = rules_from_dict({}).node_history.fault_kinds
+    assert "preflight" in kinds
+    summary = f.summarize(h, since_ts=0.0, fault_kinds=kinds)
+    assert f.flagged(summary, flag_runs=2)["node"].to_list() == ["node1"]
+
+
 def test_a_nodes_record_lists_its_faults_by_kind_and_its_latest_first():
     h = f.history_frame(rows(("r1", "node1", 100.0, "seen"), ("r1", "node1", 110.0, "straggler", 7),
                              ("r2", "node1", 200.0, "seen"), ("r2", "node1", 210.0, "hang", 9),
