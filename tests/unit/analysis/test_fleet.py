@@ -5,6 +5,9 @@ policy hands such a node to a spare, and keeps it without one."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import polars as pl
 
 from analysis import Analyzer, Frames
@@ -54,6 +57,21 @@ def test_a_failed_preflight_check_is_a_nodes_fault_by_default_isolated_or_not():
     assert "preflight" in kinds
     summary = f.summarize(h, since_ts=0.0, fault_kinds=kinds)
     assert f.flagged(summary, flag_runs=2)["node"].to_list() == ["node1"]
+
+
+def test_the_fleet_queries_in_the_docs_count_the_kinds_the_rules_count():
+    """docs/fleet.md `nodes_by_fault_runs` and docs/postmortem.md `node_fault_runs` say they count
+    what [node_history] counts: their kind lists are the rules' default `fault_kinds`."""
+    kinds = set(rules_from_dict({}).node_history.fault_kinds)
+    docs = Path(__file__).resolve().parents[3] / "docs"
+    for name, query in (("fleet.md", "nodes_by_fault_runs"), ("postmortem.md", "node_fault_runs")):
+        text = (docs / name).read_text()
+        block = text[text.index(f"### {query}"):]
+        block = block[:block.index("```", block.index("```sql") + 6)]
+        lists = re.findall(r"i\.kind IN \(([^)]*)\)", block)
+        assert lists, f"{name} {query}: no kind list"
+        for found in lists:
+            assert set(re.findall(r"'([a-z_]+)'", found)) == kinds, (name, query, found)
 
 
 def test_a_nodes_record_lists_its_faults_by_kind_and_its_latest_first():
