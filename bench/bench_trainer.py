@@ -16,7 +16,10 @@ same invocation (absolute numbers on a shared 2-core machine are noise). The
 telemetry comparison interleaves on/off runs so drift hits both equally; with
 `--embedded` a third arm runs the embedded collector and dashboard below the
 ranks (`LLMWATCH_SIDECAR_NICE=10`) instead of at their priority (the default). `--warmup 60 --steps 200`
-reads the steady state only.
+reads the steady state only. The embedded arms also print the low-noise figure: each
+process's CPU per step in the steady state (/proc, after the warm-up and a few steps
+before the end), by role (ranks, collector, dashboard, launcher), and the sidecars'
+share of the job's CPU.
 """
 
 from __future__ import annotations
@@ -43,16 +46,79 @@ WARMUP = 5
 def run(args: list[str], steps: int, workdir: Path, *, field: str = "tokens_per_s",
         env: dict[str, str] | None = None) -> float:
     """The median of metrics.jsonl's `field` over the steps after the warm-up (`WARMUP`)."""
+    return run_steady(args, steps, workdir, field=field, env=env, sample=False)[0]
+
+
+ROLES = ("ranks", "collector", "dashboard", "launcher")
+
+
+def _role(pid: int) -> str:
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    text = b" ".join(argv).decode(errors="replace")
+    if "trainer.worker" in text or "trainer.zygote" in text:
+        return "ranks"
+    if "-m collector" in text:
+        return "collector"
+    if "-m dashboard" in text:
+        return "dashboard"
+    return "launcher"
+
+
+def _tree(root: int) -> list[int]:
+    """`root` and every process below it (/proc/<pid>/task/<tid>/children)."""
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+    return out
+
+
+def _cpu_by_role(root: int) -> dict[str, float]:
+    """CPU seconds so far of the launcher's process tree, by role (a process gone meanwhile is left out)."""
+    out = dict.fromkeys(ROLES, 0.0)
+    for pid in _tree(root):
+        try:
+            out[_role(pid)] += _proc_cpu_s(pid)
+        except OSError:
+            continue
+    return out
+
+
+def run_steady(args: list[str], steps: int, workdir: Path, *, field: str = "tokens_per_s",
+               env: dict[str, str] | None = None, sample: bool = True) -> tuple[float, dict[str, float]]:
+    """`run`'s median, and (`sample`) the CPU ms per step of each role of the job (ranks, collector,
+    dashboard, launcher) in its steady state: /proc read when metrics.jsonl has `WARMUP` steps and
+    again a few steps before the end (polled every 0.2 s, bounded by the run itself)."""
     run_dir = Path(tempfile.mkdtemp(dir=workdir))
     metrics = run_dir / "metrics.jsonl"
     cmd = [sys.executable, "-m", "trainer", "--run-dir", str(run_dir), "--metrics-jsonl", str(metrics),
            "--steps", str(steps), *MODEL, *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})))
-    if proc.returncode != 0:
-        raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, text=True,
+                                env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})))
+        marks: list[tuple[int, dict[str, float]]] = []
+        wanted = [WARMUP, max(WARMUP + 1, steps - 3)] if sample else []
+        while proc.poll() is None and wanted:
+            done = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+            if done >= wanted[0]:
+                marks.append((done, _cpu_by_role(proc.pid)))
+                wanted.pop(0)
+            time.sleep(0.2)
+        rc = proc.wait()
+        if rc != 0:
+            err.seek(0)
+            raise SystemExit(f"failed: {' '.join(cmd)}\n{err.read()[-2000:]}")
     rows = [json.loads(x) for x in metrics.read_text().splitlines()]
-    return statistics.median(r[field] for r in rows[WARMUP:])
+    per_step = {}
+    if len(marks) == 2 and marks[1][0] > marks[0][0]:
+        (s0, c0), (s1, c1) = marks
+        per_step = {k: 1e3 * (c1[k] - c0[k]) / (s1 - s0) for k in ROLES}
+    return statistics.median(r[field] for r in rows[WARMUP:]), per_step
 
 
 def trainer_widths(dp: int, micro_batches: int, steps: int) -> list[list[list[int]]]:
@@ -199,11 +265,15 @@ def _telemetry_embedded(steps: int, repeats: int, workdir: Path, flush_s: float 
     arms = (("off", layout, None), ("on", on_args, None), ("on, nice 10", on_args, {"LLMWATCH_SIDECAR_NICE": "10"}))
     tput: dict[str, list[float]] = {name: [] for name, _, _ in arms}
     cpu: dict[str, list[float]] = {name: [] for name, _, _ in arms}
+    steady: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in arms}
     for _ in range(repeats):
         for name, args, env in arms:
             c0 = _children_cpu_s()
-            tput[name].append(run(args, steps, workdir, env=env))
+            tokens, per_step = run_steady(args, steps, workdir, env=env)
+            tput[name].append(tokens)
             cpu[name].append((_children_cpu_s() - c0) / steps)
+            if per_step:
+                steady[name].append(per_step)
     _print_tokens(tput, "on (embedded collector and dashboard)")
     m_off, m_low = statistics.median(tput["off"]), statistics.median(tput["on, nice 10"])
     print(f"telemetry on, sidecars below the ranks (nice 10): {m_low:,.0f} tokens/s  "
@@ -211,6 +281,16 @@ def _telemetry_embedded(steps: int, repeats: int, workdir: Path, flush_s: float 
     ms = {k: 1e3 * statistics.median(v) for k, v in cpu.items()}
     print("CPU per step (whole job, incl. start-up and the collector's and dashboard's): "
           + "   ".join(f"{k}: {v:.1f} ms" for k, v in ms.items()))
+    # the low-noise figure: CPU per step of each process in the steady state (after the warm-up,
+    # before the end), by role; what the sidecars take is what the ranks cannot have on saturated cores
+    print(f"CPU ms per step in the steady state (steps {WARMUP} to the end - 3, median of the repeats):")
+    for name, samples in steady.items():
+        if not samples:
+            continue
+        med = {k: statistics.median(x[k] for x in samples) for k in ROLES}
+        side = med["collector"] + med["dashboard"] + med["launcher"]
+        print(f"  {name:<12} " + "  ".join(f"{k} {v:.2f}" for k, v in med.items())
+              + f"   sidecars {100 * side / max(1e-9, side + med['ranks']):.1f}% of the job's CPU")
 
 
 def main() -> None:
