@@ -45,6 +45,7 @@ SHORT_PERSIST = "[policy]\nstraggler_persist_s = 2.0\n"
 # the isolation scenarios: a rebalance in place (its own scenario) would otherwise be the cheaper candidate for
 # an 8x straggler here (its replica keeps 1 of the 4 micro-batches, 8 healthy ones' time, but no restart)
 ISOLATION_ONLY = SHORT_PERSIST + "rebalance = false\n"
+LEMON_STEPS = 200  # the fleet-memory scenario's run (~8 s): its isolation lands within ~2 s (the ranks' flush grid)
 
 
 def ckpt(run_dir: Path, every: int = 5, keep: int = 20) -> tuple[str, ...]:
@@ -209,8 +210,10 @@ def lemon(tmp_path_factory):
         ("monday", now - 4 * 86400, {"node0": [], "node1": ["straggler"]}),
         ("tuesday", now - 3 * 86400, {"node0": [], "node1": ["hang"]}, ("node1",))])
     archive(earlier, d.parent / "archive")
-    return run_healing(d, *DP, *rules(d.parent / "rules.toml"), "--steps", "60", *ckpt(d, every=10),
-                       "--spare-nodes", "1", "--archive", str(d.parent / "archive"))
+    # steps long enough (BIGGER) that the isolation, issued as the run starts and carried by the ranks'
+    # next flush (~1-2 s), lands well inside the run: 60 tiny steps took 1.1-1.4 s, and it landed after them
+    return run_healing(d, *DP, *BIGGER, *rules(d.parent / "rules.toml"), "--steps", str(LEMON_STEPS),
+                       *ckpt(d, every=10), "--spare-nodes", "1", "--archive", str(d.parent / "archive"))
 
 
 @pytest.fixture(scope="module")
@@ -600,8 +603,10 @@ def test_a_node_that_failed_in_two_runs_this_week_is_replaced_by_the_spare_at_th
         {"status": "completed", "world_size": 2}], o.report()
     assert (o.nodes["node2"]["status"], json.loads(o.nodes["node2"]["ranks"])) == ("healthy", [1]), o.report()
     after = last_attempt(o)
-    assert max(r["step"] for r in after) == 60 and {(r["rank"], r["node"]) for r in after} == {
+    assert max(r["step"] for r in after) == LEMON_STEPS and {(r["rank"], r["node"]) for r in after} == {
         (0, "node0"), (1, "node2")}, o.report()
+    # early in the run: node1 ran the first steps only (the command's one flush and one step of agreement)
+    assert o.query("SELECT max(step) AS s FROM steps WHERE node = 'node1'")[0]["s"] < LEMON_STEPS // 2, o.report()
     assert not [i for i in o.incidents if i["kind"] != "node_history"], o.report()
 
 
