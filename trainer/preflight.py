@@ -199,7 +199,7 @@ class Exchange:
     def __init__(self, store, *, rank: int, world: int, timeout_s: float, prefix: str = "llmwatch/preflight",
                  clock=time.monotonic, sleep=time.sleep) -> None:
         self.store = store
-        self.rank, self.world = rank, world
+        self.rank = rank
         self.timeout_s = timeout_s
         self.prefix = prefix
         self.clock, self.sleep = clock, sleep

@@ -331,8 +331,7 @@ class Trainer:
         if self.channel is None or self.state.exit_code or self.state.stopped or self.state.step < self.cfg.steps:
             return False
         last = self.state.step
-        said = self.agent.end_wait_s() if self.is_logger else None  # rank 0 decides alone
-        wait_s = 0.0 if said is None else min(said, END_WAIT_MAX_S)
+        said, wait_s = self._verdict_wait()
         t0 = time.monotonic()
 
         def ready() -> bool:
@@ -354,6 +353,12 @@ class Trainer:
             self.state.exit_code = outcome.exit_code
         return not (outcome.stop or outcome.exit_code)
 
+    def _verdict_wait(self) -> tuple[float | None, float]:
+        """(what the collector said, the wait): how long boundaries without steps may wait for
+        its verdict. Rank 0 decides alone; 0 while it is away or never answered."""
+        said = self.agent.end_wait_s() if self.is_logger else None
+        return said, 0.0 if said is None else min(said, END_WAIT_MAX_S)
+
     def _preflight_verdict(self) -> bool:
         """A node failed the pre-flight checks (trainer/preflight.py): before step 1, wait for
         the collector's policy to act on it, in boundaries without steps (trainer/control.py
@@ -362,8 +367,7 @@ class Trainer:
         replaced or left out before it cost a step)."""
         if self.channel is None or self.state.step > 0:
             return False
-        said = self.agent.end_wait_s() if self.is_logger else None  # rank 0 decides alone
-        wait_s = 0.0 if said is None else min(said, END_WAIT_MAX_S)
+        _, wait_s = self._verdict_wait()
         t0 = time.monotonic()
         outcome = self.channel.await_end(self.ctx, self.state.step, ready=lambda: False, wait_s=wait_s)
         if outcome is None:

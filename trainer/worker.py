@@ -249,6 +249,7 @@ def run_worker(cfg: JobConfig, *, token: str | None = None) -> int:
 
     from trainer import data as data_mod
     from trainer.engine import TrainEngine
+    from trainer.preflight import bad_nodes
 
     corpus = data_mod.build_corpus(cfg.data, seq_len=cfg.model.seq_len, seed=cfg.seed)
     run_info = None
@@ -328,7 +329,7 @@ def run_worker(cfg: JobConfig, *, token: str | None = None) -> int:
         if cfg.healing.preflight and restart == 0:
             report = _preflight(agent, cfg=cfg, store=store, node=node, device=device, injector=injector, rank=rank,
                                 world=world, node_of={r: node_names[dims.node_of(r)] for r in range(world)})
-            trainer.preflight_failed = any(r["verdict"] != "ok" for r in report["nodes"].values())
+            trainer.preflight_failed = bool(bad_nodes(report))
         state = trainer.fit()
         if checkpointer is not None:
             checkpointer.close()
