@@ -170,7 +170,6 @@ class PolicyRunner:
         self._sub = subscription
         self._watch = watch
         self._incidents: deque[list[dict[str, Any]]] = deque()
-        self._wake = threading.Event()
         self._stop = threading.Event()
         self._lock = threading.Lock()  # `_pending`: the writer thread's done callbacks add to it
         self._pending: dict[int, Pending] = {}
@@ -198,7 +197,8 @@ class PolicyRunner:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
-        self._wake.set()
+        if self._sub is not None:
+            self._sub.wake()
         self._thread.join(timeout_s)
 
     def alive(self) -> bool:
@@ -206,12 +206,16 @@ class PolicyRunner:
 
     def _offer(self, rows: list[dict[str, Any]]) -> None:  # on the writer thread: a deque append
         self._incidents.append(rows)
-        self._wake.set()
+        if self._sub is not None:
+            self._sub.wake()
 
     def _run(self) -> None:
+        """Woken by a commit, an incident (`_offer`) or the tick: a wait of 50 ms polled 20
+        times a second, and cost the embedded collector 2.5 ms of CPU a second doing it."""
         last_tick = 0.0
         while not self._stop.is_set():
-            delivery = self._sub.get(timeout_s=0.05)
+            wait_s = max(0.0, last_tick + _TICK_S - self.clock()) if not self._incidents else 0.0
+            delivery = self._sub.get(timeout_s=min(wait_s, _TICK_S))
             try:
                 if delivery is not None:
                     self._commit(delivery.commit.tables)

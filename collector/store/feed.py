@@ -107,6 +107,7 @@ class Subscription:
         self.num_dropped = 0
         self._cond = threading.Condition(threading.Lock())
         self._closed = False
+        self._woken = False  # wake(): the next get returns at once
         self._dropped = dropped.labels(name) if dropped is not None else None
 
     def offer(self, commit: Commit) -> bool:
@@ -142,7 +143,15 @@ class Subscription:
             if self._missed:
                 missed, self._missed = self._missed, 0
                 return Delivery(None, missed)
+            self._woken = False
             return None
+
+    def wake(self) -> None:
+        """End a `get` that is waiting (or the next one) at once, with None: news other than
+        a commit for the subscriber's thread (the policy's incidents)."""
+        with self._cond:
+            self._woken = True
+            self._cond.notify()
 
     def take_queued(self, limit: int) -> list[Commit]:
         """Up to `limit` more commits already queued, without waiting, stopping before one
@@ -156,7 +165,7 @@ class Subscription:
         return out
 
     def _ready(self) -> bool:
-        return bool(self._items) or bool(self._missed) or self._closed
+        return bool(self._items) or bool(self._missed) or self._closed or self._woken
 
     @property
     def depth(self) -> int:

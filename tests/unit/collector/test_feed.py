@@ -3,6 +3,7 @@ and says so, and the writer never waits for a subscriber."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pyarrow as pa
@@ -54,6 +55,21 @@ def test_close_wakes_a_waiting_get_and_refuses_offers():
     assert sub.get(5).commit.seq == 1  # what was queued is still read
     t0 = time.monotonic()
     assert sub.get(60) is None and time.monotonic() - t0 < 30  # woken, not timed out
+
+
+def test_wake_ends_a_waiting_get_once_and_a_commit_still_comes_first():
+    sub = Subscription("s")
+    woke = threading.Timer(0.05, sub.wake)
+    woke.start()
+    t0 = time.monotonic()
+    assert sub.get(60) is None and time.monotonic() - t0 < 30  # woken, not timed out
+    woke.join()
+    sub.wake()
+    sub.offer(commit(1))
+    assert sub.get(60).commit.seq == 1  # queued commits are delivered before the wake
+    assert sub.get(60) is None  # then the wake, once
+    t0 = time.monotonic()
+    assert sub.get(0.05) is None and time.monotonic() - t0 >= 0.05  # and the next get waits again
 
 
 def test_unsubscribe_and_drop_metric():
