@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -137,6 +138,7 @@ class Storage:
                             checkpoint_threshold=settings.duckdb.checkpoint_threshold,
                             max_temp_size=settings.duckdb.max_temp_size)
         self._closed = False
+        self._instance = secrets.token_hex(4)  # etag(): a restarted collector's numbers start over
         try:
             migrate(self._con)
             self.metrics = metrics or CollectorMetrics(live_run_s=settings.live_run_s, clock=clock)
@@ -271,6 +273,12 @@ class Storage:
 
     def queue_depth(self) -> int:
         return self._writer.depth()
+
+    def etag(self, *tables: str) -> str:
+        """A validator of what `tables` hold (an HTTP entity tag): another with the next commit
+        that changes any of them (collector/store/writer.py `generation`), and with every start
+        of this collector. Read it before reading the rows it stands for."""
+        return f'"{self._instance}-{self._writer.generation(*tables)}"'
 
     def health(self) -> tuple[bool, str]:
         """(healthy, why not). Unhealthy: closed, or the writer thread is gone (nothing

@@ -85,6 +85,7 @@ class AlertOutbox(Projection):
     Owned by the writer thread, like every projection."""
 
     name = "outbox"
+    writes = ("alert_outbox",)
 
     def __init__(self, con: duckdb.DuckDBPyConnection, *, receivers: Sequence[Receiver], external_url: str = "",
                  firing_hold_s: float = 86400.0, action_hold_s: float = 300.0,

@@ -368,6 +368,7 @@ class BadBatchesProjection(Projection):
     A window stored already is left as it is (ON CONFLICT DO NOTHING). No state."""
 
     name = "bad_batches"
+    writes = ("bad_batches",)
 
     def plan(self, group: Group) -> pa.Table | None:
         rows = bad_batch_rows(group)

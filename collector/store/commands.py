@@ -227,6 +227,7 @@ class CommandsProjection(Projection):
     Its plan also answers ingest requests: `deliveries(plan)`."""
 
     name = "commands"
+    writes = ("commands",)
 
     def __init__(self, con: duckdb.DuckDBPyConnection, *, ids: Ids, ttl_s: float, now: float) -> None:
         self._con = con

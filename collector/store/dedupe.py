@@ -130,6 +130,7 @@ class BatchKeys:
 
 class BatchKeysProjection(Projection):
     name = "batches"
+    writes = ("batches",)
 
     def __init__(self, con: duckdb.DuckDBPyConnection) -> None:
         self._con = con

@@ -91,6 +91,7 @@ class LivenessProjection(Projection):
     """`ranks` and `runs` rows, written from a `Liveness` plan."""
 
     name = "liveness"
+    writes = ("runs", "ranks")
 
     def __init__(self, con: duckdb.DuckDBPyConnection, sweep_s: float = 2.0) -> None:
         self.liveness = Liveness(con, sweep_s)

@@ -64,9 +64,23 @@ class Projection:
     Subclasses override what they need; `name` addresses intents to them."""
 
     name: str = ""
+    # The tables its writes touch (collector/store/writer.py `generation`: what a conditional
+    # GET compares). None: any table, so a commit whose plan `wrote` anything counts as a
+    # change of every table (a projection that does not say what it writes is never missed).
+    writes: tuple[str, ...] | None = None
 
     def plan(self, group: Group) -> Any:
         return None
+
+    def wrote(self, plan: Any) -> bool:
+        """Whether `plan` wrote anything (its `writes` changed). By default: a plan that is
+        not None nor empty. A projection whose plan is always an object says it itself."""
+        if plan is None:
+            return False
+        try:
+            return len(plan) > 0
+        except TypeError:
+            return True
 
     def write(self, con: duckdb.DuckDBPyConnection, plan: Any, group: Group) -> None:
         pass

@@ -91,6 +91,7 @@ class RunInfoProjection(Projection):
     After the liveness projection in the list: it updates `runs` rows that one creates."""
 
     name = "runinfo"
+    writes = ("runs", "nodes", "checkpoints")
 
     def plan(self, group: Group) -> list[Statement]:
         return [st for b in group.fresh if b.run is not None or b.events for st in statements(b, group.now)]

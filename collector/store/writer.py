@@ -45,7 +45,7 @@ import queue
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -202,6 +202,10 @@ class Writer:
         self._group_gap_s = group_gap_s
         self._group_min_interval_s = group_min_interval_s
         self._last_commit = 0.0  # time.monotonic() at the start of the last group commit
+        # generations (`generation`): commits counted, and the last that changed each table
+        self._commits = 0
+        self._changed: dict[str, int] = {}
+        self._changed_all = 0  # the last commit that may have changed any table
         self._queue_max_bytes = queue_max_bytes
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -221,6 +225,22 @@ class Writer:
 
     def on_writer_thread(self) -> bool:
         return threading.current_thread() is self._thread
+
+    def generation(self, *tables: str) -> int:
+        """The number of the last commit that changed any of `tables` (any thread; it only
+        grows while this writer lives). Counted after the commit, so rows read after reading
+        it are at least that new: a reader that saw the same number before reading has
+        nothing to read again (the ETag of collector/http/routes/query.py)."""
+        return max([self._changed_all, *(self._changed.get(t, 0) for t in tables)])
+
+    def _changed_tables(self, names: Iterable[str] | None) -> None:
+        """Count a commit on the writer thread; `names` the tables it changed, None: any."""
+        self._commits += 1
+        if names is None:
+            self._changed_all = self._commits
+            return
+        for t in names:
+            self._changed[t] = self._commits
 
     def submit_batch(self, batch: DecodedBatch, future: asyncio.Future | Future) -> None:
         self._put(_Job(batch=batch, nbytes=batch.nbytes, nrows=batch.num_rows, future=future,
@@ -328,6 +348,7 @@ class Writer:
             self._safe_rollback()
             _resolve(job.future, None, e)
             return
+        self._changed_tables(None)  # a call may write any table
         for fn in ctx._after:
             fn()
         _resolve(job.future, result, None)
@@ -372,6 +393,7 @@ class Writer:
                 return
             self._fail_alone(jobs[0], e)
             return
+        self._changed_tables(self._touched(group, plans))
         for p, plan in zip(self.projections, plans):
             try:
                 p.apply(plan, group)
@@ -382,6 +404,17 @@ class Writer:
             self.feed.publish(commit_ts=now, run_ids=committed_run_ids(group.fresh, group.extra),
                               tables=committed_tables(group.tables, group.extra))
         self._finish(self._results(jobs, group, plans))
+
+    def _touched(self, group: Group, plans: list[Any]) -> set[str] | None:
+        """The tables a group commit changed; None: any (a projection that wrote without
+        saying which tables)."""
+        out = {name for name, t in list(group.tables.items()) + group.extra if t.num_rows}
+        for p, plan in zip(self.projections, plans):
+            if p.wrote(plan):
+                if p.writes is None:
+                    return None
+                out.update(p.writes)
+        return out
 
     def _fail_alone(self, job: _Job, e: Exception) -> None:
         if job.intent is not None:  # its submitter gets the error itself (as a submit_call would)
