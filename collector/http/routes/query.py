@@ -1,7 +1,10 @@
 """The dashboard's read API: JSON, bearer auth, every query in collector/read/queries.py.
 
 Handlers are plain `def`s: FastAPI runs them in its thread pool, where a
-storage query blocks only its own thread (each gets its own DuckDB cursor).
+storage query blocks only its own thread (each gets its own DuckDB cursor). The
+polled ones (a run's nodes and incidents) are conditional GETs: `async`, they
+answer a 304 on the event loop when the tables' ETag (`Storage.etag`) is the
+client's, and read in the thread pool otherwise.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from pydantic import BeforeValidator, Field
+from starlette.concurrency import run_in_threadpool
 from starlette.responses import HTMLResponse, Response
 
 from analysis import load_rules
@@ -111,16 +115,22 @@ SETTLE_MAX_S = 10.0  # a read request holds a worker thread this long at most
 
 
 @router.get("/{run_id}/incidents")
-def get_incidents(run_id: str, storage: StorageDep, status: str | None = None,
-                  settle_s: Annotated[float, Query(ge=0, le=SETTLE_MAX_S)] = 0.0) -> Response:
+async def get_incidents(request: Request, run_id: str, storage: StorageDep, status: str | None = None,
+                        settle_s: Annotated[float, Query(ge=0, le=SETTLE_MAX_S)] = 0.0) -> Response:
     """The run's incidents. `settle_s`: first wait (at most that long) until detection has
     judged every batch acknowledged before this request; the `X-Llmwatch-Settled` header
-    says whether it had (`true`) or the wait ran out (`false`)."""
-    settled = storage.wait_detected(settle_s) if settle_s > 0 else None
-    response = json_response(storage.read(queries.incidents, run_id, status=status))
-    if settled is not None:
+    says whether it had (`true`) or the wait ran out (`false`). Conditional (`If-None-Match`,
+    see `_unchanged`) without `settle_s`."""
+    if settle_s > 0:
+        settled = await run_in_threadpool(storage.wait_detected, settle_s)
+        response = json_response(await run_in_threadpool(storage.read, queries.incidents, run_id, status=status))
         response.headers["X-Llmwatch-Settled"] = "true" if settled else "false"
-    return response
+        return response
+    etag = storage.etag("incidents")
+    if _unchanged(request, etag):
+        return _not_modified(etag)
+    return _tagged(json_response(await run_in_threadpool(storage.read, queries.incidents, run_id, status=status)),
+                   etag)
 
 
 @router.get("/{run_id}/actions")
@@ -146,8 +156,32 @@ def get_checkpoints(run_id: str, storage: StorageDep) -> Response:
 
 
 @router.get("/{run_id}/nodes")
-def get_nodes(run_id: str, storage: StorageDep) -> Response:
-    return json_response(storage.read(queries.nodes, run_id))
+async def get_nodes(request: Request, run_id: str, storage: StorageDep) -> Response:
+    """The run's nodes and their status (healthy, spare, isolated). Conditional (`_unchanged`):
+    the launcher asks twice a second, and the answer changes a few times a run."""
+    etag = storage.etag("nodes")
+    if _unchanged(request, etag):
+        return _not_modified(etag)
+    return _tagged(json_response(await run_in_threadpool(storage.read, queries.nodes, run_id)), etag)
+
+
+def _unchanged(request: Request, etag: str) -> bool:
+    """A conditional GET whose `If-None-Match` names `etag`: the client holds the answer
+    already, and gets a 304 with no body and no database read. What a poller saves (the
+    launcher's node watch and incident feed, once or twice a second each): a cursor, a
+    query and the JSON, ~2 ms of the embedded collector's CPU, on the training job's cores."""
+    given = request.headers.get("if-none-match")
+    return given is not None and etag in [t.strip() for t in given.split(",")]
+
+
+def _not_modified(etag: str) -> Response:
+    return Response(status_code=304, headers={"ETag": etag, "Cache-Control": "private, no-cache"})
+
+
+def _tagged(response: Response, etag: str) -> Response:
+    response.headers["ETag"] = etag
+    response.headers["Cache-Control"] = "private, no-cache"
+    return response
 
 
 @router.get("/{run_id}/events")
