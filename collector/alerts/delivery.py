@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from collector.alerts import payloads
 from collector.alerts.receivers import Receiver, redact_url
+from collector.threads import name_native
 
 log = logging.getLogger("collector.alerts.delivery")
 
@@ -198,6 +199,7 @@ class Lane:
         return self._thread.is_alive()
 
     def _run(self) -> None:
+        name_native("lw-alerts")
         while True:
             with self._cond:
                 while not self._stopping:

@@ -54,6 +54,7 @@ from analysis.engine import is_new_round
 from analysis.kinds import TAINTS_WEIGHTS
 from collector.live.watermark import Watermarks
 from collector.store.feed import Commit, Subscription, merged
+from collector.threads import name_native
 
 log = logging.getLogger("collector.live.detection")
 
@@ -140,6 +141,7 @@ class DetectionRunner:
                 self.watermarks.forget(r)
 
     def _run(self) -> None:
+        name_native("lw-detection")
         while not self._stop.is_set():
             delivery = self._sub.get(self._tick_s)
             if self._stop.is_set() or (delivery is None and self._sub.closed):

@@ -64,6 +64,7 @@ from collector.store.commands import FAILED_ACKS
 from collector.store.feed import Subscription
 from collector.store.incidents import IncidentPlan
 from collector.store.projection import Group
+from collector.threads import name_native
 
 log = logging.getLogger("collector.live.policy")
 
@@ -212,6 +213,7 @@ class PolicyRunner:
     def _run(self) -> None:
         """Woken by a commit, an incident (`_offer`) or the tick: a wait of 50 ms polled 20
         times a second, and cost the embedded collector 2.5 ms of CPU a second doing it."""
+        name_native("lw-policy")
         last_tick = 0.0
         while not self._stop.is_set():
             wait_s = max(0.0, last_tick + _TICK_S - self.clock()) if not self._incidents else 0.0

@@ -45,6 +45,7 @@ from typing import Any
 import duckdb
 
 from collector.store.schema import LAST_IN_RANK_SQL
+from collector.threads import name_native
 
 log = logging.getLogger("collector.offline.retention")
 
@@ -240,6 +241,7 @@ class RollupJob:
         return done
 
     def _loop(self) -> None:
+        name_native("lw-rollup")
         while not self._stop.is_set():
             try:
                 self.run_once()

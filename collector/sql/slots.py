@@ -22,6 +22,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
+from collector.threads import name_native
+
 T = TypeVar("T")
 
 
@@ -38,7 +40,8 @@ class SqlSlots:
         self.num_slots = max(1, int(num_slots))
         self.queue_timeout_s = queue_timeout_s
         self.max_waiting = max(0, int(max_waiting))
-        self._pool = ThreadPoolExecutor(self.num_slots, thread_name_prefix="llmwatch-sql")
+        self._pool = ThreadPoolExecutor(self.num_slots, thread_name_prefix="llmwatch-sql", initializer=name_native,
+                                        initargs=("lw-sql",))
         self._lock = threading.Lock()
         self._closed = False
         self.num_waiting = 0

@@ -58,6 +58,7 @@ from collector.ingest.decode import BatchRejected, DecodedBatch
 from collector.metrics import CollectorMetrics
 from collector.store.feed import Feed, committed_run_ids, committed_tables
 from collector.store.projection import CONFLICT, DUPLICATE, FRESH, Group, Ids, Projection
+from collector.threads import name_native
 
 log = logging.getLogger("collector.store.writer")
 
@@ -290,6 +291,7 @@ class Writer:
             self._queued_jobs -= 1
 
     def _run(self) -> None:
+        name_native("lw-writer")
         pending: _Job | None = None
         while True:
             job = pending if pending is not None else self._q.get()
