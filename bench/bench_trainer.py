@@ -19,7 +19,8 @@ ranks (`LLMWATCH_SIDECAR_NICE=10`) instead of at their priority (the default). `
 reads the steady state only. The embedded arms also print the low-noise figure: each
 process's CPU per step in the steady state (/proc, after the warm-up and a few steps
 before the end), by role (ranks, collector, dashboard, launcher), and the sidecars'
-share of the job's CPU.
+share of the job's CPU; and the collector's by thread (collector/threads.py: detection,
+writer, policy, the HTTP loop `main`, the read routes' `pool`).
 """
 
 from __future__ import annotations
@@ -79,11 +80,20 @@ def _tree(root: int) -> list[int]:
 
 
 def _cpu_by_role(root: int) -> dict[str, float]:
-    """CPU seconds so far of the launcher's process tree, by role (a process gone meanwhile is left out)."""
+    """CPU seconds so far of the launcher's process tree, by role (a process gone meanwhile is left
+    out), and the collector's by thread as `collector:<name>` (collector/threads.py names them;
+    its main thread, the HTTP server's loop, is `main`, and the ASGI pool's workers `pool`)."""
     out = dict.fromkeys(ROLES, 0.0)
     for pid in _tree(root):
         try:
-            out[_role(pid)] += _proc_cpu_s(pid)
+            role = _role(pid)
+            out[role] += _proc_cpu_s(pid)
+            if role == "collector":
+                for task in Path(f"/proc/{pid}/task").glob("*"):
+                    name = (task / "comm").read_text().strip()
+                    name = "main" if int(task.name) == pid else "pool" if name == "python" else name
+                    key = f"collector:{name}"
+                    out[key] = out.get(key, 0.0) + _proc_cpu_s(pid, int(task.name))
         except OSError:
             continue
     return out
@@ -117,7 +127,7 @@ def run_steady(args: list[str], steps: int, workdir: Path, *, field: str = "toke
     per_step = {}
     if len(marks) == 2 and marks[1][0] > marks[0][0]:
         (s0, c0), (s1, c1) = marks
-        per_step = {k: 1e3 * (c1[k] - c0[k]) / (s1 - s0) for k in ROLES}
+        per_step = {k: 1e3 * (c1[k] - c0.get(k, 0.0)) / (s1 - s0) for k in c1}
     return statistics.median(r[field] for r in rows[WARMUP:]), per_step
 
 
@@ -201,8 +211,9 @@ def _children_cpu_s() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def _proc_cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def _proc_cpu_s(pid: int, tid: int | None = None) -> float:
+    stat = Path(f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat")
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -291,6 +302,11 @@ def _telemetry_embedded(steps: int, repeats: int, workdir: Path, flush_s: float 
         side = med["collector"] + med["dashboard"] + med["launcher"]
         print(f"  {name:<12} " + "  ".join(f"{k} {v:.2f}" for k, v in med.items())
               + f"   sidecars {100 * side / max(1e-9, side + med['ranks']):.1f}% of the job's CPU")
+        threads = {k.split(":", 1)[1]: statistics.median(x.get(k, 0.0) for x in samples)
+                   for k in sorted({k for x in samples for k in x if k.startswith("collector:")})}
+        if threads:
+            print(f"  {'':<12} the collector by thread: " + "  ".join(
+                f"{k} {v:.2f}" for k, v in sorted(threads.items(), key=lambda kv: -kv[1]) if v >= 0.005))
 
 
 def main() -> None:
