@@ -2,7 +2,7 @@
 
 Handlers are plain `def`s: FastAPI runs them in its thread pool, where a
 storage query blocks only its own thread (each gets its own DuckDB cursor). The
-polled ones (a run's nodes and incidents) are conditional GETs: `async`, they
+polled ones (a run's nodes, incidents and actions) are conditional GETs: `async`, they
 answer a 304 on the event loop when the tables' ETag (`Storage.etag`) is the
 client's, and read in the thread pool otherwise.
 """
@@ -134,8 +134,12 @@ async def get_incidents(request: Request, run_id: str, storage: StorageDep, stat
 
 
 @router.get("/{run_id}/actions")
-def get_actions(run_id: str, storage: StorageDep) -> Response:
-    return json_response(storage.read(queries.actions, run_id))
+async def get_actions(request: Request, run_id: str, storage: StorageDep) -> Response:
+    """The run's healing actions. Conditional (`_unchanged`): the demo terminal asks every second."""
+    etag = storage.etag("actions")
+    if _unchanged(request, etag):
+        return _not_modified(etag)
+    return _tagged(json_response(await run_in_threadpool(storage.read, queries.actions, run_id)), etag)
 
 
 @router.get("/{run_id}/goodput")
@@ -168,7 +172,7 @@ async def get_nodes(request: Request, run_id: str, storage: StorageDep) -> Respo
 def _unchanged(request: Request, etag: str) -> bool:
     """A conditional GET whose `If-None-Match` names `etag`: the client holds the answer
     already, and gets a 304 with no body and no database read. What a poller saves (the
-    launcher's node watch and incident feed, once or twice a second each): a cursor, a
+    launcher's node watch and the demo's incident feed, once or twice a second each): a cursor, a
     query and the JSON, ~2 ms of the embedded collector's CPU, on the training job's cores."""
     given = request.headers.get("if-none-match")
     return given is not None and etag in [t.strip() for t in given.split(",")]

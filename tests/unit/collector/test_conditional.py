@@ -1,4 +1,4 @@
-"""Conditional GETs of the polled answers (a run's nodes and incidents): the writer's
+"""Conditional GETs of the polled answers (a run's nodes, incidents and actions): the writer's
 table generations, the routes' ETag and 304, and agent/api.py asking with
 If-None-Match against a real collector process."""
 
@@ -119,3 +119,15 @@ def test_the_api_client_asks_again_with_the_tag_and_answers_a_304_from_what_it_h
         assert [n["node"] for n in api.get_json(path)] == ["node0", "node1"] and answers[3][1]
     finally:
         coll.stop()
+
+
+def test_actions_are_answered_304_until_an_action_is_recorded(storage):
+    steps(storage, 0)
+    app = create_app(storage, close_storage=False)
+    first = get(app, "/v1/runs/run1/actions")
+    assert (first.status_code, first.json()) == (200, [])
+    steps(storage, 1)
+    assert get(app, "/v1/runs/run1/actions", first.headers["ETag"]).status_code == 304
+    storage.record_action("run1", "rollback", "issued", incident_id=1).result(10)
+    changed = get(app, "/v1/runs/run1/actions", first.headers["ETag"])
+    assert changed.status_code == 200 and [a["kind"] for a in changed.json()] == ["rollback"]
