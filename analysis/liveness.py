@@ -138,8 +138,9 @@ class Liveness:
         # ranks by the time of their last step, and the highest step from each on (a suffix maximum).
         # Every silent rank against every fresh one was a silent x fresh matrix: at 100,000 ranks
         # flushing every 30 s, tens of thousands of each, a third of the collector's CPU and 2 GB
-        order = np.argsort(self.last_step_s[fresh], kind="stable")
-        ahead_s = self.last_step_s[fresh][order]
+        ahead_s = self.last_step_s[fresh]
+        order = np.argsort(ahead_s, kind="stable")
+        ahead_s = ahead_s[order]
         newest_after = np.maximum.accumulate(self.last_step[fresh][order][::-1])[::-1]
         first = np.searchsorted(ahead_s, self.arrival_s[idx], side="right")  # the first reported after it
         reached = np.where(first < len(ahead_s), newest_after[np.minimum(first, len(ahead_s) - 1)], -1)

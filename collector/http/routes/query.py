@@ -119,27 +119,20 @@ async def get_incidents(request: Request, run_id: str, storage: StorageDep, stat
                         settle_s: Annotated[float, Query(ge=0, le=SETTLE_MAX_S)] = 0.0) -> Response:
     """The run's incidents. `settle_s`: first wait (at most that long) until detection has
     judged every batch acknowledged before this request; the `X-Llmwatch-Settled` header
-    says whether it had (`true`) or the wait ran out (`false`). Conditional (`If-None-Match`,
-    see `_unchanged`) without `settle_s`."""
+    says whether it had (`true`) or the wait ran out (`false`). Conditional (`_conditional`)
+    without `settle_s`."""
     if settle_s > 0:
         settled = await run_in_threadpool(storage.wait_detected, settle_s)
         response = json_response(await run_in_threadpool(storage.read, queries.incidents, run_id, status=status))
         response.headers["X-Llmwatch-Settled"] = "true" if settled else "false"
         return response
-    etag = storage.etag("incidents")
-    if _unchanged(request, etag):
-        return _not_modified(etag)
-    return _tagged(json_response(await run_in_threadpool(storage.read, queries.incidents, run_id, status=status)),
-                   etag)
+    return await _conditional(request, storage, "incidents", queries.incidents, run_id, status=status)
 
 
 @router.get("/{run_id}/actions")
 async def get_actions(request: Request, run_id: str, storage: StorageDep) -> Response:
-    """The run's healing actions. Conditional (`_unchanged`): the demo terminal asks every second."""
-    etag = storage.etag("actions")
-    if _unchanged(request, etag):
-        return _not_modified(etag)
-    return _tagged(json_response(await run_in_threadpool(storage.read, queries.actions, run_id)), etag)
+    """The run's healing actions. Conditional (`_conditional`): the demo terminal asks every second."""
+    return await _conditional(request, storage, "actions", queries.actions, run_id)
 
 
 @router.get("/{run_id}/goodput")
@@ -161,31 +154,23 @@ def get_checkpoints(run_id: str, storage: StorageDep) -> Response:
 
 @router.get("/{run_id}/nodes")
 async def get_nodes(request: Request, run_id: str, storage: StorageDep) -> Response:
-    """The run's nodes and their status (healthy, spare, isolated). Conditional (`_unchanged`):
+    """The run's nodes and their status (healthy, spare, isolated). Conditional (`_conditional`):
     the launcher asks twice a second, and the answer changes a few times a run."""
-    etag = storage.etag("nodes")
-    if _unchanged(request, etag):
-        return _not_modified(etag)
-    return _tagged(json_response(await run_in_threadpool(storage.read, queries.nodes, run_id)), etag)
+    return await _conditional(request, storage, "nodes", queries.nodes, run_id)
 
 
-def _unchanged(request: Request, etag: str) -> bool:
-    """A conditional GET whose `If-None-Match` names `etag`: the client holds the answer
-    already, and gets a 304 with no body and no database read. What a poller saves (the
-    launcher's node watch and the demo's incident feed, once or twice a second each): a cursor, a
-    query and the JSON, ~2 ms of the embedded collector's CPU, on the training job's cores."""
+async def _conditional(request: Request, storage: Storage, table: str, fn, *args, **kwargs) -> Response:
+    """`storage.read(fn, *args, **kwargs)` (rows of `table` only) as a conditional GET: tagged
+    with `table`'s ETag, read before the rows; an `If-None-Match` naming it gets a 304 with no
+    body and no database read, on the event loop. What a poller saves (the launcher's node
+    watch, the demo's incident feed, once or twice a second each): a cursor, a query and the
+    JSON, ~2 ms of the embedded collector's CPU, on the training job's cores."""
+    etag = storage.etag(table)
+    headers = {"ETag": etag, "Cache-Control": "private, no-cache"}
     given = request.headers.get("if-none-match")
-    return given is not None and etag in [t.strip() for t in given.split(",")]
-
-
-def _not_modified(etag: str) -> Response:
-    return Response(status_code=304, headers={"ETag": etag, "Cache-Control": "private, no-cache"})
-
-
-def _tagged(response: Response, etag: str) -> Response:
-    response.headers["ETag"] = etag
-    response.headers["Cache-Control"] = "private, no-cache"
-    return response
+    if given is not None and etag in [t.strip() for t in given.split(",")]:
+        return Response(status_code=304, headers=headers)
+    return json_response(await run_in_threadpool(storage.read, fn, *args, **kwargs), headers=headers)
 
 
 @router.get("/{run_id}/events")
