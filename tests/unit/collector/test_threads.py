@@ -3,14 +3,20 @@ and /proc tell which one spends the CPU."""
 
 from __future__ import annotations
 
+import sys
 import threading
 from pathlib import Path
+
+import pytest
 
 from analysis import Analyzer
 from collector.settings import Settings, WriterSettings
 from collector.storage import Storage
 from collector.threads import name_native
 from tests.polling import wait_until
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="native thread names are prctl and /proc: Linux (name_native is a no-op elsewhere)")
 
 
 def native_names() -> set[str]:
