@@ -29,6 +29,7 @@ import numpy as np
 import polars as pl
 
 from analysis.frames import split_key, step_keys
+from analysis.robust import median1
 
 KEY = ("attempt", "step")
 _RELEASED_MEMORY = 1024  # released steps remembered (to recognise late rows)
@@ -84,6 +85,7 @@ class StepAssembler:
         uniq, counts = np.unique(keys, return_counts=True)
         sights: list[StepSight] = []
         late: list[int] = []
+        cols: dict[str, np.ndarray] | None = None
         for key, n in zip(uniq.tolist(), counts.tolist()):
             k = split_key(key)
             if k in self._released:
@@ -93,7 +95,9 @@ class StepAssembler:
             if k not in self._count:
                 self._count[k] = 0
                 self._first_seen[k] = now
-                sights.append(self._sight(rows, keys, key, k, n, single=len(uniq) == 1))
+                if cols is None:
+                    cols = self._sight_columns(rows)
+                sights.append(self._sight(cols, keys, key, k, n, single=len(uniq) == 1))
             self._count[k] += n
             if self.newest is None or k > self.newest:
                 self.newest = k
@@ -104,19 +108,28 @@ class StepAssembler:
         return sights
 
     @staticmethod
-    def _sight(rows: pl.DataFrame, keys: np.ndarray, key: int, k: tuple[int, int], n: int, *,
+    def _sight_columns(rows: pl.DataFrame) -> dict[str, np.ndarray]:
+        """The columns a first sight reads, as float64 numpy once per commit (not per step): a
+        NULL loss or grad norm is NaN here, and `loss_null` says which losses were NULL."""
+        cols = {c: rows[c].to_numpy().astype(float) for c in ("loss", "grad_norm", "loss_scale", "ts")}
+        if rows["loss"].null_count():
+            cols["loss_null"] = rows["loss"].is_null().to_numpy()
+        return cols
+
+    @staticmethod
+    def _sight(cols: dict[str, np.ndarray], keys: np.ndarray, key: int, k: tuple[int, int], n: int, *,
                single: bool) -> StepSight:
         m = slice(None) if single else keys == key
 
         def med(col: str) -> float | None:
-            v = rows[col].to_numpy()[m].astype(float)
+            v = cols[col][m]
             if col != "loss":
                 v = v[~np.isnan(v)]
-            elif rows[col].null_count():  # a NaN loss is kept (it is the finding), a NULL one is not measured
-                v = v[~rows[col].is_null().to_numpy()[m]]
-            return float(np.median(v)) if len(v) else None
+            elif "loss_null" in cols:  # a NaN loss is kept (it is the finding), a NULL one is not measured
+                v = v[~cols["loss_null"][m]]
+            return median1(v) if len(v) else None
 
-        ts = rows["ts"].to_numpy()[m]
+        ts = cols["ts"][m]
         return StepSight(k[0], k[1], med("loss"), med("grad_norm"), med("loss_scale"),
                          float(np.nanmax(ts)) if len(ts) else None, n)
 

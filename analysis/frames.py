@@ -230,8 +230,13 @@ def share_scale(rows: pl.DataFrame) -> np.ndarray | None:
     even share (it took a rebalanced replica's micro-batches); above: fewer."""
     if not (has(rows, "sample_from") and has(rows, "sample_to")):
         return None
-    lo = ints(rows["sample_from"])
-    n = (ints(rows["sample_to"]) - lo).astype(float)
+    return share_scale_of(ints(rows["sample_from"]), ints(rows["sample_to"]))
+
+
+def share_scale_of(sample_from: np.ndarray, sample_to: np.ndarray) -> np.ndarray | None:
+    """`share_scale` of one step's rows from their sample columns (int64, NULL as -1)."""
+    lo = sample_from
+    n = (sample_to - lo).astype(float)
     known = (lo >= 0) & (n > 0)
     if known.sum() < 2 or np.all(n[known] == n[known][0]):
         return None

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 
-from analysis.frames import Frames, has, ints
+from analysis.frames import Frames, floats, has, ints
 from analysis.topology import Topology, _grow
 
 _EXCLUDED_MEMORY = 1024
@@ -72,6 +72,19 @@ def _data(raw) -> dict:
     except (TypeError, ValueError):
         return {}
     return d if isinstance(d, dict) else {}
+
+
+def _any_odd(steps: pl.DataFrame) -> bool:
+    """Whether any row is skipped or has a loss or grad norm that is not finite (a null is
+    neither: nothing was measured), by numpy on the columns."""
+    for name in ("loss", "grad_norm"):
+        s = steps[name]
+        bad = ~np.isfinite(floats(s))
+        if s.null_count():
+            bad &= s.is_not_null().to_numpy()
+        if bad.any():
+            return True
+    return has(steps, "skipped") and bool(steps["skipped"].cast(pl.Boolean).any())
 
 
 class RunMarks:
@@ -154,6 +167,8 @@ class RunMarks:
 
     def _skipped_steps(self, steps: pl.DataFrame) -> None:
         """Steps some rank reported skipped or with a non-finite loss or grad norm."""
+        if not _any_odd(steps):
+            return  # the common commit: one look at three columns, not a polars filter (~1 ms a pass)
         odd = (~(pl.col("loss").is_finite() & pl.col("grad_norm").is_finite())).fill_null(False)
         if has(steps, "skipped"):
             odd = odd | (pl.col("skipped").cast(pl.Int8) != 0).fill_null(False)

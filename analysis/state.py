@@ -20,6 +20,7 @@ from analysis.findings import Finding, IncidentBook
 from analysis.frames import Frames, iter_steps
 from analysis.liveness import Liveness
 from analysis.marks import RunMarks
+from analysis.robust import median1
 from analysis.rules import Rules
 from analysis.topology import Topology
 
@@ -43,7 +44,7 @@ class StepClock:
             ts = ts[np.isfinite(ts)]
             if not len(ts):
                 continue
-            ts = float(np.median(ts))
+            ts = median1(ts)
             last = self._last
             if last is not None and attempt == last[0] and step == last[1] + 1 and ts > last[2]:
                 self._gaps.append(ts - last[2])

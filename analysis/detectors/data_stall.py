@@ -33,7 +33,7 @@ import polars as pl
 from analysis.findings import Finding, json_number
 from analysis.frames import has, iter_steps
 from analysis.registry import register
-from analysis.robust import loo_median, popcount
+from analysis.robust import loo_median, median1, popcount
 from analysis.topology import _grow
 
 
@@ -114,7 +114,7 @@ class DataStallDetector:
         st.excess[r] = a * excess + (1 - a) * st.excess[r]
         st.data_s[r] = a * d + (1 - a) * st.data_s[r]
         st.judged[r] = int(rows["step"][0])
-        st.step_s = float(np.median(s))
+        st.step_s = median1(s)
         return True
 
     def _episodes(self, p, st: _State, step: int) -> None:

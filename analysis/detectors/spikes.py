@@ -70,7 +70,7 @@ import polars as pl
 from analysis.findings import Finding, json_number
 from analysis.frames import has, iter_steps
 from analysis.registry import register
-from analysis.robust import MAD_TO_SIGMA, RollingBaseline, RollingBaselines, loo_median
+from analysis.robust import MAD_TO_SIGMA, RollingBaseline, RollingBaselines, loo_median, median1
 from analysis.topology import _grow
 
 _HISTORY_STEPS = 1024  # unflagged (step, log value) kept for a rollback to rebuild the baseline from
@@ -157,7 +157,7 @@ class _SpikeDetector:
         """A complete step without a global loss: the column's median over its rows."""
         v = rows[self.column].drop_nulls().to_numpy().astype(float)
         v = v[np.isfinite(v)]
-        got = self._judge(p, st, attempt, step, float(np.median(v)) if len(v) else None, report=False,
+        got = self._judge(p, st, attempt, step, median1(v) if len(v) else None, report=False,
                           count_clean=False)
         if got is False:
             self._clean(p, st, step)
@@ -389,7 +389,7 @@ class LossSpikeDetector(_SpikeDetector):
                     return not flagged
         if flagged:
             return False
-        st.peer_spread.add(float(np.median(np.abs(adj))))
+        st.peer_spread.add(median1(np.abs(adj)))
         a = 1.0 / cfg.window_steps
         st.peer_offset[rep] = np.where(st.peer_seen[rep] > 0, (1 - a) * st.peer_offset[rep] + a * d, d)
         st.peer_seen[rep] += 1

@@ -132,7 +132,7 @@ from analysis.attribution import WaitBook
 from analysis.findings import Finding, json_number
 from analysis.frames import even_share_compute, iter_steps, split_key, step_keys
 from analysis.registry import register
-from analysis.robust import MAD_TO_SIGMA, loo_median, median_of, popcount, row_medians
+from analysis.robust import MAD_TO_SIGMA, loo_median, median1, median_of, popcount, row_medians
 from analysis.topology import _grow
 
 _STAGE_LEVEL_STEPS = 32  # judged steps a stage's level (median of its per-step medians of log compute) is taken over
@@ -572,7 +572,7 @@ class StragglerDetector:
         step_s = rows["step_s"].to_numpy().astype(float)
         step_s = step_s[np.isfinite(step_s)]
         if len(step_s):  # smoothed as the excess is: the share of the step they make is steady
-            med = float(np.median(step_s))
+            med = median1(step_s)
             st.step_s = med if st.step_s <= 0 else a * med + (1 - a) * st.step_s
         st.num_steps_judged += 1
         return True
@@ -598,7 +598,7 @@ class StragglerDetector:
                 hist = levels.setdefault(g, deque(maxlen=_STAGE_LEVEL_STEPS))
                 mine = at == i
                 healthy = mine & ~suspect
-                hist.append(float(np.median(lc[healthy if healthy.any() else mine])))
+                hist.append(median1(lc[healthy if healthy.any() else mine]))
                 level[i] = median_of(hist)
             x = lc - level[at]
             x_pipe, partners = loo_median(x, topo.pipeline_of(r))

@@ -44,3 +44,25 @@ def test_a_rebalanced_step_and_the_steps_around_it_are_not_judged():
     marks.update(Frames(events=ev), now=0.0)
     topo = Topology()
     assert [s for s in range(170, 200) if marks.is_excluded(0, s, topo)] == list(range(182, 189))
+
+
+def test_the_quick_look_for_odd_rows_agrees_with_the_full_check():
+    """`_any_odd` (numpy on three columns, the common commit's only cost) says yes exactly when
+    the polars check finds a row: NULL is never odd, NaN and inf are, `skipped` as bool or int8."""
+    import numpy as np
+
+    from analysis.marks import _any_odd
+
+    rng = np.random.default_rng(7)
+    values = [2.0, None, math.nan, math.inf, -math.inf]
+    for _ in range(300):
+        n = int(rng.integers(1, 5))
+        rows = [_row(1, r, loss=values[int(rng.choice(5, p=[.6, .1, .1, .1, .1]))],
+                     grad_norm=values[int(rng.choice(5, p=[.6, .1, .1, .1, .1]))],
+                     skipped=[False, None, True][int(rng.choice(3, p=[.8, .1, .1]))]) for r in range(n)]
+        steps = steps_frame(rows)
+        if rng.random() < 0.5:
+            steps = steps.with_columns(pl.col("skipped").cast(pl.Int8))
+        odd = (~(pl.col("loss").is_finite() & pl.col("grad_norm").is_finite())).fill_null(False) \
+            | (pl.col("skipped").cast(pl.Int8) != 0).fill_null(False)
+        assert _any_odd(steps) == (steps.filter(odd).height > 0), rows

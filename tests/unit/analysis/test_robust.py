@@ -57,3 +57,20 @@ def test_many_baselines_and_popcount():
     med, _ = m.median_scale(np.array([3]))
     assert med[0] == 3.0
     assert popcount(np.array([0, 1, 7, 255])).tolist() == [0, 1, 3, 8]
+
+
+def test_median1_is_numpys_median_of_a_step_s_few_values():
+    """The detectors' per-step median: the very value of np.median, NaN included."""
+    from analysis.robust import median1
+
+    rng = np.random.default_rng(3)
+    for _ in range(400):
+        v = rng.normal(size=int(rng.integers(1, 10)))
+        if rng.random() < 0.3:
+            v[rng.random(len(v)) < 0.3] = rng.choice([np.nan, np.inf, -np.inf])
+        if rng.random() < 0.3:
+            v = np.round(v)  # ties
+        want = float(np.median(v))
+        got = median1(v)
+        assert (np.isnan(got) and np.isnan(want)) or got == want, (v, got, want)
+    assert np.isnan(median1(np.zeros(0)))

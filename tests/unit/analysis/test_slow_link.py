@@ -303,3 +303,37 @@ def test_latency_bound_ops_are_not_judged():
         frames.collectives = frames.collectives.with_columns(
             pl.when(pl.col("axis") == "tp").then(pl.lit(12)).otherwise(pl.col("bytes")).cast(pl.Int64).alias("bytes"))
     assert [f.summary() for f in run_all(commits)] == []
+
+
+def test_the_compute_of_a_pass_s_steps_is_each_step_s_own_even_share():
+    """The slow-link detector reads a pass's compute columns once for all its steps; each step's
+    compute is still its own `compute_at_even_share` (a rebalanced step scaled, an even or unknown
+    split as it is), and the state it leaves is the per-step loop's."""
+    from analysis.detectors.slow_link import SlowLinkDetector
+    from analysis.frames import compute_at_even_share, iter_steps, steps_frame
+    from analysis.rules import load_rules
+
+    rng = np.random.default_rng(11)
+    rows = []
+    for step in range(1, 31):
+        split = step % 3
+        for rank in range(4):
+            share = (3 if rank == 0 else 5) if split == 1 else 4
+            lo = rank * 8
+            rows.append({"run_id": "r", "attempt": 0, "step": step, "rank": rank, "ts": float(step),
+                         "loss": 2.0, "grad_norm": 1.0, "loss_scale": 1.0,
+                         "step_s": float(rng.uniform(0.08, 0.12)) if rng.random() > 0.1 else None,
+                         "fwd_s": float(rng.uniform(0.02, 0.04)), "bwd_s": float(rng.uniform(0.04, 0.06)),
+                         "opt_s": float(rng.uniform(0.005, 0.01)),
+                         "sample_from": None if split == 2 else lo, "sample_to": None if split == 2 else lo + share})
+    rel = steps_frame(rows).sort("attempt", "step", "rank")
+    det = SlowLinkDetector(load_rules())
+    got, want = det.new_state(), det.new_state()
+    det._computes(got, rel)
+    for _, _, step_rows in iter_steps(rel):
+        step_s = step_rows["step_s"].to_numpy().astype(float)
+        det._compute(want, step_rows["rank"].to_numpy().astype(np.int64), compute_at_even_share(step_rows), step_s)
+    assert np.array_equal(got.compute_ratio, want.compute_ratio)
+    assert np.array_equal(got.compute_excess, want.compute_excess)
+    assert got.step_s == want.step_s and list(got.recent_step_s) == list(want.recent_step_s)
+    assert not np.allclose(got.compute_ratio, 1.0)  # the steps were judged
