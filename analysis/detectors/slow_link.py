@@ -72,12 +72,13 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from typing import NamedTuple
 
 import numpy as np
 import polars as pl
 
 from analysis.findings import Finding, json_number
-from analysis.frames import floats, has, ints, share_scale_of, split_key, step_keys
+from analysis.frames import Interner, floats, has, ints, share_scale_of, split_key, step_keys
 from analysis.registry import register
 from analysis.robust import loo_median, median1, median_of, row_medians
 from analysis.topology import _grow
@@ -87,15 +88,20 @@ _MIN_TRANSFER_S = 1e-7  # a transfer time floor (clock resolution)
 _MAX_OPEN_STEPS = 16  # steps whose rows are held until final
 
 
+# an op's bus factor kind (`bus_factor`), by name: one table for the scalar and the columns
+_ALL_REDUCE, _HALF, _ONE = 1, 2, 3
+_FACTOR_KIND = {"all_reduce": _ALL_REDUCE, "all_gather": _HALF, "reduce_scatter": _HALF,
+                "broadcast": _ONE, "send": _ONE, "recv": _ONE}
+
+
 def bus_factor(op: str, n: int) -> float:
     """nccl-tests' bus-bandwidth factor of one op over `n` ranks (0: an op that moves no bus bytes)."""
-    if op == "all_reduce":
-        return 2.0 * (n - 1) / n if n > 1 else 0.0
-    if op in ("all_gather", "reduce_scatter"):
-        return (n - 1) / n if n > 1 else 0.0
-    if op in ("broadcast", "send", "recv"):
+    kind = _FACTOR_KIND.get(op, 0)
+    if kind == _ONE:
         return 1.0
-    return 0.0
+    if not kind or n <= 1:
+        return 0.0
+    return (2.0 if kind == _ALL_REDUCE else 1.0) * (n - 1) / n
 
 
 def bus_bandwidth(coll: pl.DataFrame) -> pl.DataFrame:
@@ -108,24 +114,201 @@ def bus_bandwidth(coll: pl.DataFrame) -> pl.DataFrame:
     added = {"group_size": pl.Int64, "transfer_s": pl.Float64, "algbw": pl.Float64, "busbw": pl.Float64}
     if coll is None or not coll.height or not (has(coll, "bytes") and has(coll, "duration_s")):
         return pl.DataFrame(schema={**(dict(coll.schema) if coll is not None else {}), **added})
-    df = coll.filter(pl.col("bytes").is_not_null() & (pl.col("bytes") > 0) & pl.col("duration_s").is_not_null()
-                     & (pl.col("duration_s") >= 0))
-    p2p = pl.col("op").is_in(_P2P)
-    key = ["attempt", "axis", "group_id", "group_seq"]
-    df = df.with_columns(
-        pl.when(p2p).then(pl.lit(2, pl.Int64)).otherwise(pl.col("rank").n_unique().over(key).cast(pl.Int64))
-        .alias("group_size"),
-        pl.when(p2p).then(pl.col("start_ts")).otherwise(pl.col("start_ts").max().over(key)).alias("_last_in"))
-    end = pl.col("start_ts") + pl.col("duration_s")
-    df = df.with_columns(pl.max_horizontal(pl.min_horizontal(end - pl.col("_last_in"), pl.col("duration_s")),
-                                           pl.lit(_MIN_TRANSFER_S)).alias("transfer_s")).drop("_last_in")
-    df = df.filter((pl.col("group_size") >= 2))
-    factor = (pl.when(pl.col("op") == "all_reduce").then(2.0 * (pl.col("group_size") - 1) / pl.col("group_size"))
-              .when(pl.col("op").is_in(["all_gather", "reduce_scatter"]))
-              .then((pl.col("group_size") - 1) / pl.col("group_size"))
-              .when(pl.col("op").is_in(["broadcast", *_P2P])).then(1.0).otherwise(0.0))
-    algbw = pl.col("bytes").cast(pl.Float64) / pl.col("transfer_s")
-    return df.with_columns(algbw.alias("algbw"), (algbw * factor).alias("busbw")).filter(pl.col("busbw") > 0)
+    ops = _OpColumns.of(coll, Interner(), Interner())
+    got = ops.bus_bandwidth()
+    return coll[got.rows].with_columns(pl.Series("group_size", got.group_size), pl.Series("transfer_s", got.transfer_s),
+                                       pl.Series("algbw", got.algbw), pl.Series("busbw", got.busbw))
+
+
+def _key_order(keys: list[np.ndarray], within: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The rows sorted by `keys` (int64 columns, the first the most significant), then by
+    `within` among rows of equal keys, else in their order; and where each run of equal
+    keys starts in that order. One sort of the keys packed into an int64 when their
+    ranges fit (a pass's few steps, a few axes, its groups and ops), else a lexsort."""
+    n = len(keys[0])
+    packed, shift = np.zeros(n, np.int64), 0
+    for k in reversed(keys):
+        if not n:
+            break
+        lo = int(k.min())
+        bits = max(1, (int(k.max()) - lo).bit_length())
+        if shift + bits > 62:
+            packed = None
+            break
+        packed |= (k - lo) << shift
+        shift += bits
+    if packed is None:
+        order = np.lexsort(([] if within is None else [within]) + keys[::-1])
+        change = np.zeros(max(n - 1, 0), bool)
+        for k in keys:
+            sk = k[order]
+            change |= sk[1:] != sk[:-1]
+    else:
+        if within is None:
+            order = np.argsort(packed, kind="stable")
+        else:
+            first = np.argsort(within, kind="stable")
+            order = first[np.argsort(packed[first], kind="stable")]
+        sp = packed[order]
+        change = sp[1:] != sp[:-1]
+    return order, np.flatnonzero(np.r_[n > 0, change])
+
+
+def _sizes(starts: np.ndarray, n: int) -> np.ndarray:
+    return np.diff(np.r_[starts, n])
+
+
+def _medians(sorted_values: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Each run's median, of values sorted within each run."""
+    return 0.5 * (sorted_values[starts + (sizes - 1) // 2] + sorted_values[starts + sizes // 2])
+
+
+class _BusBandwidth(NamedTuple):
+    rows: np.ndarray  # the rows it kept, by index
+    group_size: np.ndarray
+    transfer_s: np.ndarray
+    algbw: np.ndarray
+    busbw: np.ndarray
+
+
+class _OpColumns:
+    """Collective rows as numpy columns: the step key, axis and op as codes (their names in
+    the interners), the member's rank and timing. Read once per pass: each polars call on a
+    small job's few hundred rows costs ~0.1-0.3 ms, and at 100,000 ranks a window
+    expression per column (`over`) cost more than the sorts below."""
+
+    __slots__ = ("attempt", "key", "axis", "group_id", "group_seq", "rank", "kind", "is_p2p", "start_ts",
+                 "nbytes", "duration_s", "num_ops", "axis_names")
+
+    @classmethod
+    def of(cls, coll: pl.DataFrame, axes: Interner, ops: Interner) -> "_OpColumns":
+        c = cls()
+        c.attempt = ints(coll["attempt"], 0)
+        c.key = step_keys(coll)
+        c.axis = axes.codes(coll["axis"])
+        c.group_id, c.group_seq, c.rank = ints(coll["group_id"]), ints(coll["group_seq"]), ints(coll["rank"])
+        op = ops.codes(coll["op"])
+        kind_of = np.array([_FACTOR_KIND.get(name, 0) for name in ops.names] + [0], np.int64)
+        c.kind = kind_of[op]  # -1 (NULL): the appended 0
+        p2p_of = np.array([name in _P2P for name in ops.names] + [False])
+        c.is_p2p = p2p_of[op]
+        c.start_ts, c.duration_s = floats(coll["start_ts"]), floats(coll["duration_s"])
+        c.nbytes = ints(coll["bytes"], -1)
+        c.num_ops = ints(coll["num_ops"], 1) if "num_ops" in coll.columns else np.ones(coll.height, np.int64)
+        c.axis_names = axes.names
+        return c
+
+    def __len__(self) -> int:
+        return len(self.key)
+
+    @classmethod
+    def concat(cls, parts: list["_OpColumns"]) -> "_OpColumns":
+        if len(parts) == 1:
+            return parts[0]
+        c = cls()
+        for name in cls.__slots__:
+            setattr(c, name, parts[-1].axis_names if name == "axis_names"
+                    else np.concatenate([getattr(x, name) for x in parts]))
+        return c
+
+    def take(self, rows: np.ndarray) -> "_OpColumns":
+        c = _OpColumns()
+        for name in self.__slots__:
+            v = getattr(self, name)
+            setattr(c, name, v if name == "axis_names" else v[rows])
+        return c
+
+    def bus_bandwidth(self) -> _BusBandwidth:
+        """`bus_bandwidth` on these columns: members matched by (attempt, axis, group_id, group_seq)."""
+        ok = np.flatnonzero((self.nbytes > 0) & np.isfinite(self.duration_s) & (self.duration_s >= 0))
+        key = [self.attempt[ok], self.axis[ok], self.group_id[ok], self.group_seq[ok]]
+        order, starts = _key_order(key, within=self.rank[ok])  # members by rank within each op
+        n = len(ok)
+        sizes = _sizes(starts, n)
+        op_of = np.repeat(np.arange(len(starts)), sizes)  # per sorted row, its op
+        r = self.rank[ok][order]
+        new_rank = np.r_[True, r[1:] != r[:-1]]
+        new_rank[starts] = True
+        members = np.add.reduceat(new_rank.astype(np.int64), starts) if n else np.zeros(0, np.int64)
+        last_in = np.fmax.reduceat(self.start_ts[ok][order], starts) if n else np.zeros(0)
+        at = np.empty(n, np.int64)
+        at[order] = op_of  # per row of `ok`, its op
+        p2p = self.is_p2p[ok]
+        size = np.where(p2p, 2, members[at])
+        entered = np.where(p2p, self.start_ts[ok], last_in[at])
+        dur = self.duration_s[ok]
+        transfer = np.fmax(np.fmin(self.start_ts[ok] + dur - entered, dur), _MIN_TRANSFER_S)
+        kind = self.kind[ok]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            factor = np.select([kind == _ALL_REDUCE, kind == _HALF, kind == _ONE],
+                               [2.0 * (size - 1) / size, (size - 1) / size, 1.0], 0.0)
+            algbw = self.nbytes[ok].astype(float) / transfer
+        busbw = algbw * factor
+        keep = (size >= 2) & (busbw > 0)
+        return _BusBandwidth(ok[keep], size[keep], transfer[keep], algbw[keep], busbw[keep])
+
+
+class _LinkFigures(NamedTuple):
+    """A pass's final steps: per (step, axis, group, member) its log link ratio and excess
+    transfer s; per (step, axis, group) its log bus bandwidth. Each sorted by step key, axis
+    name, group id (and rank)."""
+    m_key: np.ndarray
+    m_axis: np.ndarray  # codes (`names`)
+    m_gid: np.ndarray
+    m_rank: np.ndarray
+    m_lr: np.ndarray
+    m_excess: np.ndarray
+    g_key: np.ndarray
+    g_axis: np.ndarray
+    g_gid: np.ndarray
+    g_lbw: np.ndarray
+    names: list[str]
+
+
+def _link_figures(c: _OpColumns) -> _LinkFigures:
+    """Every final step's ops at once: each op's members matched (`bus_bandwidth`); each member's
+    transfer against the others' median (leave this member out: exact for 2 and 3 members,
+    the op's median beyond), as a log ratio and an excess (a summary's row is its mean op,
+    analysis/frames.py ops_from_summaries: its excess counts num_ops times); per member and
+    group, the median of its ratios and the sum of its excess; per group, its ops' bus bytes
+    over their time at their slowest member."""
+    bw = c.bus_bandwidth()
+    o = c.take(bw.rows)
+    t, n_rows = bw.transfer_s, len(bw.rows)
+    names = list(o.axis_names)
+    by_name = np.argsort(np.argsort(np.array(names, dtype=object))) if names else np.zeros(0, np.int64)
+    axis_rank = by_name[o.axis] if n_rows else o.axis  # sorts as the names do
+    op_key = [o.key, axis_rank, o.group_id, o.group_seq]
+    order, starts = _key_order(op_key, within=t)
+    sizes = _sizes(starts, n_rows)
+    ts = t[order]
+    op_of = np.repeat(np.arange(len(starts)), sizes)
+    total = np.add.reduceat(ts, starts) if n_rows else np.zeros(0)
+    med = _medians(ts, starts, sizes)
+    op_s = ts[starts + sizes - 1]  # the slowest member's
+    nn = sizes[op_of]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        others = np.where(nn <= 2, (total[op_of] - ts) / (nn - 1), med[op_of])
+        lr = np.log(ts / others)
+    excess = np.clip(ts - others, 0.0, None) * o.num_ops[order]
+    # per (step, axis, group): the bus bytes of each op (its first row's) over the op's time
+    first = np.minimum.reduceat(order, starts) if n_rows else np.zeros(0, np.int64)
+    bus_bytes = bw.busbw[first] * t[first]
+    g_key = [o.key[first], axis_rank[first], o.group_id[first]]
+    _, g_starts = _key_order(g_key)  # the ops are in that order already: runs of equal groups
+    with np.errstate(divide="ignore"):
+        lbw = np.log(np.add.reduceat(bus_bytes, g_starts) / np.add.reduceat(op_s, g_starts)) if len(first) else \
+            np.zeros(0)
+    g_rows = first[g_starts]
+    # per (step, axis, group, member): the median of its log ratios, the sum of its excess
+    s_key, s_axis, s_gid, s_rank = o.key[order], axis_rank[order], o.group_id[order], o.rank[order]
+    m_order, m_starts = _key_order([s_key, s_axis, s_gid, s_rank], within=lr)
+    m_sizes = _sizes(m_starts, n_rows)
+    m_lr = _medians(lr[m_order], m_starts, m_sizes)
+    m_excess = np.add.reduceat(excess[m_order], m_starts) if n_rows else np.zeros(0)
+    m_rows = order[m_order[m_starts]]
+    return _LinkFigures(o.key[m_rows], o.axis[m_rows], o.group_id[m_rows], o.rank[m_rows], m_lr, m_excess,
+                        o.key[g_rows], o.axis[g_rows], o.group_id[g_rows], lbw, names)
 
 
 def _onset(steps: np.ndarray, low: np.ndarray, link: np.ndarray, k: float) -> int:
@@ -250,10 +433,10 @@ class _Group:
 
 class _State:
     __slots__ = ("rows", "axes", "open", "compute_ratio", "compute_excess", "step_s", "last_final",
-                 "recent_step_s")
+                 "recent_step_s", "axis_codes", "op_codes")
 
     def __init__(self, window_steps: int) -> None:
-        self.rows: list[pl.DataFrame] = []  # collective rows of steps not final yet
+        self.rows: list[_OpColumns] = []  # collective rows of steps not final yet
         self.axes: dict[str, _Axis] = {}
         self.open: dict[tuple[str, int], _Group] = {}  # (axis, group id) -> its open incident
         self.recent_step_s: deque[float] = deque(maxlen=window_steps)  # the latest steps' median step_s
@@ -261,6 +444,7 @@ class _State:
         self.compute_excess = np.zeros(0)  # EWMA of compute - the others' median, s, per rank
         self.step_s = 0.0
         self.last_final = -1  # step key of the last final step
+        self.axis_codes, self.op_codes = Interner(), Interner()  # the axes' and ops' names, as ints
 
     def axis(self, name: str, baseline_steps: int, window_steps: int) -> _Axis:
         ax = self.axes.get(name)
@@ -269,7 +453,7 @@ class _State:
         return ax
 
     def footprint(self) -> dict[str, int]:
-        return {"open_collective_rows": sum(r.height for r in self.rows),
+        return {"open_collective_rows": sum(len(r) for r in self.rows),
                 "groups": sum(int((a.judged > 0).sum()) for a in self.axes.values()),
                 "links": sum(int((a.link_base.count > 0).sum()) for a in self.axes.values())}
 
@@ -289,9 +473,7 @@ class SlowLinkDetector:
     def run(self, p, st: _State) -> None:
         coll = p.frames.collectives
         if coll is not None and coll.height and has(coll, "bytes") and has(coll, "duration_s"):
-            st.rows.append(coll.select("attempt", "step", "rank", "op", "axis", "group_id", "group_seq", "peer",
-                                       "start_ts", "bytes", "duration_s",
-                                       *(["num_ops"] if "num_ops" in coll.columns else [])))
+            st.rows.append(_OpColumns.of(coll, st.axis_codes, st.op_codes))
         rel = p.released
         if rel is None or not rel.height:
             return
@@ -300,23 +482,19 @@ class SlowLinkDetector:
         upto = (last_attempt << 40) + last_step - self.cfg.collective_lag_steps
         if not st.rows or upto <= st.last_final:
             return
-        pending = pl.concat(st.rows, how="diagonal_relaxed")
-        keys = step_keys(pending)
-        final = pending.filter(pl.Series(keys <= upto))
-        keep = pending.filter(pl.Series(keys > upto))
-        if keep.height:  # at most the newest _MAX_OPEN_STEPS steps (a backlog's far future is dropped)
-            ks = step_keys(keep)
-            keep = keep.filter(pl.Series(ks > int(ks.max()) - _MAX_OPEN_STEPS))
-        st.rows = [keep] if keep.height else []
+        pending = _OpColumns.concat(st.rows)
+        final = pending.take(np.flatnonzero(pending.key <= upto))
+        keep = pending.take(np.flatnonzero(pending.key > upto))
+        if len(keep):  # at most the newest _MAX_OPEN_STEPS steps (a backlog's far future is dropped)
+            keep = keep.take(np.flatnonzero(keep.key > int(keep.key.max()) - _MAX_OPEN_STEPS))
+        st.rows = [keep] if len(keep) else []
         st.last_final = upto
-        if not final.height:
+        if not len(final):
             return
-        # sends and receives are not judged: a receive's duration includes the wait for its
-        # sender, so a pp peer of a rank slowed on another axis looked like a slow pp link
-        # (bench_detection on dp2xpp2); a pp link is judged once p2p records their waits
-        bw = bus_bandwidth(final.filter(~pl.col("op").is_in(_P2P) & (pl.col("bytes") >= self.cfg.min_bytes)))
-        if bw.height:
-            self._judge(p, st, bw)
+        figures = _link_figures(final.take(np.flatnonzero(~final.is_p2p & (final.nbytes >= self.cfg.min_bytes)
+                                                          & (final.axis >= 0))))
+        if len(figures.g_key):
+            self._judge(p, st, figures)
 
     # -- compute, net of communication ------------------------------------------
     def _computes(self, st: _State, rel: pl.DataFrame) -> None:
@@ -353,52 +531,23 @@ class SlowLinkDetector:
         st.compute_excess[r[good]] = a * (c[good] - ref[good]) + (1 - a) * st.compute_excess[r[good]]
 
     # -- the final steps -------------------------------------------------------------
-    def _judge(self, p, st: _State, bw: pl.DataFrame) -> None:
-        """Every final step of this pass, in order: one polars pass over all their ops (each op's
-        members matched, each member's link ratio and excess, each group's bus bandwidth), then
-        each (step, axis) on numpy slices. A polars pass per step cost a dp2 job's collector more
-        than every other detector together (12 steps a second)."""
+    def _judge(self, p, st: _State, f: _LinkFigures) -> None:
+        """Every final step of this pass, in order: each (step, axis) on numpy slices of the
+        pass's figures (`_link_figures`, one pass over all their ops)."""
         cfg = self.cfg
-        step_key = ["attempt", "step"]
-        key = [*step_key, "axis", "group_id", "group_seq"]
-        ops = bw.with_columns(
-            pl.col("axis").cast(pl.String),
-            pl.col("transfer_s").sum().over(key).alias("_sum"), pl.len().over(key).alias("_n"),
-            (pl.col("busbw") * pl.col("transfer_s")).alias("_bus_bytes"),
-            pl.col("transfer_s").max().over(key).alias("_op_s"),
-            pl.col("transfer_s").median().over(key).alias("_med"))
-        # the others' median transfer: leave this member out (exact for 2 and 3 members, close beyond)
-        others = pl.when(pl.col("_n") <= 2).then((pl.col("_sum") - pl.col("transfer_s")) / (pl.col("_n") - 1)) \
-            .otherwise(pl.col("_med"))
-        ops = ops.with_columns(others.alias("_others"))
-        # a summary's row is its mean op (analysis/frames.py ops_from_summaries): its excess counts num_ops times
-        times = pl.col("num_ops").fill_null(1) if "num_ops" in ops.columns else pl.lit(1)
-        ops = ops.with_columns((pl.col("transfer_s") / pl.col("_others")).log().alias("_lr"),
-                               ((pl.col("transfer_s") - pl.col("_others")).clip(lower_bound=0.0) * times)
-                               .alias("_excess"))
-        per_rank = ops.group_by(*step_key, "axis", "group_id", "rank").agg(pl.col("_lr").median(),
-                                                                           pl.col("_excess").sum()) \
-            .sort(*step_key, "axis", "group_id", "rank")
-        groups = ops.unique(subset=key).group_by(*step_key, "axis", "group_id").agg(
-            (pl.col("_bus_bytes").sum() / pl.col("_op_s").sum()).log().alias("lbw")).sort(*step_key, "axis", "group_id")
-        m_key, m_axis = step_keys(per_rank), per_rank["axis"].to_numpy()
-        m_rank, m_gid = ints(per_rank["rank"]), ints(per_rank["group_id"])
-        m_lr, m_excess = floats(per_rank["_lr"]), floats(per_rank["_excess"])
-        g_key, g_axis = step_keys(groups), groups["axis"].to_numpy()
-        g_gid, g_lbw = ints(groups["group_id"]), floats(groups["lbw"])
-        m_bounds = _runs(m_key, m_axis)
-        g_at = {(int(g_key[lo]), g_axis[lo]): (lo, hi) for lo, hi in _runs(g_key, g_axis)}
-        for lo, hi in m_bounds:
-            k, name = int(m_key[lo]), str(m_axis[lo])
+        g_at = {(int(f.g_key[lo]), int(f.g_axis[lo])): (lo, hi) for lo, hi in _runs(f.g_key, f.g_axis)}
+        for lo, hi in _runs(f.m_key, f.m_axis):
+            k, code = int(f.m_key[lo]), int(f.m_axis[lo])
+            name = f.names[code]
             attempt, step = split_key(k)
             if p.run.marks.is_excluded(attempt, step, p.topo):
                 continue
-            glo, ghi = g_at.get((k, m_axis[lo]), (0, 0))
+            glo, ghi = g_at.get((k, code), (0, 0))
             if name == "world" and ghi - glo < 2:
                 continue  # the control broadcast: latency, and every rank's (no one member's link)
             self._axis_step(p, st, st.axis(name, cfg.baseline_steps, cfg.window_steps), step,
-                            m_rank[lo:hi], m_gid[lo:hi], m_lr[lo:hi], m_excess[lo:hi], g_gid[glo:ghi], g_lbw[glo:ghi],
-                            cfg.ewma_alpha)
+                            f.m_rank[lo:hi], f.m_gid[lo:hi], f.m_lr[lo:hi], f.m_excess[lo:hi], f.g_gid[glo:ghi],
+                            f.g_lbw[glo:ghi], cfg.ewma_alpha)
 
     def _axis_step(self, p, st: _State, ax: _Axis, step: int, r: np.ndarray, gid_r: np.ndarray, lr: np.ndarray,
                    excess: np.ndarray, gids: np.ndarray, lbw: np.ndarray, a: float) -> None:

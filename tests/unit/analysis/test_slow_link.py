@@ -337,3 +337,78 @@ def test_the_compute_of_a_pass_s_steps_is_each_step_s_own_even_share():
     assert np.array_equal(got.compute_excess, want.compute_excess)
     assert got.step_s == want.step_s and list(got.recent_step_s) == list(want.recent_step_s)
     assert not np.allclose(got.compute_ratio, 1.0)  # the steps were judged
+
+
+def _reference_link_figures(final: pl.DataFrame, min_bytes: int):
+    """The figures as the detector computed them with polars window expressions (until the
+    numpy pass replaced them): per member and per group, in the same order."""
+    bw = final.filter(~pl.col("op").is_in(["send", "recv"]) & (pl.col("bytes") >= min_bytes))
+    bw = bus_bandwidth(bw)
+    key = ["attempt", "step", "axis", "group_id", "group_seq"]
+    ops = bw.with_columns(
+        pl.col("axis").cast(pl.String), pl.col("transfer_s").sum().over(key).alias("_sum"),
+        pl.len().over(key).alias("_n"), (pl.col("busbw") * pl.col("transfer_s")).alias("_bus_bytes"),
+        pl.col("transfer_s").max().over(key).alias("_op_s"), pl.col("transfer_s").median().over(key).alias("_med"))
+    ops = ops.with_columns(pl.when(pl.col("_n") <= 2).then((pl.col("_sum") - pl.col("transfer_s")) / (pl.col("_n") - 1))
+                           .otherwise(pl.col("_med")).alias("_others"))
+    times = pl.col("num_ops").fill_null(1) if "num_ops" in ops.columns else pl.lit(1)
+    ops = ops.with_columns((pl.col("transfer_s") / pl.col("_others")).log().alias("_lr"),
+                           ((pl.col("transfer_s") - pl.col("_others")).clip(lower_bound=0.0) * times).alias("_excess"))
+    per_rank = ops.group_by("attempt", "step", "axis", "group_id", "rank").agg(
+        pl.col("_lr").median(), pl.col("_excess").sum()).sort("attempt", "step", "axis", "group_id", "rank")
+    groups = ops.unique(subset=key, keep="first", maintain_order=True).group_by("attempt", "step", "axis", "group_id") \
+        .agg((pl.col("_bus_bytes").sum() / pl.col("_op_s").sum()).log().alias("lbw")) \
+        .sort("attempt", "step", "axis", "group_id")
+    return per_rank, groups
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_pass_s_link_figures_are_the_window_expressions_ones(seed):
+    """The detector's numpy pass over a pass's final ops (members matched, each member's link ratio
+    and excess, each group's bus bandwidth) gives the figures the polars window expressions gave:
+    several steps, axes and groups of 2, 3 and 5 members, small ops, sends, summaries' num_ops."""
+    from analysis.detectors.slow_link import _link_figures, _OpColumns
+    from analysis.frames import Interner
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for step in range(1, 5):
+        for axis, size, groups in (("tp", 2, 3), ("dp", 3, 2), ("pp", 5, 1), ("world", 4, 1)):
+            for gid in range(groups):
+                for seq in range(int(rng.integers(1, 4))):
+                    op = str(rng.choice(["all_reduce", "all_gather", "reduce_scatter", "broadcast"]))
+                    nbytes = int(rng.choice([4096, MiB, 8 * MiB]))
+                    for m in range(size):
+                        rows.append({**_row(gid * 10 + m, op, 100.0 * step + rng.uniform(0, 0.01),
+                                            float(rng.uniform(0.005, 0.05)), nbytes, axis=axis, gid=gid,
+                                            gseq=100 * step + seq), "step": step,
+                                     "num_ops": int(rng.integers(1, 4)) if rng.random() < 0.5 else None})
+        rows.append({**_row(0, "send", 100.0 * step, 0.01, MiB, axis="pp", gid=0, gseq=0, peer=1), "step": step})
+    final = collectives_frame(rows)
+    want_m, want_g = _reference_link_figures(final, 65536)
+    ops = _OpColumns.of(final, Interner(), Interner())
+    got = _link_figures(ops.take(np.flatnonzero(~ops.is_p2p & (ops.nbytes >= 65536) & (ops.axis >= 0))))
+    names = np.array(got.names, dtype=object)
+    assert got.m_key.tolist() == ((want_m["attempt"].cast(pl.Int64) * 2**40) + want_m["step"]).to_list()
+    assert names[got.m_axis].tolist() == want_m["axis"].to_list()
+    assert got.m_gid.tolist() == want_m["group_id"].to_list() and got.m_rank.tolist() == want_m["rank"].to_list()
+    assert got.m_lr == pytest.approx(want_m["_lr"].to_numpy(), rel=1e-12, abs=1e-15)
+    assert got.m_excess == pytest.approx(want_m["_excess"].to_numpy(), rel=1e-12, abs=1e-15)
+    assert names[got.g_axis].tolist() == want_g["axis"].to_list() and got.g_gid.tolist() == want_g["group_id"].to_list()
+    assert got.g_lbw == pytest.approx(want_g["lbw"].to_numpy(), rel=1e-12)
+    assert len(got.m_key) > 30 and len(got.g_key) > 12  # most ops judged (the 4 KiB ones are not)
+
+
+def test_the_key_order_is_a_lexsort_whether_the_keys_pack_or_not():
+    from analysis.detectors.slow_link import _key_order
+
+    rng = np.random.default_rng(2)
+    for span in (3, 1 << 20, 1 << 40):  # packed in one int64; the last: four keys past 62 bits, a lexsort
+        keys = [rng.integers(0, span, 500) for _ in range(4)]
+        keys[0] = keys[0] % 3  # runs of equal keys to sort within
+        within = rng.normal(size=500)
+        order, starts = _key_order(keys, within=within)
+        want = np.lexsort((within, *keys[::-1]))
+        assert order.tolist() == want.tolist()
+        sk = np.stack([k[want] for k in keys])
+        assert starts.tolist() == np.flatnonzero(np.r_[True, (sk[:, 1:] != sk[:, :-1]).any(axis=0)]).tolist()
