@@ -70,7 +70,7 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from analysis.frames import Interner, ints
+from analysis.frames import Interner, ints, key_order
 from analysis.topology import _grow
 
 _PAIR_BITS = 24  # a pair key is waiter << _PAIR_BITS | waited-for (ranks below 2**24)
@@ -96,30 +96,12 @@ def _collectives(step_key: np.ndarray, axis: np.ndarray, group_id: np.ndarray, g
     Returns `order` (the rows sorted by collective, each collective's rows in their given
     order), `starts` (each collective's first position in `order`) and `last` (the position in
     `order` of the member that entered it last: the latest `start_ts`, the later row on a tie).
-    The four keys are packed into one int64 when their ranges fit (one stable sort: a
-    five-key lexsort took half the wait book's time at 100,000 ranks); else a lexsort."""
+    The four keys are sorted as one packed int64 where they fit (`key_order`)."""
     n = len(step_key)
     if not n:
         empty = np.zeros(0, np.int64)
         return empty, empty, empty
-    packed, bits = np.zeros(n, np.int64), 0
-    for col in (step_key, axis, group_id, group_seq):
-        lo = int(col.min())
-        width = max(1, (int(col.max()) - lo).bit_length())
-        if bits + width > 62:
-            packed = None
-            break
-        packed = (packed << width) | (col - lo)
-        bits += width
-    if packed is None:
-        order = np.lexsort((group_seq, group_id, axis, step_key))
-        k = np.stack([step_key[order], axis[order], group_id[order], group_seq[order]])
-        split = np.any(k[:, 1:] != k[:, :-1], axis=0)
-    else:
-        order = np.argsort(packed, kind="stable")
-        k = packed[order]
-        split = k[1:] != k[:-1]
-    starts = np.flatnonzero(np.r_[True, split])
+    order, starts = key_order([step_key, axis, group_id, group_seq])
     ts = start_ts[order]
     latest = np.fmax.reduceat(ts, starts)
     sizes = np.diff(np.r_[starts, n])

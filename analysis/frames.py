@@ -211,6 +211,41 @@ def split_key(key: int) -> tuple[int, int]:
     return int(key) >> 40, int(key) - ((int(key) >> 40) << 40)
 
 
+def key_order(keys: list[np.ndarray], within: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The rows sorted by `keys` (int64 columns, the first the most significant), then by
+    `within` among rows of equal keys, else in their given order; and where each run of
+    equal keys starts in that order. One stable sort of the keys packed into an int64 when
+    their ranges fit (a pass's few steps, a few axes, its groups and ops: a five-key
+    lexsort took half the wait book's time at 100,000 ranks), else a lexsort."""
+    n = len(keys[0])
+    packed, shift = np.zeros(n, np.int64), 0
+    for k in reversed(keys):
+        if not n:
+            break
+        lo = int(k.min())
+        bits = max(1, (int(k.max()) - lo).bit_length())
+        if shift + bits > 62:
+            packed = None
+            break
+        packed |= (k - lo) << shift
+        shift += bits
+    if packed is None:
+        order = np.lexsort(([] if within is None else [within]) + keys[::-1])
+        change = np.zeros(max(n - 1, 0), bool)
+        for k in keys:
+            sk = k[order]
+            change |= sk[1:] != sk[:-1]
+    else:
+        if within is None:
+            order = np.argsort(packed, kind="stable")
+        else:
+            first = np.argsort(within, kind="stable")
+            order = first[np.argsort(packed[first], kind="stable")]
+        sp = packed[order]
+        change = sp[1:] != sp[:-1]
+    return order, np.flatnonzero(np.r_[n > 0, change])
+
+
 def iter_steps(df: pl.DataFrame):
     """(attempt, step, rows) of a frame sorted by attempt, step: zero-copy slices."""
     keys = step_keys(df)

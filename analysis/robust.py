@@ -159,10 +159,12 @@ def loo_median(values: np.ndarray, groups: np.ndarray) -> tuple[np.ndarray, np.n
     group (two ranks per pipeline stage) a slow rank is compared with its peers, not
     with a median it pulls up itself. Vectorised: one lexsort, no loop over groups."""
     n = len(values)
+    if n == 2 and groups[0] == groups[1]:  # a dp2 job's every call: each the other's peer (~2 us, not ~25)
+        return np.asarray(values, float)[::-1].copy(), np.ones(2, np.int64)
     out = np.full(n, np.nan)
     peers = np.zeros(n, np.int64)
-    if n == 0:
-        return out, peers
+    if n <= 1:
+        return out, peers  # alone
     order = np.lexsort((values, groups))
     g, v = groups[order], values[order]
     starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])

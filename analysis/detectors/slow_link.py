@@ -78,7 +78,7 @@ import numpy as np
 import polars as pl
 
 from analysis.findings import Finding, json_number
-from analysis.frames import Interner, floats, has, ints, share_scale_of, split_key, step_keys
+from analysis.frames import Interner, floats, has, ints, key_order, share_scale_of, split_key, step_keys
 from analysis.registry import register
 from analysis.robust import loo_median, median1, median_of, row_medians
 from analysis.topology import _grow
@@ -118,40 +118,6 @@ def bus_bandwidth(coll: pl.DataFrame) -> pl.DataFrame:
     got = ops.bus_bandwidth()
     return coll[got.rows].with_columns(pl.Series("group_size", got.group_size), pl.Series("transfer_s", got.transfer_s),
                                        pl.Series("algbw", got.algbw), pl.Series("busbw", got.busbw))
-
-
-def _key_order(keys: list[np.ndarray], within: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """The rows sorted by `keys` (int64 columns, the first the most significant), then by
-    `within` among rows of equal keys, else in their order; and where each run of equal
-    keys starts in that order. One sort of the keys packed into an int64 when their
-    ranges fit (a pass's few steps, a few axes, its groups and ops), else a lexsort."""
-    n = len(keys[0])
-    packed, shift = np.zeros(n, np.int64), 0
-    for k in reversed(keys):
-        if not n:
-            break
-        lo = int(k.min())
-        bits = max(1, (int(k.max()) - lo).bit_length())
-        if shift + bits > 62:
-            packed = None
-            break
-        packed |= (k - lo) << shift
-        shift += bits
-    if packed is None:
-        order = np.lexsort(([] if within is None else [within]) + keys[::-1])
-        change = np.zeros(max(n - 1, 0), bool)
-        for k in keys:
-            sk = k[order]
-            change |= sk[1:] != sk[:-1]
-    else:
-        if within is None:
-            order = np.argsort(packed, kind="stable")
-        else:
-            first = np.argsort(within, kind="stable")
-            order = first[np.argsort(packed[first], kind="stable")]
-        sp = packed[order]
-        change = sp[1:] != sp[:-1]
-    return order, np.flatnonzero(np.r_[n > 0, change])
 
 
 def _sizes(starts: np.ndarray, n: int) -> np.ndarray:
@@ -222,7 +188,7 @@ class _OpColumns:
         """`bus_bandwidth` on these columns: members matched by (attempt, axis, group_id, group_seq)."""
         ok = np.flatnonzero((self.nbytes > 0) & np.isfinite(self.duration_s) & (self.duration_s >= 0))
         key = [self.attempt[ok], self.axis[ok], self.group_id[ok], self.group_seq[ok]]
-        order, starts = _key_order(key, within=self.rank[ok])  # members by rank within each op
+        order, starts = key_order(key, within=self.rank[ok])  # members by rank within each op
         n = len(ok)
         sizes = _sizes(starts, n)
         op_of = np.repeat(np.arange(len(starts)), sizes)  # per sorted row, its op
@@ -279,7 +245,7 @@ def _link_figures(c: _OpColumns) -> _LinkFigures:
     by_name = np.argsort(np.argsort(np.array(names, dtype=object))) if names else np.zeros(0, np.int64)
     axis_rank = by_name[o.axis] if n_rows else o.axis  # sorts as the names do
     op_key = [o.key, axis_rank, o.group_id, o.group_seq]
-    order, starts = _key_order(op_key, within=t)
+    order, starts = key_order(op_key, within=t)
     sizes = _sizes(starts, n_rows)
     ts = t[order]
     op_of = np.repeat(np.arange(len(starts)), sizes)
@@ -295,14 +261,14 @@ def _link_figures(c: _OpColumns) -> _LinkFigures:
     first = np.minimum.reduceat(order, starts) if n_rows else np.zeros(0, np.int64)
     bus_bytes = bw.busbw[first] * t[first]
     g_key = [o.key[first], axis_rank[first], o.group_id[first]]
-    _, g_starts = _key_order(g_key)  # the ops are in that order already: runs of equal groups
+    _, g_starts = key_order(g_key)  # the ops are in that order already: runs of equal groups
     with np.errstate(divide="ignore"):
         lbw = np.log(np.add.reduceat(bus_bytes, g_starts) / np.add.reduceat(op_s, g_starts)) if len(first) else \
             np.zeros(0)
     g_rows = first[g_starts]
     # per (step, axis, group, member): the median of its log ratios, the sum of its excess
     s_key, s_axis, s_gid, s_rank = o.key[order], axis_rank[order], o.group_id[order], o.rank[order]
-    m_order, m_starts = _key_order([s_key, s_axis, s_gid, s_rank], within=lr)
+    m_order, m_starts = key_order([s_key, s_axis, s_gid, s_rank], within=lr)
     m_sizes = _sizes(m_starts, n_rows)
     m_lr = _medians(lr[m_order], m_starts, m_sizes)
     m_excess = np.add.reduceat(excess[m_order], m_starts) if n_rows else np.zeros(0)

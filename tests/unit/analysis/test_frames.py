@@ -13,6 +13,7 @@ from analysis.frames import (
     Interner,
     heartbeats_frame,
     iter_steps,
+    key_order,
     step_keys,
     steps_frame,
 )
@@ -81,3 +82,16 @@ def test_optional_columns_are_documented_with_a_meaning():
         for name, (_, meaning) in cols.items():
             assert meaning, (table, name)
     assert heartbeats_frame([]).height == 0
+
+
+def test_the_key_order_is_a_lexsort_whether_the_keys_pack_or_not():
+    rng = np.random.default_rng(2)
+    for span in (3, 1 << 20, 1 << 40):  # packed in one int64; the last: four keys past 62 bits, a lexsort
+        keys = [rng.integers(0, span, 500) for _ in range(4)]
+        keys[0] = keys[0] % 3  # runs of equal keys to sort within
+        within = rng.normal(size=500)
+        order, starts = key_order(keys, within=within)
+        want = np.lexsort((within, *keys[::-1]))
+        assert order.tolist() == want.tolist()
+        sk = np.stack([k[want] for k in keys])
+        assert starts.tolist() == np.flatnonzero(np.r_[True, (sk[:, 1:] != sk[:, :-1]).any(axis=0)]).tolist()

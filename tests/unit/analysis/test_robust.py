@@ -74,3 +74,18 @@ def test_median1_is_numpys_median_of_a_step_s_few_values():
         got = median1(v)
         assert (np.isnan(got) and np.isnan(want)) or got == want, (v, got, want)
     assert np.isnan(median1(np.zeros(0)))
+
+
+def test_loo_median_of_a_pair_is_each_the_other_and_of_one_nothing():
+    """The shortcut a dp2 job takes on every call: two members of one group are each other's
+    median, exactly; one alone has none; two of different groups neither."""
+    for a, b in ((3.0, 1.5), (np.nan, 2.0), (np.inf, -1.0), (7, 7)):
+        got, peers = loo_median(np.array([a, b]), np.zeros(2, np.int64))
+        assert got.dtype == float and peers.tolist() == [1, 1]
+        assert np.array_equal(got, [b, a], equal_nan=True)
+    got, peers = loo_median(np.array([1.0]), np.zeros(1, np.int64))
+    assert np.isnan(got).all() and peers.tolist() == [0]
+    got, peers = loo_median(np.array([1.0, 2.0]), np.array([0, 1]))
+    assert np.isnan(got).all() and peers.tolist() == [0, 0]
+    got, peers = loo_median(np.zeros(0), np.zeros(0, np.int64))
+    assert len(got) == 0 and len(peers) == 0

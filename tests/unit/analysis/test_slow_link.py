@@ -398,17 +398,3 @@ def test_a_pass_s_link_figures_are_the_window_expressions_ones(seed):
     assert got.g_lbw == pytest.approx(want_g["lbw"].to_numpy(), rel=1e-12)
     assert len(got.m_key) > 30 and len(got.g_key) > 12  # most ops judged (the 4 KiB ones are not)
 
-
-def test_the_key_order_is_a_lexsort_whether_the_keys_pack_or_not():
-    from analysis.detectors.slow_link import _key_order
-
-    rng = np.random.default_rng(2)
-    for span in (3, 1 << 20, 1 << 40):  # packed in one int64; the last: four keys past 62 bits, a lexsort
-        keys = [rng.integers(0, span, 500) for _ in range(4)]
-        keys[0] = keys[0] % 3  # runs of equal keys to sort within
-        within = rng.normal(size=500)
-        order, starts = _key_order(keys, within=within)
-        want = np.lexsort((within, *keys[::-1]))
-        assert order.tolist() == want.tolist()
-        sk = np.stack([k[want] for k in keys])
-        assert starts.tolist() == np.flatnonzero(np.r_[True, (sk[:, 1:] != sk[:, :-1]).any(axis=0)]).tolist()
