@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from analysis.frames import floats, ints
+from analysis.frames import Interner, floats, ints
 from analysis.topology import _grow
 
 _NAN = float("nan")
@@ -28,7 +28,7 @@ _NAN = float("nan")
 
 class Liveness:
     __slots__ = ("arrival_s", "hb_ts", "seq", "seq_since_s", "hb_step", "phase", "pid", "done_seq", "last_step",
-                 "phase_names", "_phase_index", "num_heartbeats", "last_step_s")
+                 "_phases", "num_heartbeats", "last_step_s")
 
     def __init__(self) -> None:
         self.arrival_s = np.full(0, _NAN)
@@ -41,8 +41,7 @@ class Liveness:
         self.done_seq = np.full(0, -1, np.int64)
         self.last_step = np.full(0, -1, np.int64)  # newest step row the rank sent
         self.last_step_s = np.full(0, _NAN)  # when that row arrived
-        self.phase_names: list[str] = []
-        self._phase_index: dict[str, int] = {}
+        self._phases = Interner()  # phase name <-> code
         self.num_heartbeats = 0
 
     def ensure(self, n: int) -> None:
@@ -71,10 +70,10 @@ class Liveness:
 
     def phase_name(self, rank: int) -> str | None:
         code = int(self.phase[rank]) if 0 <= rank < len(self.phase) else -1
-        return self.phase_names[code] if code >= 0 else None
+        return self._phases.names[code] if code >= 0 else None
 
     def phase_codes(self, names) -> list[int]:
-        return [self._phase_index[n] for n in names if n in self._phase_index]
+        return [self._phases.index[n] for n in names if n in self._phases.index]
 
     def update_heartbeats(self, hb: pl.DataFrame | None, now: float) -> np.ndarray:
         """Take a commit's heartbeats; returns the ranks whose latest heartbeat changed."""
@@ -104,12 +103,7 @@ class Liveness:
         self.hb_ts[r] = ts[latest]
         self.hb_step[r] = ints(hb["step"], -1)[latest]
         self.pid[r] = ints(hb["pid"], -1)[latest]
-        phases = hb["phase"].gather(latest).cast(pl.String)
-        for name in phases.unique().to_list():
-            if name is not None and name not in self._phase_index:
-                self._phase_index[name] = len(self.phase_names)
-                self.phase_names.append(name)
-        self.phase[r] = phases.replace_strict(self._phase_index, default=-1, return_dtype=pl.Int16).to_numpy()
+        self.phase[r] = self._phases.codes(hb["phase"])[latest]
         return r
 
     def update_steps(self, steps: pl.DataFrame | None, now: float) -> None:

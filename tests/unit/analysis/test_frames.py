@@ -52,21 +52,24 @@ def test_interned_codes_are_equal_for_equal_strings_across_frames():
     assert a[0] == a[2] == b[1] and a[1] == b[0] and a[0] != a[1]
 
 
-def test_categorical_codes_match_the_string_path_nulls_and_far_codes_included(monkeypatch):
-    """Categorical columns go through polars' physical codes: the same name for every row as
-    the string path, -1 for a null, across frames and for an empty column; and through the
-    sorted lookup when the process's categories are far apart (`FAR_CODES`)."""
+def test_categorical_codes_match_the_string_path_nulls_included():
+    """Categorical columns go through their Arrow dictionary: the same name for every row as
+    the string path, -1 for a null, across frames (each with a dictionary of its own order),
+    for a slice of a frame, and for an empty or all-null column."""
     chunks = (["tp", "dp", None, "pp", "dp", "ctrl", None], ["pp", "new", None], [], [None, None])
-    for far in (1 << 22, 0):
-        monkeypatch.setattr(Interner, "FAR_CODES", far)
-        table, strings = Interner(), Interner()
-        for chunk in chunks:
-            got = table.codes(pl.Series(chunk, dtype=pl.Categorical))
-            want = strings.codes(pl.Series(chunk, dtype=pl.String))
-            assert got.dtype == want.dtype == np.int64
-            assert [table.names[c] if c >= 0 else None for c in got] == chunk
-            assert [strings.names[c] if c >= 0 else None for c in want] == chunk
-        assert sorted(table.names) == sorted(strings.names) == ["ctrl", "dp", "new", "pp", "tp"]
+    table, strings = Interner(), Interner()
+    for chunk in chunks:
+        got = table.codes(pl.Series(chunk, dtype=pl.Categorical))
+        want = strings.codes(pl.Series(chunk, dtype=pl.String))
+        assert got.dtype == want.dtype == np.int64
+        assert [table.names[c] if c >= 0 else None for c in got] == chunk
+        assert [strings.names[c] if c >= 0 else None for c in want] == chunk
+    assert sorted(table.names) == sorted(strings.names) == ["ctrl", "dp", "new", "pp", "tp"]
+    frame = pl.from_arrow(pa.table({"axis": pa.array(["world", "dp", None, "tp", "dp"]).dictionary_encode()}))
+    part = frame["axis"].slice(1, 3)
+    assert [table.names[c] if c >= 0 else None for c in table.codes(part)] == ["dp", None, "tp"]
+    assert [table.names[c] for c in table.codes(pl.concat([part, frame["axis"]]).drop_nulls())] == \
+        ["dp", "tp", "world", "dp", "tp", "dp"]
 
 
 def test_iter_steps_slices_a_sorted_frame():
