@@ -130,6 +130,8 @@ def median_of(values: Collection[float], least: int = 1) -> float | None:
     n = len(values)
     if not n or n < least:
         return None
+    if n > 32:  # a long window (the straggler's noise: hundreds, every step): numpy, ~4x faster there
+        return median1(np.fromiter(values, float, n))
     s = sorted(values)
     m = n // 2
     med = float(s[m]) if n % 2 else (float(s[m - 1]) + float(s[m])) / 2.0

@@ -560,15 +560,19 @@ class SlowLinkDetector:
         ax.recent.push(gids, low.astype(float))
         ax.calm[gids] = np.where(low, 0, ax.calm[gids] + 1)
         ax.history.push(gids[~low], lbw[~low])
-        quiet = np.isin(gid_r, gids[~low])  # the members of a group not low: their ratio is their usual
+        # each member's group this step: 0 no figure, 1 not low, 2 low (a lookup: np.isin is ~15 us a call)
+        status = np.zeros(max(len(ax.calm), int(gid_r.max()) + 1), np.int8)
+        status[gids] = np.where(low, 2, 1)
+        of_member = np.where(gid_r >= 0, status[np.maximum(gid_r, 0)], 0)
+        quiet = of_member == 1  # the members of a group not low: their ratio is their usual
         ax.step_link.push(r, rel)
         ax.link_steps.push(r, np.full(len(r), float(step)))
-        ax.link_low.push(r, (~quiet & np.isin(gid_r, gids)).astype(float))
+        ax.link_low.push(r, (of_member == 2).astype(float))
         ax.link_base.push(r[quiet], lr[quiet])
         ax.last_lbw[gids], ax.last_base[gids], ax.last_peers[gids] = lbw, base, peers
         lows = np.nansum(ax.recent.values[gids], axis=1)
-        opened = np.array([g for (n, g) in st.open if n == ax.name], np.int64)
-        for i in np.flatnonzero((lows >= cfg.min_slow_steps) | np.isin(gids, opened)):
+        opened = [g for (n, g) in st.open if n == ax.name]
+        for i in np.flatnonzero((lows >= cfg.min_slow_steps) | (np.isin(gids, opened) if opened else False)):
             self._group_step(p, st, ax, int(gids[i]), step)
 
     def _group_step(self, p, st: _State, ax: _Axis, gid: int, step: int) -> None:

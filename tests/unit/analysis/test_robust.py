@@ -89,3 +89,16 @@ def test_loo_median_of_a_pair_is_each_the_other_and_of_one_nothing():
     assert np.isnan(got).all() and peers.tolist() == [0, 0]
     got, peers = loo_median(np.zeros(0), np.zeros(0, np.int64))
     assert len(got) == 0 and len(peers) == 0
+
+
+def test_median_of_a_long_window_is_numpys_median():
+    """A window past 32 values takes numpy's sort: the same value, NaN when one is NaN."""
+    from collections import deque
+
+    rng = np.random.default_rng(5)
+    for n in (33, 100, 256):
+        window = deque(rng.normal(size=n).tolist(), maxlen=n)
+        assert median_of(window) == float(np.median(np.array(window)))
+        window.append(float("nan"))
+        assert np.isnan(median_of(window))
+    assert median_of(deque(range(40))) == 19.5  # ints too
