@@ -139,9 +139,10 @@ class _BusBandwidth(NamedTuple):
 
 class _OpColumns:
     """Collective rows as numpy columns: the step key, axis and op as codes (their names in
-    the interners), the member's rank and timing. Read once per pass: each polars call on a
-    small job's few hundred rows costs ~0.1-0.3 ms, and at 100,000 ranks a window
-    expression per column (`over`) cost more than the sorts below."""
+    the interners), the member's rank and timing. Read once, from each commit's frame, and
+    held so until their step is final: each polars call on a small job's few hundred rows
+    costs ~0.1-0.3 ms (an eager call is a lazy plan collected), and at 100,000 ranks the
+    window expressions (`over`) that matched an op's members cost more than the sorts here."""
 
     __slots__ = ("attempt", "key", "axis", "group_id", "group_seq", "rank", "kind", "is_p2p", "start_ts",
                  "nbytes", "duration_s", "num_ops", "axis_names")
@@ -457,6 +458,10 @@ class SlowLinkDetector:
         st.last_final = upto
         if not len(final):
             return
+        # sends and receives are not judged: a receive's duration includes the wait for its
+        # sender, so a pp peer of a rank slowed on another axis looked like a slow pp link
+        # (bench_detection on dp2xpp2); a pp link is judged once p2p records their waits.
+        # Nor is an op without an axis (there is no axis to judge it on)
         figures = _link_figures(final.take(np.flatnonzero(~final.is_p2p & (final.nbytes >= self.cfg.min_bytes)
                                                           & (final.axis >= 0))))
         if len(figures.g_key):
