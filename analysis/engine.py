@@ -24,7 +24,7 @@ import json
 
 from analysis import watermark
 from analysis.findings import Finding
-from analysis.frames import Frames
+from analysis.frames import Frames, StepColumns
 from analysis.registry import build_detectors
 from analysis.rules import Rules, load_rules
 from analysis.state import Pass, RunState, new_run_state
@@ -48,9 +48,10 @@ def run_pass(state: RunState, frames: Frames, *, now: float, rules: Rules, detec
             state.newest_step = int(newest)
     first_sight = state.assembler.add(frames.steps, now)
     released = state.assembler.release(now, state.topo.expected_ranks)
-    state.clock.update(released)
+    steps = StepColumns(released) if released is not None and released.height else None
+    state.clock.update(steps)
     state.shared.clear()
-    p = Pass(run=state, rules=rules, now=now, frames=frames, first_sight=first_sight, released=released)
+    p = Pass(run=state, rules=rules, now=now, frames=frames, first_sight=first_sight, released=released, steps=steps)
     for d in detectors:
         d.run(p, state.detectors[d.name])
     return p.out

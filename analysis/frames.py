@@ -251,6 +251,51 @@ def iter_steps(df: pl.DataFrame):
         yield attempt, step, df.slice(int(lo), int(hi - lo))
 
 
+class StepColumns:
+    """A frame sorted by attempt and step (a pass's released steps) as numpy columns, each read
+    once and on demand, with each step's row range: the detectors that judge step by step
+    slice these instead of a polars frame per step (a polars slice and a column read per step
+    and detector cost a small job's pass more than the judging did)."""
+
+    __slots__ = ("frame", "keys", "bounds", "_cols")
+
+    def __init__(self, frame: pl.DataFrame) -> None:
+        self.frame = frame
+        self.keys = step_keys(frame)
+        self.bounds = np.flatnonzero(np.r_[True, self.keys[1:] != self.keys[:-1], True]) if len(self.keys) \
+            else np.zeros(1, np.int64)
+        self._cols: dict[tuple[str, str], np.ndarray] = {}
+
+    def steps(self):
+        """(attempt, step, lo, hi) of each step, in order: its rows are [lo, hi)."""
+        for lo, hi in zip(self.bounds[:-1].tolist(), self.bounds[1:].tolist()):
+            attempt, step = split_key(self.keys[lo])
+            yield attempt, step, lo, hi
+
+    def floats(self, name: str) -> np.ndarray:
+        """A float column (NULL as NaN; a column the frame lacks: all NaN)."""
+        got = self._cols.get((name, "f"))
+        if got is None:
+            got = self._cols[(name, "f")] = floats(self.frame[name]) if name in self.frame.columns \
+                else np.full(self.frame.height, np.nan)
+        return got
+
+    def ints(self, name: str) -> np.ndarray:
+        """An integer column (NULL as -1; a column the frame lacks: all -1)."""
+        got = self._cols.get((name, "i"))
+        if got is None:
+            got = self._cols[(name, "i")] = ints(self.frame[name]) if name in self.frame.columns \
+                else np.full(self.frame.height, -1, np.int64)
+        return got
+
+    def even_share_compute(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """`even_share_compute` of the rows [lo, hi) (one step's)."""
+        fb = self.floats("fwd_s")[lo:hi] + self.floats("bwd_s")[lo:hi]
+        scale = share_scale_of(self.ints("sample_from")[lo:hi], self.ints("sample_to")[lo:hi])
+        opt = self.floats("opt_s")[lo:hi]
+        return (fb + opt if scale is None else fb * scale + opt), scale
+
+
 def share_scale(rows: pl.DataFrame) -> np.ndarray | None:
     """Per row, the even share of the step's samples over the row's own (`sample_to -
     sample_from` against their mean over the step's rows: every replica has as many ranks,

@@ -17,7 +17,7 @@ import polars as pl
 
 from analysis.assembly import StepAssembler, StepSight
 from analysis.findings import Finding, IncidentBook
-from analysis.frames import Frames, iter_steps
+from analysis.frames import Frames, StepColumns
 from analysis.liveness import Liveness
 from analysis.marks import RunMarks
 from analysis.robust import median1
@@ -36,11 +36,13 @@ class StepClock:
         self._last: tuple[int, int, float] | None = None  # attempt, step, ts
         self.min_gaps = min_gaps
 
-    def update(self, released: pl.DataFrame | None) -> None:
-        if released is None or not released.height:
+    def update(self, steps: StepColumns | None) -> None:
+        """Take a pass's released steps."""
+        if steps is None:
             return
-        for attempt, step, rows in iter_steps(released):
-            ts = rows["ts"].to_numpy().astype(float)
+        ts_all = steps.floats("ts")
+        for attempt, step, lo, hi in steps.steps():
+            ts = ts_all[lo:hi]
             ts = ts[np.isfinite(ts)]
             if not len(ts):
                 continue
@@ -107,6 +109,7 @@ class Pass:
     first_sight: list[StepSight]  # steps first seen in this pass (their first rows' medians)
     released: pl.DataFrame | None  # all rows of the steps that became complete, sorted by attempt, step, rank
     out: list[Finding] = field(default_factory=list)
+    steps: StepColumns | None = None  # `released` as numpy columns, read once for every detector (None: none)
 
     @property
     def topo(self) -> Topology:

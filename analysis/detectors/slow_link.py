@@ -78,7 +78,7 @@ import numpy as np
 import polars as pl
 
 from analysis.findings import Finding, json_number
-from analysis.frames import Interner, floats, has, ints, key_order, share_scale_of, split_key, step_keys
+from analysis.frames import Interner, StepColumns, floats, has, ints, key_order, split_key, step_keys
 from analysis.registry import register
 from analysis.robust import loo_median, median1, median_of, row_medians
 from analysis.topology import _grow
@@ -444,7 +444,7 @@ class SlowLinkDetector:
         rel = p.released
         if rel is None or not rel.height:
             return
-        self._computes(st, rel)
+        self._computes(st, p.steps)
         last_attempt, last_step = split_key(int(step_keys(rel).max()))
         upto = (last_attempt << 40) + last_step - self.cfg.collective_lag_steps
         if not st.rows or upto <= st.last_final:
@@ -468,20 +468,12 @@ class SlowLinkDetector:
             self._judge(p, st, figures)
 
     # -- compute, net of communication ------------------------------------------
-    def _computes(self, st: _State, rel: pl.DataFrame) -> None:
-        """`_compute` of each released step, in order: the columns read once for all of them."""
-        keys = step_keys(rel)
-        bounds = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1], True])
-        rank = ints(rel["rank"])
-        fb, opt = floats(rel["fwd_s"]) + floats(rel["bwd_s"]), floats(rel["opt_s"])
-        step_s = floats(rel["step_s"])
-        samples = (ints(rel["sample_from"]), ints(rel["sample_to"])) \
-            if "sample_from" in rel.columns and "sample_to" in rel.columns else None
-        for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
-            scale = None if samples is None else share_scale_of(samples[0][lo:hi], samples[1][lo:hi])
+    def _computes(self, st: _State, steps: StepColumns) -> None:
+        """`_compute` of each released step, in order."""
+        rank, step_s = steps.ints("rank"), steps.floats("step_s")
+        for _, _, lo, hi in steps.steps():
             # a rebalanced straggler is still one (analysis/frames.py compute_at_even_share)
-            c = fb[lo:hi] + opt[lo:hi] if scale is None else fb[lo:hi] * scale + opt[lo:hi]
-            self._compute(st, rank[lo:hi], c, step_s[lo:hi])
+            self._compute(st, rank[lo:hi], steps.even_share_compute(lo, hi)[0], step_s[lo:hi])
 
     def _compute(self, st: _State, r: np.ndarray, c: np.ndarray, step_s: np.ndarray) -> None:
         """One step's ranks `r`, their compute at an even share `c` and their `step_s`."""

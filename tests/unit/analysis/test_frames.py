@@ -98,3 +98,30 @@ def test_the_key_order_is_a_lexsort_whether_the_keys_pack_or_not():
         assert order.tolist() == want.tolist()
         sk = np.stack([k[want] for k in keys])
         assert starts.tolist() == np.flatnonzero(np.r_[True, (sk[:, 1:] != sk[:, :-1]).any(axis=0)]).tolist()
+
+
+def test_step_columns_slice_each_step_as_the_frame_does():
+    """A pass's released steps as numpy: each step's row range is `iter_steps`' slice, each column
+    reads as the slice's own (NULL as NaN or -1, a column the frame lacks likewise), and a step's
+    compute at an even share is `compute_at_even_share` of its rows (split, even and unknown)."""
+    from analysis.frames import StepColumns, compute_at_even_share
+
+    rows = []
+    for step in (3, 4, 5, 7):
+        for rank in range(3):
+            split = {3: (3, 5, 5), 4: (4, 4, 4), 5: (None, None, None), 7: (2, None, 6)}[step][rank]
+            rows.append({"run_id": "r", "attempt": 1 if step == 7 else 0, "step": step, "rank": rank,
+                         "fwd_s": 0.01 * (rank + 1), "bwd_s": 0.02, "opt_s": 0.005 if rank else None,
+                         "step_s": 0.1 + step, "sample_from": None if split is None else 8 * rank,
+                         "sample_to": None if split is None else 8 * rank + split})
+    frame = steps_frame(rows).sort("attempt", "step", "rank")
+    cols = StepColumns(frame)
+    got = list(cols.steps())
+    want = list(iter_steps(frame))
+    assert [(a, s) for a, s, _, _ in got] == [(a, s) for a, s, _ in want] == [(0, 3), (0, 4), (0, 5), (1, 7)]
+    for (_, _, lo, hi), (_, _, part) in zip(got, want):
+        assert cols.ints("rank")[lo:hi].tolist() == part["rank"].to_list()
+        assert np.array_equal(cols.floats("opt_s")[lo:hi], part["opt_s"].to_numpy().astype(float), equal_nan=True)
+        assert np.array_equal(cols.even_share_compute(lo, hi)[0], compute_at_even_share(part), equal_nan=True)
+    assert cols.even_share_compute(0, 3)[1] is not None and cols.even_share_compute(3, 6)[1] is None
+    assert np.isnan(cols.floats("data_s")).all() and (cols.ints("sample_from")[6:9] == -1).all()

@@ -310,7 +310,7 @@ def test_the_compute_of_a_pass_s_steps_is_each_step_s_own_even_share():
     compute is still its own `compute_at_even_share` (a rebalanced step scaled, an even or unknown
     split as it is), and the state it leaves is the per-step loop's."""
     from analysis.detectors.slow_link import SlowLinkDetector
-    from analysis.frames import compute_at_even_share, iter_steps, steps_frame
+    from analysis.frames import StepColumns, compute_at_even_share, iter_steps, steps_frame
     from analysis.rules import load_rules
 
     rng = np.random.default_rng(11)
@@ -329,7 +329,7 @@ def test_the_compute_of_a_pass_s_steps_is_each_step_s_own_even_share():
     rel = steps_frame(rows).sort("attempt", "step", "rank")
     det = SlowLinkDetector(load_rules())
     got, want = det.new_state(), det.new_state()
-    det._computes(got, rel)
+    det._computes(got, StepColumns(rel))
     for _, _, step_rows in iter_steps(rel):
         step_s = step_rows["step_s"].to_numpy().astype(float)
         det._compute(want, step_rows["rank"].to_numpy().astype(np.int64), compute_at_even_share(step_rows), step_s)
