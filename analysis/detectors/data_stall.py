@@ -28,10 +28,9 @@ policy's `data_stall_*` keys weigh before isolating the node.
 from __future__ import annotations
 
 import numpy as np
-import polars as pl
 
 from analysis.findings import Finding, json_number
-from analysis.frames import has, iter_steps
+from analysis.frames import has
 from analysis.registry import register
 from analysis.robust import loo_median, median1, popcount
 from analysis.topology import _grow
@@ -87,16 +86,16 @@ class DataStallDetector:
         rel = p.released
         if rel is None or not rel.height or not has(rel, "data_s"):
             return
-        for attempt, step, rows in iter_steps(rel):
+        steps = p.steps
+        rank, data_s, step_s = steps.ints("rank"), steps.floats("data_s"), steps.floats("step_s")
+        for attempt, step, lo, hi in steps.steps():
             if p.run.marks.is_excluded(attempt, step, p.topo):
                 continue
-            if self._judge(st, rows):
+            if self._judge(st, step, rank[lo:hi], data_s[lo:hi], step_s[lo:hi]):
                 self._episodes(p, st, step)
 
-    def _judge(self, st: _State, rows: pl.DataFrame) -> bool:
-        r = rows["rank"].to_numpy().astype(np.int64)
-        d = rows["data_s"].to_numpy().astype(float)
-        s = rows["step_s"].to_numpy().astype(float)
+    def _judge(self, st: _State, step: int, r: np.ndarray, d: np.ndarray, s: np.ndarray) -> bool:
+        """One step: its rows' ranks `r`, `data_s` `d` and `step_s` `s`."""
         ok = np.isfinite(d) & np.isfinite(s) & (s > 0) & (d >= 0) & (r >= 0)
         if not ok.any():
             return False
@@ -113,7 +112,7 @@ class DataStallDetector:
         st.share[r] = a * share + (1 - a) * st.share[r]
         st.excess[r] = a * excess + (1 - a) * st.excess[r]
         st.data_s[r] = a * d + (1 - a) * st.data_s[r]
-        st.judged[r] = int(rows["step"][0])
+        st.judged[r] = step
         st.step_s = median1(s)
         return True
 

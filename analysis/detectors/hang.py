@@ -47,6 +47,7 @@ from analysis.frames import has
 from analysis.registry import register
 
 _KEEP_STEPS = 3
+_HB_FOLD_ROWS = 64  # heartbeat rows held unfolded at most (or twice the ranks')
 _OPS_COLS = ["rank", "step", "seq", "group_seq", "op", "axis", "group_id", "peer"]
 
 
@@ -81,17 +82,42 @@ class _OpsMemory:
 
 
 class _State:
-    __slots__ = ("ops", "key", "culprit", "culprit_seq", "hb_ops")
+    __slots__ = ("ops", "key", "culprit", "culprit_seq", "_hb_ops", "_hb_fresh", "_hb_fresh_rows")
 
     def __init__(self) -> None:
         self.ops = _OpsMemory()
         self.key: str | None = None
         self.culprit = -1
         self.culprit_seq = -1
-        self.hb_ops: pl.DataFrame | None = None  # latest optional last_op/... per rank, when the agent sends them
+        self._hb_ops: pl.DataFrame | None = None  # latest optional last_op/... per rank, when the agent sends them
+        self._hb_fresh: list[pl.DataFrame] = []  # heartbeats since, folded in when read or when they pile up
+        self._hb_fresh_rows = 0
+
+    def add_heartbeats(self, hb: pl.DataFrame) -> None:
+        """A commit's heartbeats with the op each rank is in. Folded in only when `hb_ops` is read
+        (a hang is suspected) or they hold twice the ranks' rows: a sort and a unique every pass
+        were ~0.5 ms of a small job's pass."""
+        self._hb_fresh.append(hb.select("rank", "ts", pl.col("last_op").cast(pl.String),
+                                        pl.col("last_axis").cast(pl.String), "last_group_id", "last_group_seq"))
+        self._hb_fresh_rows += hb.height
+        if self._hb_fresh_rows > max(_HB_FOLD_ROWS, 2 * (0 if self._hb_ops is None else self._hb_ops.height)):
+            self._fold()
+
+    @property
+    def hb_ops(self) -> pl.DataFrame | None:
+        """The latest heartbeat's op of each rank that sent one (None: no rank did)."""
+        if self._hb_fresh:
+            self._fold()
+        return self._hb_ops
+
+    def _fold(self) -> None:
+        parts = ([] if self._hb_ops is None else [self._hb_ops]) + self._hb_fresh
+        self._hb_ops = pl.concat(parts, how="vertical_relaxed").sort("ts").unique(subset="rank", keep="last")
+        self._hb_fresh, self._hb_fresh_rows = [], 0
 
     def footprint(self) -> dict[str, int]:
-        return {"ops_rows": self.ops.footprint(), "hb_ops_rows": 0 if self.hb_ops is None else self.hb_ops.height}
+        return {"ops_rows": self.ops.footprint(),
+                "hb_ops_rows": (0 if self._hb_ops is None else self._hb_ops.height) + self._hb_fresh_rows}
 
 
 @register
@@ -116,10 +142,7 @@ class HangDetector:
         st.ops.add(p.frames.collectives)
         hb = p.frames.heartbeats
         if has(hb, "last_group_seq"):
-            fresh = hb.select("rank", "ts", pl.col("last_op").cast(pl.String), pl.col("last_axis").cast(pl.String),
-                              "last_group_id", "last_group_seq")
-            both = fresh if st.hb_ops is None else pl.concat([st.hb_ops, fresh], how="vertical_relaxed")
-            st.hb_ops = both.sort("ts").unique(subset="rank", keep="last")
+            st.add_heartbeats(hb)
         live, marks = p.run.live, p.run.marks
         n = len(live.arrival_s)
         if n == 0:

@@ -130,7 +130,7 @@ import polars as pl
 
 from analysis.attribution import WaitBook
 from analysis.findings import Finding, json_number
-from analysis.frames import even_share_compute, iter_steps, split_key, step_keys
+from analysis.frames import iter_steps, split_key, step_keys
 from analysis.registry import register
 from analysis.robust import MAD_TO_SIGMA, loo_median, median1, median_of, popcount, row_medians
 from analysis.topology import _grow
@@ -460,10 +460,13 @@ class StragglerDetector:
         if st.waits.inferring or st.held:
             self._judge_inferred(p, st, rel)
             return
-        for attempt, step, rows in iter_steps(rel):
+        steps = p.steps
+        rank, step_s = steps.ints("rank"), steps.floats("step_s")
+        for attempt, step, lo, hi in steps.steps():
             if marks.is_excluded(attempt, step, topo):
                 continue
-            if self._judge(st, topo, step, rows):
+            c, scale = steps.even_share_compute(lo, hi)
+            if self._judge(st, topo, step, rank[lo:hi], c, scale, step_s[lo:hi]):
                 st.last_judged = (attempt, step)
                 self._episodes(p, st)  # per step: a pass may release many (a replay, a backlog)
 
@@ -480,15 +483,16 @@ class StragglerDetector:
             if marks.is_excluded(attempt, step, topo):
                 continue
             got = self._net_compute(st, attempt, step, rows)
-            if got is not None and self._judge(st, topo, step, got[0], compute=got[1]):
+            if got is not None and self._judge(st, topo, step, *got):
                 st.last_judged = (attempt, step)
                 self._episodes(p, st)
 
     @staticmethod
     def _net_compute(st: _State, attempt: int, step: int, rows: pl.DataFrame):
-        """(rows, compute s) of the ranks with inferred waits at the step: `step_s` less
-        `data_s` (when measured) less the rank's inferred wait (else `fwd_s + bwd_s + opt_s`
-        less it, for a row without `step_s`); None when the step had none."""
+        """(ranks, compute s, None, step_s) of the ranks with inferred waits at the step (`_judge`'s
+        arguments): compute is `step_s` less `data_s` (when measured) less the rank's inferred
+        wait (else `fwd_s + bwd_s + opt_s` less it, for a row without `step_s`); None when the
+        step had none."""
         got = st.waits.inferred_waits(attempt, step)
         if got is None:
             return None
@@ -503,14 +507,15 @@ class StragglerDetector:
         step_s = rows["step_s"].to_numpy().astype(float)
         data_s = np.nan_to_num(rows["data_s"].to_numpy().astype(float)) if "data_s" in rows.columns else 0.0
         c = np.where(np.isfinite(step_s), step_s - data_s, phases) - waited[at]
-        return rows.filter(pl.Series(known)), c[known]
+        return r[known], c[known], None, step_s[known]
 
     # -- one step ------------------------------------------------------------------
-    def _judge(self, st: _State, topo, step: int, rows: pl.DataFrame, compute: np.ndarray | None = None) -> bool:
-        """Judge one step; `compute` (s, per row) when the caller netted it, else the
-        rows' `fwd_s + bwd_s + opt_s` (our trainer's, already net of communication)."""
-        r = rows_r = rows["rank"].to_numpy().astype(np.int64)
-        c, scale = (compute, None) if compute is not None else even_share_compute(rows)
+    def _judge(self, st: _State, topo, step: int, r: np.ndarray, c: np.ndarray, scale: np.ndarray | None,
+               step_s: np.ndarray) -> bool:
+        """Judge one step: its rows' ranks `r`, compute `c` (s: our trainer's `fwd_s + bwd_s +
+        opt_s` at an even share, already net of communication, with its `share_scale`; or
+        netted of inferred waits by the caller, `scale` None) and `step_s`."""
+        rows_r = r
         ok = np.isfinite(c) & (c > 0) & (r >= 0)
         if ok.sum() < 2:
             return False
@@ -569,7 +574,6 @@ class StragglerDetector:
         st.excess[r] = a * c * (1.0 - 1.0 / ratio) + (1 - a) * st.excess[r]  # over what its reference makes it
         st.compute[r] = a * c + (1 - a) * st.compute[r]
         st.judged[r] = step
-        step_s = rows["step_s"].to_numpy().astype(float)
         step_s = step_s[np.isfinite(step_s)]
         if len(step_s):  # smoothed as the excess is: the share of the step they make is steady
             med = median1(step_s)

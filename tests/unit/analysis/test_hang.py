@@ -84,3 +84,33 @@ def test_a_run_shut_down_after_a_hang_is_no_second_hang():
         findings += analyzer.tick(now=t + 2.0 + 0.25 * k)
     hangs = opened(findings, "hang")
     assert [f.rank for f in hangs.values()] == [2], [f.summary() for f in hangs.values()]
+
+
+def test_the_heartbeats_ops_are_each_rank_s_latest_however_they_were_folded():
+    """The op each rank's latest heartbeat names: the same whether read after every commit or
+    after many (they are folded in when read, or when unread rows pile up), and the rows held
+    stay bounded by the ranks' count."""
+    import numpy as np
+    import polars as pl
+
+    from analysis.detectors.hang import _HB_FOLD_ROWS, _State
+    from analysis.frames import heartbeats_frame
+
+    rng = np.random.default_rng(4)
+    every, seldom, frames = _State(), _State(), []
+    for commit in range(300):
+        ranks = rng.choice(16, size=int(rng.integers(1, 8)), replace=False)
+        frames.append(heartbeats_frame([{"run_id": "r", "rank": int(r), "ts": commit + 0.01 * i, "last_seq": commit,
+                                         "step": commit, "pid": 1, "phase": "step", "last_op": "all_reduce",
+                                         "last_axis": ["dp", "tp"][int(r) % 2], "last_group_id": int(r) // 4,
+                                         "last_group_seq": commit * 10 + int(r)} for i, r in enumerate(ranks)]))
+        every.add_heartbeats(frames[-1])
+        seldom.add_heartbeats(frames[-1])
+        assert every.hb_ops is not None  # read (and folded) every commit
+        assert seldom.footprint()["hb_ops_rows"] <= 16 + max(_HB_FOLD_ROWS, 32) + 8
+    want = pl.concat(frames).sort("ts").unique(subset="rank", keep="last").sort("rank")
+    for st in (every, seldom):
+        got = st.hb_ops.sort("rank")
+        assert got["rank"].to_list() == want["rank"].to_list()
+        assert got["last_group_seq"].to_list() == want["last_group_seq"].to_list()
+        assert got["last_axis"].to_list() == want["last_axis"].cast(pl.String).to_list()
