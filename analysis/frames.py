@@ -290,10 +290,9 @@ class StepColumns:
 
     def even_share_compute(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray | None]:
         """`even_share_compute` of the rows [lo, hi) (one step's)."""
-        fb = self.floats("fwd_s")[lo:hi] + self.floats("bwd_s")[lo:hi]
         scale = share_scale_of(self.ints("sample_from")[lo:hi], self.ints("sample_to")[lo:hi])
-        opt = self.floats("opt_s")[lo:hi]
-        return (fb + opt if scale is None else fb * scale + opt), scale
+        return _at_even_share(self.floats("fwd_s")[lo:hi] + self.floats("bwd_s")[lo:hi], self.floats("opt_s")[lo:hi],
+                              scale), scale
 
 
 def share_scale(rows: pl.DataFrame) -> np.ndarray | None:
@@ -329,9 +328,13 @@ def compute_at_even_share(rows: pl.DataFrame) -> np.ndarray:
 
 def even_share_compute(rows: pl.DataFrame) -> tuple[np.ndarray, np.ndarray | None]:
     """(`compute_at_even_share`, `share_scale`) of the rows, the scale read once."""
-    fb = floats(rows["fwd_s"]) + floats(rows["bwd_s"])
     scale = share_scale(rows)
-    return (fb + floats(rows["opt_s"]) if scale is None else fb * scale + floats(rows["opt_s"])), scale
+    return _at_even_share(floats(rows["fwd_s"]) + floats(rows["bwd_s"]), floats(rows["opt_s"]), scale), scale
+
+
+def _at_even_share(fwd_bwd: np.ndarray, opt: np.ndarray, scale: np.ndarray | None) -> np.ndarray:
+    """Forward and backward scaled to an even share, the optimizer's as it is."""
+    return fwd_bwd + opt if scale is None else fwd_bwd * scale + opt
 
 
 def finite_or_null(s: pl.Series) -> np.ndarray:

@@ -46,12 +46,12 @@ def test_a_rebalanced_step_and_the_steps_around_it_are_not_judged():
     assert [s for s in range(170, 200) if marks.is_excluded(0, s, topo)] == list(range(182, 189))
 
 
-def test_the_quick_look_for_odd_rows_agrees_with_the_full_check():
-    """`_any_odd` (numpy on three columns, the common commit's only cost) says yes exactly when
-    the polars check finds a row: NULL is never odd, NaN and inf are, `skipped` as bool or int8."""
+def test_the_odd_rows_are_the_polars_check_s():
+    """`_odd_rows` (numpy on three columns) marks exactly the rows the polars check did: NULL is
+    never odd, NaN and inf are, `skipped` as bool or int8 (NULL: not skipped)."""
     import numpy as np
 
-    from analysis.marks import _any_odd
+    from analysis.marks import _odd_rows
 
     rng = np.random.default_rng(7)
     values = [2.0, None, math.nan, math.inf, -math.inf]
@@ -65,4 +65,4 @@ def test_the_quick_look_for_odd_rows_agrees_with_the_full_check():
             steps = steps.with_columns(pl.col("skipped").cast(pl.Int8))
         odd = (~(pl.col("loss").is_finite() & pl.col("grad_norm").is_finite())).fill_null(False) \
             | (pl.col("skipped").cast(pl.Int8) != 0).fill_null(False)
-        assert _any_odd(steps) == (steps.filter(odd).height > 0), rows
+        assert _odd_rows(steps).tolist() == steps.select(odd).to_series().to_list(), rows
