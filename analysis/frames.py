@@ -205,13 +205,9 @@ def split_key(key: int) -> tuple[int, int]:
     return int(key) >> 40, int(key) - ((int(key) >> 40) << 40)
 
 
-def key_order(keys: list[np.ndarray], within: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """The rows sorted by `keys` (int64 columns, the first the most significant), then by
-    `within` among rows of equal keys, else in their given order; and where each run of
-    equal keys starts in that order. One stable sort of the keys packed into an int64 when
-    their ranges fit (a pass's few steps, a few axes, its groups and ops: a five-key
-    lexsort took half the wait book's time at 100,000 ranks), else a lexsort."""
-    n = len(keys[0])
+def _pack(keys: list[np.ndarray], n: int) -> tuple[np.ndarray | None, int]:
+    """The keys (the first the most significant) as one int64 each row and the bits it takes;
+    None when their ranges need more than 62."""
     packed, shift = np.zeros(n, np.int64), 0
     for k in reversed(keys):
         if not n:
@@ -219,25 +215,66 @@ def key_order(keys: list[np.ndarray], within: np.ndarray | None = None) -> tuple
         lo = int(k.min())
         bits = max(1, (int(k.max()) - lo).bit_length())
         if shift + bits > 62:
-            packed = None
-            break
+            return None, shift
         packed |= (k - lo) << shift
         shift += bits
+    return packed, shift
+
+
+def _dense_rank(v: np.ndarray) -> np.ndarray:
+    """Each value's rank among the distinct values (0 the smallest; NaN last, and all NaN one
+    value, as a stable sort sees them; -0.0 and 0.0 one). Ties share a rank, so the order the
+    unstable sort gave them does not show."""
+    o = np.argsort(v)
+    s = v[o]
+    new = s[1:] != s[:-1]
+    if s.dtype.kind == "f":
+        nan = np.isnan(s)
+        new &= ~(nan[1:] & nan[:-1])
+    rank = np.empty(len(v), np.int64)
+    rank[o] = np.r_[0, np.cumsum(new)]
+    return rank
+
+
+def key_order(keys: list[np.ndarray], within: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The rows sorted by `keys` (int64 columns, the first the most significant), then by
+    `within` among rows of equal keys, else in their given order: `np.lexsort((within,
+    *keys[::-1]))`, NaN last; and where each run of equal keys starts in that order.
+
+    One stable sort of the keys packed into an int64 when their ranges fit (a pass's few
+    steps, a few axes, its groups and ops: a five-key lexsort took half the wait book's time
+    at 100,000 ranks), else a lexsort. `within` takes the packed key's low bits: an integer
+    as its offset from its least, a float as its dense rank (`_dense_rank`, one sort of its
+    values; rows whose values tie keep their order). The packed keys come nearly in order,
+    which the stable sort is quick on. Sorting every row by a float first, as this did,
+    scrambled them for the sort after it: 12 ms against 5 for 80,000 rows.
+    """
+    n = len(keys[0])
+    packed, shift = _pack(keys, n)
     if packed is None:
         order = np.lexsort(([] if within is None else [within]) + keys[::-1])
         change = np.zeros(max(n - 1, 0), bool)
         for k in keys:
             sk = k[order]
             change |= sk[1:] != sk[:-1]
+        return order, np.flatnonzero(np.r_[n > 0, change])
+    if within is None or not n:
+        order = np.argsort(packed, kind="stable")
     else:
-        if within is None:
-            order = np.argsort(packed, kind="stable")
+        if within.dtype.kind == "i":  # its offset from its least orders it as well (no sort)
+            lo = int(within.min())
+            bits = max(1, (int(within.max()) - lo).bit_length())
+            rank = within.astype(np.int64) - lo if shift + bits <= 62 else None
+        else:
+            rank = _dense_rank(within)
+            bits = max(1, int(rank.max()).bit_length())
+        if rank is not None and shift + bits <= 62:
+            order = np.argsort((packed << bits) | rank, kind="stable")
         else:
             first = np.argsort(within, kind="stable")
             order = first[np.argsort(packed[first], kind="stable")]
-        sp = packed[order]
-        change = sp[1:] != sp[:-1]
-    return order, np.flatnonzero(np.r_[n > 0, change])
+    sp = packed[order]
+    return order, np.flatnonzero(np.r_[n > 0, sp[1:] != sp[:-1]])
 
 
 def iter_steps(df: pl.DataFrame):

@@ -100,6 +100,35 @@ def test_the_key_order_is_a_lexsort_whether_the_keys_pack_or_not():
         assert starts.tolist() == np.flatnonzero(np.r_[True, (sk[:, 1:] != sk[:, :-1]).any(axis=0)]).tolist()
 
 
+def test_the_key_order_within_keys_is_a_stable_sort_of_any_values():
+    """`within` packed as its dense rank (a float) or its offset (an integer) orders rows as the
+    lexsort does: ties, NaN (last, all alike), -0.0 and 0.0 (alike) and inf keep the rows' order;
+    an integer range too wide to pack, and none at all, likewise."""
+    rng = np.random.default_rng(5)
+    for trial in range(600):
+        n = int(rng.integers(0, 200))
+        keys = [rng.integers(0, [3, 50, 1 << 20][trial % 3], n) for _ in range(int(rng.integers(1, 4)))]
+        keys[0] = keys[0] % 2
+        kind = trial % 4
+        if kind == 0:
+            within = rng.integers(-5, 5, n)
+        elif kind == 1:
+            within = rng.integers(-(1 << 62), 1 << 62, n, dtype=np.int64)
+        else:
+            within = np.round(rng.normal(size=n), 1)  # many ties
+            if kind == 3:
+                pick = rng.random(n)
+                within[pick < 0.1] = np.nan
+                within[(pick >= 0.1) & (pick < 0.2)] = -0.0
+                within[(pick >= 0.2) & (pick < 0.3)] = 0.0
+                within[(pick >= 0.3) & (pick < 0.35)] = np.inf
+        order, starts = key_order(keys, within=within)
+        want = np.lexsort((within, *keys[::-1])) if n else np.zeros(0, np.int64)
+        assert order.tolist() == want.tolist(), (trial, n, kind)
+        sk = np.stack([k[want] for k in keys]) if n else np.zeros((len(keys), 0), np.int64)
+        assert starts.tolist() == np.flatnonzero(np.r_[n > 0, (sk[:, 1:] != sk[:, :-1]).any(axis=0)]).tolist()
+
+
 def test_step_columns_slice_each_step_as_the_frame_does():
     """A pass's released steps as numpy: each step's row range is `iter_steps`' slice, each column
     reads as the slice's own (NULL as NaN or -1, a column the frame lacks likewise), and a step's
