@@ -271,9 +271,10 @@ class WaitBook:
         step_key = (f["attempt"] << 40) + f["step"]
         p2p = f["peer"] >= 0
         # the collectives' rows, with the columns read below (the rest, 5 of 14, not copied)
-        c = {k: f[k][~p2p] for k in ("axis", "group_id", "group_seq", "n", "rank", "start_ts", "wait_s", "next_ts",
+        coll = np.flatnonzero(~p2p)
+        c = {k: f[k][coll] for k in ("axis", "group_id", "group_seq", "n", "rank", "start_ts", "wait_s", "next_ts",
                                     "op", "seq")}
-        c_key = step_key[~p2p]
+        c_key = step_key[coll]
         # one collective = (step, axis, group_id, group_seq); the last to enter it within each
         order, starts, last_at = _collectives(c_key, c["axis"], c["group_id"], c["group_seq"], c["start_ts"])
         last = order[last_at]

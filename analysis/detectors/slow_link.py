@@ -178,6 +178,10 @@ class _OpColumns:
                     else np.concatenate([getattr(x, name) for x in parts]))
         return c
 
+    def where(self, mask: np.ndarray) -> "_OpColumns":
+        """The rows `mask` picks; these very columns when it picks them all (no copy)."""
+        return self if mask.all() else self.take(np.flatnonzero(mask))
+
     def take(self, rows: np.ndarray) -> "_OpColumns":
         c = _OpColumns()
         for name in self.__slots__:
@@ -240,7 +244,7 @@ def _link_figures(c: _OpColumns) -> _LinkFigures:
     group, the median of its ratios and the sum of its excess; per group, its ops' bus bytes
     over their time at their slowest member."""
     bw = c.bus_bandwidth()
-    o = c.take(bw.rows)
+    o = c if len(bw.rows) == len(c) else c.take(bw.rows)  # rows in order, none repeated: all of them
     t, n_rows = bw.transfer_s, len(bw.rows)
     names = list(o.axis_names)
     by_name = np.argsort(np.argsort(np.array(names, dtype=object))) if names else np.zeros(0, np.int64)
@@ -450,10 +454,10 @@ class SlowLinkDetector:
         if not st.rows or upto <= st.last_final:
             return
         pending = _OpColumns.concat(st.rows)
-        final = pending.take(np.flatnonzero(pending.key <= upto))
-        keep = pending.take(np.flatnonzero(pending.key > upto))
+        done = pending.key <= upto
+        final, keep = pending.where(done), pending.where(~done)
         if len(keep):  # at most the newest _MAX_OPEN_STEPS steps (a backlog's far future is dropped)
-            keep = keep.take(np.flatnonzero(keep.key > int(keep.key.max()) - _MAX_OPEN_STEPS))
+            keep = keep.where(keep.key > int(keep.key.max()) - _MAX_OPEN_STEPS)
         st.rows = [keep] if len(keep) else []
         st.last_final = upto
         if not len(final):
@@ -462,8 +466,7 @@ class SlowLinkDetector:
         # sender, so a pp peer of a rank slowed on another axis looked like a slow pp link
         # (bench_detection on dp2xpp2); a pp link is judged once p2p records their waits.
         # Nor is an op without an axis (there is no axis to judge it on)
-        figures = _link_figures(final.take(np.flatnonzero(~final.is_p2p & (final.nbytes >= self.cfg.min_bytes)
-                                                          & (final.axis >= 0))))
+        figures = _link_figures(final.where(~final.is_p2p & (final.nbytes >= self.cfg.min_bytes) & (final.axis >= 0)))
         if len(figures.g_key):
             self._judge(p, st, figures)
 

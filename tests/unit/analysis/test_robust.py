@@ -39,6 +39,29 @@ def test_loo_median_matches_brute_force():
                 assert np.isnan(got[i])
 
 
+def test_loo_median_is_exact_with_ties_nan_and_one_group_or_many():
+    """Equal values (which an unstable sort may put either way round), NaN and one group or
+    several: each element's answer is the median of its group's others, to the bit."""
+    rng = np.random.default_rng(3)
+    for trial in range(300):
+        n = int(rng.integers(3, 40))
+        values = np.round(rng.normal(size=n), 1)
+        if trial % 3 == 0:
+            values[rng.random(n) < 0.1] = np.nan
+        groups = np.zeros(n, np.int64) if trial % 2 else rng.integers(0, 4, n)
+        got, peers = loo_median(values, groups)
+        for i in range(n):
+            others = values[(groups == groups[i]) & (np.arange(n) != i)]
+            assert peers[i] == len(others)
+            want = np.sort(others)  # NaN last, as the sort inside
+            k = len(want)
+            if not k:
+                assert np.isnan(got[i])
+            else:
+                expect = 0.5 * (want[(k - 1) // 2] + want[k // 2])
+                assert got[i] == expect or (np.isnan(got[i]) and np.isnan(expect)), (trial, i)
+
+
 def test_level_follows_a_descent_and_noise_ignores_the_trend():
     b = RollingBaseline(50)
     rng = np.random.default_rng(1)
