@@ -61,6 +61,11 @@ def test_encode_lays_columns_end_to_end_in_schema_order():
     decoded = wire.decode_batch(body)
     assert decoded.num_rows("step") == 3 and decoded.num_rows("collective") == 5
     assert bytes(decoded.columns["step"]["skipped"]) == bytes([1, 2, 3])
+    # typed=False: the same bytes, uncast ("B"); the codes are still checked when asked
+    raw = wire.decode_batch(body, typed=False)
+    for kind, cols in decoded.columns.items():
+        assert {name: (v.format, v.tobytes()) for name, v in raw.columns[kind].items()} == \
+            {name: ("B", v.tobytes()) for name, v in cols.items()}
 
 
 def test_overlapping_columns_cannot_multiply_rows():
@@ -262,3 +267,13 @@ def test_a_bundle_item_over_the_batch_limit_is_refused_before_it_is_read():
         wire.decode_bundle(body, max_items=4, max_item_bytes=100)
     with pytest.raises(wire.WireError, match="ends inside item 1's length"):
         wire.decode_bundle(body[:8 + 4 + 10 + 2], max_items=4, max_item_bytes=200)
+
+
+@pytest.mark.parametrize("typed", [True, False])
+def test_a_code_outside_its_dictionary_is_refused_typed_or_not(typed):
+    cols = column_bytes("collective", 2)
+    cols["op"] = struct.pack("<2h", 0, 1)  # "op" holds one value: code 1 is outside it
+    body = wire.encode_batch(HEADER, {"collective": (2, cols)})
+    with pytest.raises(wire.WireError, match="collective.op: code 1 outside its dictionary of 1"):
+        wire.decode_batch(body, typed=typed)
+    assert wire.decode_batch(body, check_codes=False, typed=typed).num_rows("collective") == 2
