@@ -458,8 +458,7 @@ class Writer:
         m = self._metrics
         for name, t in list(group.tables.items()) + group.extra:
             m.rows_ingested.labels(name).inc(t.num_rows)
-        for b in group.fresh:
-            m.runs.observe(b)
+        m.runs.observe_all(group.fresh)
         m.batches.inc(len(group.fresh))
         m.duplicate_batches.inc(group.verdicts.count(DUPLICATE))
         m.conflicting_batches.inc(group.verdicts.count(CONFLICT))

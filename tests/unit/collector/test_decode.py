@@ -152,6 +152,19 @@ def test_overlapping_columns_are_a_400():
     assert err.status == 400 and "starts at 0" in str(err)
 
 
+def test_content_hash_in_pieces_is_the_hash_of_the_whole():
+    """A small body is hashed in pieces that keep the GIL, a large one in one call: either way
+    the digest of its bytes, at every size around a piece's and the switch between the two."""
+    from collector.ingest.decode import _HASH_IN_PIECES_MAX, _HASH_PIECE, content_hash
+
+    data = bytes(range(256)) * 1100
+    for size in (0, 1, _HASH_PIECE - 1, _HASH_PIECE, _HASH_PIECE + 1, 2 * _HASH_PIECE, 5000,
+                 _HASH_IN_PIECES_MAX, _HASH_IN_PIECES_MAX + 1, len(data)):
+        body = data[:size]
+        want = hashlib.blake2b(body, digest_size=16).digest()
+        assert content_hash(body) == want and content_hash(memoryview(body)) == want, size
+
+
 def test_content_hash_is_of_the_bytes():
     a = make_batch(sections={wire.STEP: steps_section([1])})
     b = make_batch(sections={wire.STEP: steps_section([2])})

@@ -84,7 +84,7 @@ def test_goodput_is_read_when_a_run_moved_and_for_a_bounded_number_of_runs_a_scr
 def test_runs_leave_the_gauges_when_quiet():
     clock = [0.0]
     gauges = RunGauges(live_s=10.0, clock=lambda: clock[0])
-    gauges.observe(decode(make_batch(sections={wire.STEP: steps_section([1], loss=1.0, step_s=1.0, tokens=5)})))
+    gauges.observe_all([decode(make_batch(sections={wire.STEP: steps_section([1], loss=1.0, step_s=1.0, tokens=5)}))])
     assert gauges.snapshot() == {"run1": (1, 1.0, 5.0)}
     clock[0] = 11.0
     assert gauges.snapshot() == {}
@@ -97,11 +97,26 @@ def test_unmeasured_values_stay_out_of_the_gauges():
     import math
     gauges = RunGauges(live_s=10.0, clock=lambda: 0.0)
     for rank, loss in ((0, 2.0), (1, wire.NULL_F64)):
-        gauges.observe(decode(make_batch(rank=rank, sections={wire.STEP: steps_section(
-            [7], loss=loss, tokens=wire.NOT_MEASURED, step_s=wire.NULL_F64)})))
+        gauges.observe_all([decode(make_batch(rank=rank, sections={wire.STEP: steps_section(
+            [7], loss=loss, tokens=wire.NOT_MEASURED, step_s=wire.NULL_F64)}))])
     (step, loss, tps), = gauges.snapshot().values()
     assert (step, loss) == (7, 2.0) and math.isnan(tps)
-    gauges.observe(decode(make_batch(rank=0, sections={wire.STEP: steps_section(
-        [8], loss=math.nan, tokens=64, step_s=0.5)})))
+    gauges.observe_all([decode(make_batch(rank=0, sections={wire.STEP: steps_section(
+        [8], loss=math.nan, tokens=64, step_s=0.5)}))])
     (step, loss, tps), = gauges.snapshot().values()
     assert step == 8 and math.isnan(loss) and tps == 128.0
+
+
+def test_a_batch_s_gauges_come_from_its_highest_step_the_first_of_equals():
+    """A flush of a few steps (a Python max) or of many (numpy): the row with the highest step,
+    the first of two rows at that step (a replayed step's older row), whatever the order."""
+    import numpy as np
+    gauges = RunGauges(live_s=10.0, clock=lambda: 0.0)
+    for steps in ([3, 9, 9, 2], list(range(40, 0, -1)) + [40]):
+        n = len(steps)
+        loss = np.arange(n, dtype=float) + 1.0
+        gauges.observe_all([decode(make_batch(sections={wire.STEP: steps_section(
+            steps, loss=loss, step_s=np.ones(n), tokens=np.full(n, 4))}))])
+        (step, got, _), = gauges.snapshot().values()
+        first = steps.index(max(steps))
+        assert (step, got) == (max(steps), loss[first]), steps
