@@ -256,7 +256,8 @@ def test_a_clip_bound_before_the_watch_hands_its_norm_over_once_preinstalled(age
     assert steps(agent)[0]["grad_norm"] == norm
     w.close()
     assert torch.nn.utils.clip_grad_norm_ is bound  # it stays (inert without a watch)
-    assert bound(model.parameters(), 1.0) is not None
+    want = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    assert torch.isclose(bound(model.parameters(), 1.0), want)  # the real norm, as without a watch
 
 
 def test_no_grad_norm_when_asked_and_none_clipped(agent):
