@@ -101,7 +101,7 @@ class DataStallDetector:
             return False
         r, d, s = r[ok], d[ok], s[ok]
         st.ensure(int(r.max()) + 1)
-        peers, n = loo_median(d, np.zeros(len(d), np.int64))
+        peers, n = loo_median(d)
         peers = np.where(n >= 1, peers, 0.0)
         share = d / s
         excess = d - peers

@@ -490,7 +490,7 @@ class SlowLinkDetector:
         r, c = r[ok], c[ok]
         st.compute_ratio = _grow(st.compute_ratio, int(r.max()) + 1, 1.0)
         st.compute_excess = _grow(st.compute_excess, int(r.max()) + 1, 0.0)
-        ref, peers = loo_median(c, np.zeros(len(c), np.int64))
+        ref, peers = loo_median(c)
         good = (peers >= 1) & (ref > 0)
         a = self.cfg.ewma_alpha
         st.compute_ratio[r[good]] = a * (c[good] / ref[good]) + (1 - a) * st.compute_ratio[r[good]]
@@ -549,7 +549,7 @@ class SlowLinkDetector:
         first = np.flatnonzero(np.r_[True, ax.member_gid[1:] != ax.member_gid[:-1]])
         link_of = np.full(len(ax.calm), -np.inf)
         link_of[ax.member_gid[first]] = np.maximum.reduceat(rel[order], first)
-        peers, npeers = loo_median(lbw, np.zeros(len(lbw), np.int64))
+        peers, npeers = loo_median(lbw)
         peers = np.where(npeers >= 1, peers, np.nan)
         base = ax.history.medians(gids, cfg.min_history_steps)
         ref = np.where(np.isfinite(peers), np.minimum(base, peers), base)

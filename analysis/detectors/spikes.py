@@ -363,7 +363,7 @@ class LossSpikeDetector(_SpikeDetector):
         if len(rep) < 2:
             return False
         lv = np.log(val)
-        ref, _ = loo_median(lv, np.zeros(len(lv), np.int64))
+        ref, _ = loo_median(lv)
         d = lv - ref
         n = int(rep.max()) + 1
         st.peer_offset = _grow(st.peer_offset, n, 0.0)
@@ -536,7 +536,7 @@ class LossSpikeDetector(_SpikeDetector):
         so early in a run a poisoned replica is plain against its peers and not yet against
         its own past."""
         cfg = self.cfg
-        ref, _ = loo_median(lv, np.zeros(len(lv), np.int64))
+        ref, _ = loo_median(lv)
         adj = lv - ref
         n = len(st.peer_offset)
         known = (rep < n) & (st.peer_seen[np.minimum(rep, max(n - 1, 0))] >= cfg.min_history_steps) if n else \

@@ -606,7 +606,7 @@ class StragglerDetector:
                 level[i] = median_of(hist)
             x = lc - level[at]
             x_pipe, partners = loo_median(x, topo.pipeline_of(r))
-            x_all, _ = loo_median(x, np.zeros(len(x), np.int64))
+            x_all, _ = loo_median(x)
             x_ref = np.where(partners >= 1, x_pipe, x_all)
             single = partners == 1
             ratio = np.exp(x - x_ref)
