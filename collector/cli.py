@@ -110,8 +110,6 @@ def _server(config, banner: Callable[[str], str]):
     signal.signal(signal.SIGINT, request_exit)
     return server
 
-    return Server
-
 
 def serve(args: argparse.Namespace) -> int:
     import duckdb
