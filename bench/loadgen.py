@@ -65,6 +65,22 @@ def _template(kind: str, n: int, rng: np.random.Generator) -> dict[str, np.ndarr
             cols[col.name] = rng.random(n).astype(dt)
         else:
             cols[col.name] = rng.integers(0, 1000, n).astype(dt)
+    # the values a healthy job sends where random ones would read as faults: finite gradients
+    # (a random flag is 0, "not finite", on some rank every few steps: the NaN detector opened an
+    # incident every ~90 steps of a 64-rank run), a measured local loss, and a peer only for sends
+    # and receives (any peer >= 0 makes an op point to point)
+    for flag in ("finite_fwd", "finite_bwd", "local_loss_valid"):
+        if flag in cols:
+            cols[flag][:] = 1
+    if kind == wire.STEP:  # a step of ~1 s, ~1% of it waiting for data, a loss and a gradient that wobble
+        jitter = 1.0 + 0.02 * rng.standard_normal(n)
+        for name, value in (("step_s", 1.0), ("fwd_s", 0.3), ("bwd_s", 0.6), ("opt_s", 0.05), ("data_s", 0.01),
+                            ("comm_exposed_s", 0.04), ("loss", 2.5), ("local_loss", 2.5), ("grad_norm", 1.0)):
+            cols[name] = (value * jitter).astype(cols[name].dtype)
+        cols["loss_scale"][:], cols["lr"][:], cols["tokens"][:] = 65536.0, 3e-4, 4096
+    if "peer" in cols:
+        p2p = np.isin(cols["op"], [OPS.index("send"), OPS.index("recv")])
+        cols["peer"] = np.where(p2p, cols["peer"], -1).astype(cols["peer"].dtype)
     return cols
 
 
