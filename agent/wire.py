@@ -393,12 +393,12 @@ def decode_batch(data: bytes | memoryview, *, check_codes: bool = True, typed: b
             n, layout = sec.get("n"), sec.get("columns")
             if type(n) is int and n >= 0 and type(layout) is dict:
                 plan = _plan(kind, n, tuple(layout))
-                if (plan is not None and pos + plan.span <= len(body)
-                        and layout == plan.layout_at(pos)
+                at = plan.at_offset(pos) if plan is not None and pos + plan.span <= len(body) else None
+                if (at is not None and layout == at.layout
                         and {type(x) for loc in layout.values() for x in loc} <= _INT
-                        and all(body[pos + a:pos + b] == _ZEROS[:b - a] for a, b in plan.pads)):
+                        and all(map(memoryview.__eq__, map(body.__getitem__, at.pads), at.zeros))):
                     cols = ({name: body[pos + rel:pos + rel + nb].cast(fmt) for name, rel, nb, fmt in plan.cols}
-                            if typed else {name: body[pos + rel:pos + rel + nb] for name, rel, nb, _ in plan.cols})
+                            if typed else dict(zip(plan.names, map(body.__getitem__, at.columns))))
                     if check_codes and n:
                         _check_codes(kind, cols, dicts)
                     columns[kind] = cols
@@ -480,17 +480,33 @@ class _Plan:
     cols: tuple[tuple[str, int, int, str], ...]  # (name, offset from the section's start, bytes, format)
     pads: tuple[tuple[int, int], ...]  # the padding's [start, end) after each column that has some
     span: int  # the section's bytes, padding included
-    # the header's "columns" object of this layout starting at a given offset (compared, never
-    # changed): an agent's sections start at the same few offsets batch after batch
-    at: dict[int, dict[str, list[int]]] = field(default_factory=dict)
+    names: tuple[str, ...] = ()  # the columns' names, in order
+    # this layout starting at a given offset: an agent's sections start at the same few
+    # offsets batch after batch
+    at: dict[int, _At] = field(default_factory=dict)
 
-    def layout_at(self, pos: int) -> dict[str, list[int]]:
-        layout = self.at.get(pos)
-        if layout is None:
+    def at_offset(self, pos: int) -> _At:
+        at = self.at.get(pos)
+        if at is None:
             if len(self.at) >= 64:
                 self.at.clear()
-            layout = self.at[pos] = {name: [pos + rel, nb] for name, rel, nb, _ in self.cols}
-        return layout
+            at = self.at[pos] = _At(
+                layout={name: [pos + rel, nb] for name, rel, nb, _ in self.cols},
+                columns=tuple(slice(pos + rel, pos + rel + nb) for _, rel, nb, _ in self.cols),
+                pads=tuple(slice(pos + a, pos + b) for a, b in self.pads),
+                zeros=tuple(_ZEROS[:b - a] for a, b in self.pads))
+        return at
+
+
+@dataclass(frozen=True, slots=True)
+class _At:
+    """A plan's layout at one offset: the header's "columns" object it must equal (compared,
+    never changed), each column's slice of the column area, and its padding's (all zero)."""
+
+    layout: dict[str, list[int]]
+    columns: tuple[slice, ...]
+    pads: tuple[slice, ...]
+    zeros: tuple[bytes, ...]
 
 
 _PLANS: dict[tuple, _Plan | None] = {}
@@ -518,7 +534,7 @@ def _plan(kind: str, n: int, names: tuple[str, ...]) -> _Plan | None:
                 if pad:
                     pads.append((rel + nb, rel + nb + pad))
                 rel += nb + pad
-        plan = _Plan(tuple(cols), tuple(pads), rel)
+        plan = _Plan(tuple(cols), tuple(pads), rel, names=tuple(c[0] for c in cols))
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
     _PLANS[key] = plan

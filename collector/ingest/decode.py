@@ -214,6 +214,9 @@ def _validation_reason(err: ValidationError) -> str:
     return f"header field {where}: {first['msg']}"
 
 
+_FEW_ROWS = 64
+
+
 def decode(body: bytes | memoryview) -> DecodedBatch:
     """Validate a wire batch; raise `BatchRejected` (400 framing, 422 content)."""
     try:
@@ -245,12 +248,18 @@ def decode(body: bytes | memoryview) -> DecodedBatch:
             if name not in cols:  # an optional column left out
                 continue
             values = dicts.get(col.dict_name, [])
+            # a few rows (an agent's flush: ~0.5 us) by min/max over the bytes cast, more with numpy
+            # (~2 us a call whatever the size: ~7 calls a batch, a 100,000-rank collector's main cost)
             if col.null == -1:  # -1 is NULL: two reductions
-                codes = np.frombuffer(cols[name], dtype="<i2")
-                lo, hi = int(codes.min()), int(codes.max())
+                if n <= _FEW_ROWS:
+                    codes = cols[name].cast("h")
+                    lo, hi = min(codes), max(codes)
+                else:
+                    codes = np.frombuffer(cols[name], dtype="<i2")
+                    lo, hi = int(codes.min()), int(codes.max())
                 bad = lo if lo < -1 else hi if hi >= len(values) else None
             else:  # one reduction checks both ends: as uint16, a negative int16 code is >= 32768
-                top = int(np.frombuffer(cols[name], dtype="<u2").max())
+                top = max(cols[name].cast("H")) if n <= _FEW_ROWS else int(np.frombuffer(cols[name], dtype="<u2").max())
                 bad = (top - 65536 if top >= 32768 else top) if top >= len(values) else None
             if bad is not None:
                 raise BatchRejected(f"{kind}.{name}: code {bad} outside its dictionary of {len(values)}", 400)

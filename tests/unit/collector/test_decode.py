@@ -12,7 +12,7 @@ import pytest
 
 from agent import wire
 from collector.ingest.decode import BatchRejected, decode
-from tests.unit.collector.collector_batches import columns, encode_loose, make_batch, steps_section
+from tests.unit.collector.collector_batches import DICTS, columns, encode_loose, make_batch, steps_section
 
 
 def coll(n=2, **given):
@@ -41,6 +41,32 @@ def test_valid_batch_is_views_of_the_body():
 def test_dictionary_codes_checked_vectorised(op, match):
     err = rejected(make_batch(sections=coll(2, op=op)))
     assert err.status == 400 and match in str(err)
+
+
+@pytest.mark.parametrize("n", [3, 64, 65, 300])  # min/max over the bytes up to 64 rows, numpy above
+def test_dictionary_codes_are_checked_at_both_ends_whatever_the_row_count(n):
+    def refused(kind, name, codes, dicts):
+        return rejected(make_batch(sections={kind: (n, columns(kind, n, **{name: codes}))}, dicts=dicts))
+
+    ops = {**DICTS, "op": ["all_reduce", "all_gather"]}
+    for bad, code in ((2, "code 2"), (-1, "code -1"), (-32768, "code -32768"), (32767, "code 32767")):
+        codes = np.zeros(n, np.int16)
+        codes[n // 2] = bad
+        err = refused(wire.COLLECTIVE, "op", codes, ops)
+        assert err.status == 400 and f"collective.op: {code} outside its dictionary of 2" in str(err)
+    fine = np.ones(n, np.int16)
+    assert decode(make_batch(sections={wire.COLLECTIVE: (n, columns(wire.COLLECTIVE, n, op=fine))},
+                             dicts=ops)).num_rows == n
+    # a column whose -1 is NULL: -1 stored, -2 and the dictionary's size refused
+    beats = {**DICTS, "op": ["all_reduce"]}
+    nulls = np.full(n, -1, np.int16)
+    assert decode(make_batch(sections={wire.HEARTBEAT: (n, columns(wire.HEARTBEAT, n, last_op=nulls))},
+                             dicts=beats)).num_rows == n
+    for bad, code in ((-2, "code -2"), (1, "code 1")):
+        codes = np.zeros(n, np.int16)
+        codes[-1] = bad
+        err = refused(wire.HEARTBEAT, "last_op", codes, beats)
+        assert err.status == 400 and f"heartbeat.last_op: {code} outside its dictionary of 1" in str(err)
 
 
 def test_dictionary_missing():
