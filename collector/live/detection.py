@@ -64,6 +64,13 @@ Submit = Callable[..., Any]
 MAX_MERGED_COMMITS = 8
 # run_id -> its runs, ranks and nodes rows (collector/read/queries.py run_meta_tables, through Storage.read)
 Meta = Callable[[str], Mapping[str, pa.Table]]
+# A run's meta rows are read again on every pass until every rank has reported its coordinates,
+# unless a read took META_COSTLY_S or more: then not before META_COST_FACTOR times as long has
+# passed. A 100,000-rank run reports over its first flush period (30 s), and each read of its
+# ~100,000 rows into a new topology took ~0.3 s of the GIL, pass after pass: the writer's commits
+# and the event loop waited for it (acks of 2-7 s). A small job's read (ms) is never held back.
+META_COSTLY_S = 0.05
+META_COST_FACTOR = 10.0
 
 
 def run_tables(commit: Commit, run_id: str) -> dict[str, pa.Table]:
@@ -91,11 +98,13 @@ class DetectionRunner:
                  clock: Callable[[], float] = time.time, tick_s: float = 1.0, idle_run_s: float = 600.0,
                  on_gap: Callable[[int], None] | None = None, registry: CollectorRegistry | None = None,
                  watermarks: Watermarks | None = None,
-                 mark_known_good: Callable[[str, int, int], Any] | None = None) -> None:
+                 mark_known_good: Callable[[str, int, int], Any] | None = None,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         """`meta(run_id)`: the run's runs, ranks and nodes rows (None: the commits carry
         what the analysis needs). `tick_s`: a run without a pass this long gets one with
         empty tables. `idle_run_s`: a run without rows this long is forgotten. `watermarks`:
-        where each pass leaves the run's clean-through watermark (collector/live/watermark.py)."""
+        where each pass leaves the run's clean-through watermark (collector/live/watermark.py).
+        `monotonic`: what times the meta reads (META_COSTLY_S; tests step it)."""
         self.analyzer = analyzer
         self.watermarks = watermarks
         self._mark_known_good = mark_known_good  # (run_id, attempt, step): checkpoints.known_good
@@ -108,6 +117,8 @@ class DetectionRunner:
         self._tick_s, self._idle_run_s = tick_s, idle_run_s
         self._on_gap = on_gap or (lambda missed: self.forget())
         self._complete: set[str] = set()  # runs whose size and every rank's coordinates the analysis has
+        self._meta_due: dict[str, float] = {}  # run_id -> monotonic() before which its meta is not read
+        self._monotonic = monotonic
         self._last_rows: dict[str, float] = {}  # run_id -> time.monotonic() of its last commit
         self._last_pass: dict[str, float] = {}  # run_id -> time.monotonic() of its last pass
         self._stop = threading.Event()
@@ -136,6 +147,7 @@ class DetectionRunner:
         for r in list(self.analyzer.runs) if run_id is None else [run_id]:
             self.analyzer.drop_run(r)
             self._complete.discard(r)
+            self._meta_due.pop(r, None)
             self._marked.pop(r, None)
             if self.watermarks is not None:
                 self.watermarks.forget(r)
@@ -244,11 +256,19 @@ class DetectionRunner:
         frames = Frames.from_arrow(tables)
         if is_new_round(frames):
             self._complete.discard(run_id)
+            self._meta_due.pop(run_id, None)  # a new round's ranks: read at once
         if self._meta is None or run_id in self._complete:
             return frames
+        now = self._monotonic()
+        if now < self._meta_due.get(run_id, now):
+            return frames  # read lately, at a cost (META_COSTLY_S): the analysis keeps what it read then
         meta = self._meta(run_id)
+        took = self._monotonic() - now
+        if took >= META_COSTLY_S:
+            self._meta_due[run_id] = now + META_COST_FACTOR * took
         if _complete(meta):
             self._complete.add(run_id)
+            self._meta_due.pop(run_id, None)
         return Frames.from_arrow({**tables, **meta})
 
     def _recorded(self, result: Any, error: BaseException | None) -> None:

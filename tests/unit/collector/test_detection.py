@@ -222,6 +222,52 @@ def test_the_runs_meta_rides_along_until_its_mesh_is_known_and_again_after_a_res
     assert reads == ["a", "a", "a"] and got[3] == ["events", "ranks", "runs"]
 
 
+def test_a_costly_meta_read_is_not_repeated_on_every_pass_until_its_cost_is_small_beside_the_time():
+    """A read of a run's meta rows that took META_COSTLY_S or more (a 100,000-rank run's) is
+    not made again before META_COST_FACTOR times as long has passed; the passes between keep
+    what the analysis has. A cheap read (a small job's) is made on every pass as before, and
+    a new round's meta is read at once."""
+    from collector.live import detection
+
+    clock = {"t": 100.0}
+    cost = {"s": 0.2}
+    reads: list[float] = []
+
+    def meta(run_id):
+        reads.append(clock["t"])
+        clock["t"] += cost["s"]  # the read's own time, on the runner's clock
+        return {"runs": pa.table({"run_id": [run_id], "world_size": [4]}),
+                "ranks": pa.table({"run_id": [run_id], "rank": [0]})}  # 1 of 4 ranks: never complete
+
+    got = []
+    analysis = StandIn(lambda state, frames, now: got.append("ranks" in frames.tables()) or [])
+    runner = DetectionRunner(Subscription("c"), analysis, submit=lambda *a, **k: None, meta=meta,
+                             monotonic=lambda: clock["t"])
+    steps = {"steps": pa.table({"run_id": ["a"], "step": [1]})}
+    wait_s = detection.META_COST_FACTOR * cost["s"]
+    runner.run_pass(steps, ["a"])
+    for _ in range(3):  # within the wait: no read
+        clock["t"] += wait_s / 4
+        runner.run_pass(steps, ["a"])
+    assert len(reads) == 1 and got == [True, False, False, False]
+    clock["t"] = reads[0] + wait_s + 0.01  # the wait is over
+    runner.run_pass(steps, ["a"])
+    assert len(reads) == 2 and got[-1] is True
+    cost["s"] = detection.META_COSTLY_S / 10  # cheap now (the last read was costly: its wait first)
+    clock["t"] = reads[1] + wait_s + 0.01
+    for _ in range(3):
+        runner.run_pass(steps, ["a"])
+    assert len(reads) == 5 and got[-3:] == [True, True, True]
+    cost["s"] = 0.2
+    runner.run_pass(steps, ["a"])  # costly again: the next pass waits ...
+    runner.run_pass(steps, ["a"])
+    assert len(reads) == 6 and got[-1] is False
+    restart = pa.table({"run_id": ["a"], "rank": pa.array([0], pa.int32()), "ts": [1.0], "kind": ["run_started"],
+                        "data": ['{"restart": 1}'], "attempt": pa.array([1], pa.int32())})
+    runner.run_pass({"events": restart}, ["a"])  # ... but not a new round's
+    assert len(reads) == 7 and got[-1] is True
+
+
 def test_checkpoints_are_marked_known_good_when_the_watermark_passes_one_not_at_every_move():
     """The first watermark marks what is at or below it (checkpoints reported before this
     collector started); after that a move writes only when it passes a checkpoint reported
