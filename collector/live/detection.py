@@ -65,10 +65,12 @@ MAX_MERGED_COMMITS = 8
 # run_id -> its runs, ranks and nodes rows (collector/read/queries.py run_meta_tables, through Storage.read)
 Meta = Callable[[str], Mapping[str, pa.Table]]
 # A run's meta rows are read again on every pass until every rank has reported its coordinates,
-# unless a read took META_COSTLY_S or more: then not before META_COST_FACTOR times as long has
-# passed. A 100,000-rank run reports over its first flush period (30 s), and each read of its
-# ~100,000 rows into a new topology took ~0.3 s of the GIL, pass after pass: the writer's commits
-# and the event loop waited for it (acks of 2-7 s). A small job's read (ms) is never held back.
+# unless the run has META_LARGE_RANKS ranks or more and a read took META_COSTLY_S or more: then
+# not before META_COST_FACTOR times as long has passed. A 100,000-rank run reports over its first
+# flush period (30 s), and each read of its ~100,000 rows into a new topology took ~0.3 s of the
+# GIL, pass after pass: the writer's commits and the event loop waited for it (acks of 2-7 s).
+# A smaller job's reads are never held back, however slow a loaded host makes one.
+META_LARGE_RANKS = 1024
 META_COSTLY_S = 0.05
 META_COST_FACTOR = 10.0
 
@@ -264,7 +266,8 @@ class DetectionRunner:
             return frames  # read lately, at a cost (META_COSTLY_S): the analysis keeps what it read then
         meta = self._meta(run_id)
         took = self._monotonic() - now
-        if took >= META_COSTLY_S:
+        ranks = meta.get("ranks")
+        if took >= META_COSTLY_S and ranks is not None and ranks.num_rows >= META_LARGE_RANKS:
             self._meta_due[run_id] = now + META_COST_FACTOR * took
         if _complete(meta):
             self._complete.add(run_id)

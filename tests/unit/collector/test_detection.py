@@ -222,22 +222,25 @@ def test_the_runs_meta_rides_along_until_its_mesh_is_known_and_again_after_a_res
     assert reads == ["a", "a", "a"] and got[3] == ["events", "ranks", "runs"]
 
 
-def test_a_costly_meta_read_is_not_repeated_on_every_pass_until_its_cost_is_small_beside_the_time():
-    """A read of a run's meta rows that took META_COSTLY_S or more (a 100,000-rank run's) is
-    not made again before META_COST_FACTOR times as long has passed; the passes between keep
-    what the analysis has. A cheap read (a small job's) is made on every pass as before, and
-    a new round's meta is read at once."""
+@pytest.mark.parametrize("large", [True, False])
+def test_a_costly_meta_read_is_not_repeated_on_every_pass_until_its_cost_is_small_beside_the_time(large):
+    """A large run's read of its meta rows (META_LARGE_RANKS ranks or more) that took
+    META_COSTLY_S or more is not made again before META_COST_FACTOR times as long has passed;
+    the passes between keep what the analysis has. A cheap read is made on every pass as
+    before, a new round's meta is read at once, and a smaller run's on every pass however
+    long it took."""
     from collector.live import detection
 
     clock = {"t": 100.0}
     cost = {"s": 0.2}
     reads: list[float] = []
+    n = detection.META_LARGE_RANKS if large else detection.META_LARGE_RANKS - 1
 
     def meta(run_id):
         reads.append(clock["t"])
         clock["t"] += cost["s"]  # the read's own time, on the runner's clock
-        return {"runs": pa.table({"run_id": [run_id], "world_size": [4]}),
-                "ranks": pa.table({"run_id": [run_id], "rank": [0]})}  # 1 of 4 ranks: never complete
+        return {"runs": pa.table({"run_id": [run_id], "world_size": [2 * n]}),  # half its ranks: never complete
+                "ranks": pa.table({"run_id": [run_id] * n, "rank": list(range(n))})}
 
     got = []
     analysis = StandIn(lambda state, frames, now: got.append("ranks" in frames.tables()) or [])
@@ -245,6 +248,11 @@ def test_a_costly_meta_read_is_not_repeated_on_every_pass_until_its_cost_is_smal
                              monotonic=lambda: clock["t"])
     steps = {"steps": pa.table({"run_id": ["a"], "step": [1]})}
     wait_s = detection.META_COST_FACTOR * cost["s"]
+    if not large:
+        for _ in range(4):
+            runner.run_pass(steps, ["a"])
+        assert len(reads) == 4 and got == [True] * 4
+        return
     runner.run_pass(steps, ["a"])
     for _ in range(3):  # within the wait: no read
         clock["t"] += wait_s / 4
