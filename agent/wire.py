@@ -397,8 +397,9 @@ def decode_batch(data: bytes | memoryview, *, check_codes: bool = True, typed: b
                 if (at is not None and layout == at.layout
                         and {type(x) for loc in layout.values() for x in loc} <= _INT
                         and all(map(memoryview.__eq__, map(body.__getitem__, at.pads), at.zeros))):
-                    cols = ({name: body[pos + rel:pos + rel + nb].cast(fmt) for name, rel, nb, fmt in plan.cols}
-                            if typed else dict(zip(plan.names, map(body.__getitem__, at.columns))))
+                    views = map(body.__getitem__, at.columns)
+                    cols = ({name: v.cast(c[3]) for name, v, c in zip(plan.names, views, plan.cols)}
+                            if typed else dict(zip(plan.names, views)))
                     if check_codes and n:
                         _check_codes(kind, cols, dicts)
                     columns[kind] = cols

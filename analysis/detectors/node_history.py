@@ -30,6 +30,7 @@ import polars as pl
 
 from analysis import fleet
 from analysis.findings import Finding
+from analysis.frames import key_order
 from analysis.registry import register
 
 DAY_S = 86400.0
@@ -85,12 +86,10 @@ class NodeHistoryDetector:
         since = p.now - self.cfg.window_days * DAY_S
         # the ranks by node, each node's in rank order (one sort: a mask per node was 12,500 passes
         # over 100,000 ranks, every pass until the last rank reported)
-        codes = topo.node_of[held]
-        order = np.argsort(codes, kind="stable")
-        by_node = codes[order]
-        starts = np.flatnonzero(np.r_[True, by_node[1:] != by_node[:-1]])
+        codes = topo.node_of[held].astype(np.int64)
+        order, starts = key_order([codes])
         names, hws = st.suspects
-        for code, lo, hi in zip(by_node[starts].tolist(), starts.tolist(), np.r_[starts[1:], len(order)].tolist()):
+        for code, lo, hi in zip(codes[order[starts]].tolist(), starts.tolist(), [*starts[1:].tolist(), len(order)]):
             node = topo.node_names[code]
             if node in st.judged:
                 continue
