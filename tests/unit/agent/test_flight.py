@@ -474,7 +474,11 @@ def test_a_real_gloo_groups_all_reduces_become_rows(tmp_path):
             dist.all_reduce(x)
         t1 = time.time()
         # gloo retires an entry from its worker thread, maybe just after wait() returned: read until all are
-        assert wait_until(lambda: r.poll(force=True) >= 0 and rec._active.collective.n - first >= 3, 10.0)
+        def retired() -> bool:
+            r.poll(force=True)
+            return rec._active.collective.n - first >= 3
+
+        assert wait_until(retired, 10.0)
         last = r.last_entered()
     finally:
         dist.destroy_process_group()
