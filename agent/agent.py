@@ -702,7 +702,8 @@ class Agent(Recorder):
                 last_seq, op, axis, group_id, group_seq = -1, None, None, -1, -1
                 self._log_once("seq", "llmwatch agent: the seq source failed: %r", e)
         ts, step = self._clock(), self._hb_step
-        self._record_heartbeat(ts, step, self._phase, last_seq, op, axis, group_id, group_seq)
+        self._record_heartbeat(ts, step, self._phase, last_seq, op, axis, group_id, group_seq,
+                               self.config.heartbeat_interval_s)
         if self._health is not None:
             self._sample_health(ts, step)
 

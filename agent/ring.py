@@ -353,9 +353,11 @@ class Recorder:
 
     # -- flusher side ------------------------------------------------------
     def _record_heartbeat(self, ts: float, step: int, phase: str, last_seq: int, last_op: str | None = None,
-                          last_axis: str | None = None, last_group_id: int = -1, last_group_seq: int = -1) -> None:
+                          last_axis: str | None = None, last_group_id: int = -1, last_group_seq: int = -1,
+                          interval_s: float = wire.NULL_F64) -> None:
         """`last_op` ... `last_group_seq`: the collective `last_seq` names (None / -1:
-        unknown, NULL in the tables)."""
+        unknown, NULL in the tables); `interval_s`: the heartbeat interval (the time until
+        the next, which the collector waits some of before it reads silence as a crash)."""
         with self._lock:
             buf = self._hb_buf
             i = buf.n
@@ -365,7 +367,7 @@ class Recorder:
             op = -1 if last_op is None else last_op
             axis = -1 if last_axis is None else last_axis
             try:
-                c0, c1, c2, c3, c4, c5, c6, c7 = buf.cols
+                c0, c1, c2, c3, c4, c5, c6, c7, c8 = buf.cols
                 c0[i] = ts
                 c1[i] = step
                 c2[i] = self._phase_codes[phase]
@@ -374,9 +376,10 @@ class Recorder:
                 c5[i] = -1 if last_axis is None else self._axis_codes[last_axis]
                 c6[i] = last_group_id
                 c7[i] = last_group_seq
+                c8[i] = interval_s
                 buf.n = i + 1
             except Exception:
-                self._store_slow(buf, (ts, step, phase, last_seq, op, axis, last_group_id, last_group_seq))
+                self._store_slow(buf, (ts, step, phase, last_seq, op, axis, last_group_id, last_group_seq, interval_s))
 
     def _add_event(self, event: dict) -> None:
         """Queue an already JSON-safe event dict (rare: the caller builds it)."""

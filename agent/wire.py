@@ -125,7 +125,7 @@ def _measured(name: str, fmt: str) -> Column:
 
 def _opt(name: str, fmt: str, **kw) -> Column:
     if "valid" not in kw and kw.get("stored", True):
-        kw["null"] = NOT_MEASURED
+        kw["null"] = NULL_F64_BITS if fmt == "d" else NOT_MEASURED
     return Column(name, fmt, optional=True, **kw)
 
 
@@ -168,6 +168,9 @@ SCHEMA: dict[str, tuple[Column, ...]] = {
         _opt("last_op", "h", dict_encoded=True, dictionary="op"),
         _opt("last_axis", "h", dict_encoded=True, dictionary="axis"),
         _opt("last_group_id", "i"), _opt("last_group_seq", "q"),
+        # the agent's heartbeat interval (s): how long its silence must last before it means
+        # anything (analysis/liveness.py); NULL from an agent older than the column
+        _opt("interval_s", "d"),
     ),
     # One sample per heartbeat, taken on the agent's thread (agent/device_health.py).
     # NULL (`_measured`) what this host cannot tell: the GPU columns without NVML.

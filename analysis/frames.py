@@ -33,6 +33,10 @@ column of nulls counts as absent) and fall back to what exists today:
   collective `last_seq` names (the one the rank entered last). Makes a hang's
   waited-on collective exact. Fallback: predicted from the culprit's previous
   step.
+- heartbeats `interval_s`: the agent's heartbeat interval. A rank is silent after
+  `[crash] silence_beats` of its intervals when that is longer than the rules'
+  fixed times (an agent of a 100,000-rank job beats every 30 s). Fallback: the
+  fixed times alone.
 - events `agent_closed` (sent by `Agent.close()`; data `{}`): the rank finished
   cleanly, its silence is not a crash. `rank_exited` (sent by the launcher;
   `rank` -1, data `{"rank", "exit_code", "signal", "cause": "exited" |
@@ -116,7 +120,8 @@ OPTIONAL: dict[str, dict[str, tuple]] = {
                     "num_ops": (I64, "ops the row stands for: a summary's (ops_from_summaries); null: one")},
     "heartbeats": {"last_op": (STR, "op of the collective last_seq names"),
                    "last_axis": (STR, "its axis"), "last_group_id": (I32, "its group"),
-                   "last_group_seq": (I64, "its group_seq")},
+                   "last_group_seq": (I64, "its group_seq"),
+                   "interval_s": (F64, "the agent's heartbeat interval (s; silence is read against it)")},
     "events": {"attempt": (I32, "attempt of a restart or checkpoint event")},
     "ranks": {"hw_id": (STR, "the rank's hardware id (node_history: a node's history follows it)")},
     "runs": {},

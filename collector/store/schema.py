@@ -551,6 +551,11 @@ _AGENT_SUMMARIES_V14 = [
 # hostname when the hardware behind it was replaced (collector/read/fleet.py).
 _HW_ID_V15 = ["ALTER TABLE ranks ADD COLUMN hw_id VARCHAR"]
 
+# v16: each heartbeat says its agent's heartbeat interval, so that silence is read against the
+# rank's own cadence (analysis/liveness.py): an agent of a 100,000-rank job beats every 30 s, and
+# 3 s without one is not a crash there. NULL from an older agent (the rules' fixed times apply).
+_HEARTBEAT_INTERVAL_V16 = ["ALTER TABLE heartbeats ADD COLUMN interval_s DOUBLE"]
+
 MIGRATIONS: list[tuple[int, list[str]]] = [
     (1, _TABLES_V1 + _VIEWS_V1),
     (2, _BATCH_HASH_V2),
@@ -567,6 +572,7 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
     (13, _GOODPUT_V13),
     (14, _AGENT_SUMMARIES_V14),
     (15, _HW_ID_V15),
+    (16, _HEARTBEAT_INTERVAL_V16),
 ]
 
 

@@ -135,14 +135,17 @@ def test_heartbeat_and_events_go_into_the_active_set():
     rec = Recorder(capacity=2)
     rec.set_phase("forward", 9)
     rec._record_heartbeat(1.0, rec._hb_step, rec._phase, 41)
-    rec._record_heartbeat(2.0, rec._hb_step, rec._phase, 42, "all_reduce", "dp", 4, 7)
+    rec._record_heartbeat(2.0, rec._hb_step, rec._phase, 42, "all_reduce", "dp", 4, 7, 30.0)
     rec._add_event({"kind": "x"})
     drained = rec._swap()
-    assert _row(drained.heartbeat, 0) == {"ts": 1.0, "step": 9, "phase": 0, "last_seq": 41, "last_op": -1,
-                                          "last_axis": -1, "last_group_id": -1, "last_group_seq": -1}
+    first = _row(drained.heartbeat, 0)
+    # an interval not given is the float NULL (its own NaN bits), read as NULL by the collector
+    assert struct.pack("<d", first.pop("interval_s")) == struct.pack("<q", wire.NULL_F64_BITS)
+    assert first == {"ts": 1.0, "step": 9, "phase": 0, "last_seq": 41, "last_op": -1,
+                     "last_axis": -1, "last_group_id": -1, "last_group_seq": -1}
     # the collective's op and axis are codes of the collectives' own dictionaries
     assert _row(drained.heartbeat, 1) == {"ts": 2.0, "step": 9, "phase": 0, "last_seq": 42, "last_op": 0,
-                                          "last_axis": 0, "last_group_id": 4, "last_group_seq": 7}
+                                          "last_axis": 0, "last_group_id": 4, "last_group_seq": 7, "interval_s": 30.0}
     assert rec._dict_snapshot(drained)["op"] == ["all_reduce"] and rec._dict_snapshot(drained)["axis"] == ["dp"]
     assert rec._dict_snapshot(drained)["phase"] == ["forward"]
     assert drained.events == [{"kind": "x"}]
