@@ -38,12 +38,24 @@ class Outcome:
     def of(self, kind: str) -> list[dict]:
         return [i for i in self.incidents if i["kind"] == kind]
 
+    def only(self, kind: str) -> dict:
+        """The one incident of `kind`; an assertion that prints what the run did otherwise (a
+        bare unpacking would say only how many there were)."""
+        found = self.of(kind)
+        assert len(found) == 1, f"{len(found)} {kind} incident(s), one expected\n{self.report()}"
+        return found[0]
+
     def truths(self, kind: str) -> list[dict]:
         return [t for t in self.run.injections() if t["kind"] == kind]
 
     def summary(self) -> str:
         return "\n".join(f"{i['kind']} rank={i['rank']} node={i['node']} steps={i['step_from']}-{i['step_to']} "
                          f"status={i['status']} {i['root_cause']}" for i in self.incidents) or "(no incidents)"
+
+    def report(self) -> str:
+        """What a failed assertion prints: the incidents and the run's output tails."""
+        return (f"rc={self.run.returncode}\nincidents:\n{self.summary()}\n"
+                f"stdout tail:\n{self.run.stdout[-2500:]}\nstderr tail:\n{self.run.stderr[-2500:]}")
 
 
 def read_outcome(run: Run) -> Outcome:

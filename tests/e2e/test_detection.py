@@ -81,7 +81,7 @@ def test_a_clean_run_with_checkpoints_and_evals_has_no_incident(clean):
 def test_a_spike_is_one_incident_at_its_step(spike_then_straggler):
     o = spike_then_straggler
     assert o.run.returncode == 0, o.run.stderr[-3000:]
-    (spike,) = o.of("loss_spike")
+    spike = o.only("loss_spike")
     assert o.of("grad_spike") == [], o.summary()  # the grad-norm spike of that batch is the same cause
     assert spike["step_from"] == 27 and spike["rank"] is None
     assert spike["opened_ts"] < o.last_ts  # found while the run went on
@@ -89,7 +89,7 @@ def test_a_spike_is_one_incident_at_its_step(spike_then_straggler):
 
 def test_a_straggler_in_a_tensor_parallel_group_is_named_not_its_partner(spike_then_straggler):
     o = spike_then_straggler
-    (s,) = o.of("straggler")
+    s = o.only("straggler")
     assert (s["rank"], s["node"]) == (2, "node1"), o.summary()
     assert s["evidence"]["ranks"] == [2]
     # 1.5x: within 10 steps of the onset (the goal on a loaded host; ~5 on a quiet one)
@@ -140,7 +140,7 @@ def test_fp16_overflows_are_a_loss_scale_collapse_naming_the_rank(overflow):
 def test_a_crash_is_named_by_the_launcher_before_it_stops_the_others(crash):
     o = crash
     assert o.run.returncode != 0
-    (c,) = o.of("crash")
+    c = o.only("crash")
     assert (c["rank"], c["node"]) == (1, "node0"), o.summary()
     assert c["evidence"]["source"] == "launcher" and c["evidence"]["exit"]["exit_code"] == 17
     assert c["step_to"] >= 34 >= c["step_from"] - 1
@@ -149,7 +149,7 @@ def test_a_crash_is_named_by_the_launcher_before_it_stops_the_others(crash):
 
 def test_a_hang_names_the_rank_and_the_collective_its_peers_wait_in(hang):
     o = hang
-    (h,) = o.of("hang")
+    h = o.only("hang")
     assert (h["rank"], h["node"]) == (2, "node1"), o.summary()
     assert h["step_from"] == 37
     coll = h["evidence"]["collective"]

@@ -321,7 +321,7 @@ def min_nodes(tmp_path_factory):
 def test_a_data_nan_is_rolled_back_diagnosed_as_data_and_its_batch_skipped(data_nan):
     o = data_nan
     assert o.run.returncode == 0, o.report()
-    (nan,) = o.of("nan")
+    nan = o.only("nan")
     assert (nan["step_from"], nan["rank"], nan["node"]) == (30, 1, "node1"), o.report()
     assert nan["root_cause"].startswith("data: "), o.report()
     (verdict,) = [e["data"] for e in o.events("rerun_verdict")]
@@ -434,7 +434,7 @@ def test_on_isolate_runs_once_with_the_isolated_node(device):
 def test_a_loss_spike_is_rolled_back_and_its_global_batch_skipped(spike):
     o = spike
     assert o.run.returncode == 0, o.report()
-    (inc,) = o.of("loss_spike")
+    inc = o.only("loss_spike")
     assert inc["step_from"] == 40 and inc["root_cause"].startswith("data: "), o.report()
     (rb,) = o.actions_of("rollback")
     assert (rb["status"], rb["incident_id"]) == ("done", inc["id"]), o.report()
@@ -473,7 +473,7 @@ def test_a_spike_in_the_last_steps_is_rolled_back_before_the_run_ends(late_spike
     its last steps (it used to end first: "the run ended before it could act")."""
     o = late_spike
     assert o.run.returncode == 0, o.report()
-    (inc,) = o.of("loss_spike")
+    inc = o.only("loss_spike")
     (rb,) = o.actions_of("rollback")
     assert inc["step_from"] == 84 and (rb["status"], rb["incident_id"]) == ("done", inc["id"]), o.report()
     (run,) = o.query("SELECT status FROM runs")
@@ -490,7 +490,7 @@ def test_a_spike_in_the_last_steps_is_rolled_back_before_the_run_ends(late_spike
 
 def test_a_straggling_node_is_isolated_and_the_job_keeps_its_global_batch(straggler):
     o = straggler
-    (s,) = o.of("straggler")
+    s = o.only("straggler")
     assert (s["rank"], s["node"]) == (1, "node1"), o.report()
     iso = assert_isolated(o, "node1", s, "straggler")
     assert_finished_without(o, "node1", 220)
@@ -550,7 +550,7 @@ def test_a_node_whose_link_fails_the_preflight_checks_is_replaced_before_it_cost
     node3, is cleared). A critical preflight incident names it at step 0, the policy isolates it,
     and the spare takes its place: the run completes at dp 4 without it."""
     o = preflight
-    (flag,) = o.of("preflight")
+    flag = o.only("preflight")
     assert (flag["rank"], flag["node"], flag["step_from"], flag["severity"]) == (2, "node2", 0, "critical"), o.report()
     ev = flag["evidence"]
     assert ev["verdict"] == "slow_link" and ev["rounds"] == 2 and ev["link_ratio"] >= 2.0, ev
@@ -573,7 +573,7 @@ def test_a_node_that_never_answers_the_preflight_checks_is_named_and_replaced(pr
     minutes later), the policy isolates it, the supervisor stops the silent rank with the others, and
     the spare takes its place: the run completes at dp 4, and node2 never ran a step."""
     o = preflight_silent
-    (flag,) = o.of("preflight")
+    flag = o.only("preflight")
     assert (flag["rank"], flag["node"], flag["step_from"], flag["severity"]) == (2, "node2", 0, "critical"), o.report()
     ev = flag["evidence"]
     assert ev["verdict"] == "no_answer" and ev["silent_ranks"] == [2] and ev["timeout_s"] == 3.0, ev
@@ -592,7 +592,7 @@ def test_a_node_that_failed_in_two_runs_this_week_is_replaced_by_the_spare_at_th
     node_history incident for it at step 0, with its record, and the policy hands its place to
     the spare before it costs anything: node2 takes rank 1 and the run completes at dp 2."""
     o = lemon
-    (flag,) = o.of("node_history")
+    flag = o.only("node_history")
     assert (flag["rank"], flag["node"], flag["step_from"]) == (1, "node1", 0), o.report()
     ev = flag["evidence"]
     assert (ev["runs"], ev["fault_runs"], ev["by_kind"]) == (2, 2, {"hang": 1, "isolated": 1, "straggler": 1}), ev
@@ -736,7 +736,7 @@ def test_restarts_that_make_no_progress_stop_the_run(crash_loop):
 
 def test_a_hung_rank_has_its_node_isolated_and_the_job_finishes(hang):
     o = hang
-    (h,) = o.of("hang")
+    h = o.only("hang")
     assert (h["rank"], h["node"], h["step_from"]) == (1, "node1", 40), o.report()
     assert_isolated(o, "node1", h, "hang")
     assert_finished_without(o, "node1", 150)

@@ -47,7 +47,7 @@ def _query(o, sql: str, *params):
 def test_a_straggler_is_named_from_summaries_and_its_incident_gets_op_rows(straggler):
     o = straggler
     assert o.run.returncode == 0, o.run.stderr[-3000:]
-    (s,) = o.of("straggler")
+    s = o.only("straggler")
     assert (s["rank"], s["node"]) == (2, "node1") and s["evidence"]["ranks"] == [2], o.summary()
     assert 52 <= s["evidence"]["fired_at_step"] <= 52 + 10, o.summary()
     assert 52 - 3 <= s["step_from"] <= 52 + 2, o.summary()
