@@ -12,7 +12,10 @@ passes the commits' `received_ts` as `now`, so it sees the same.
 - `done_seq[r]`: the highest `seq` among its collectives rows (completed ops):
   `seq - done_seq` is how many ops it entered that have not completed;
 - `last_step[r]`: the newest step it reported a steps row for (the step a rank
-  died or hung in is the one after), and `last_step_s[r]` when that row arrived.
+  died or hung in is the one after), and `last_step_s[r]` when that row arrived;
+- `interval_s[r]`: the heartbeat interval its agent declared (NaN: an agent that
+  does not say). Silence is read against it (`quiet_after`): an agent that beats
+  every 30 s (a 100,000-rank job's) is not silent 3 s after its last beat.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from analysis.frames import Interner, floats, ints
+from analysis.frames import Interner, floats, has, ints
 from analysis.topology import _grow
 
 _NAN = float("nan")
@@ -28,7 +31,7 @@ _NAN = float("nan")
 
 class Liveness:
     __slots__ = ("arrival_s", "hb_ts", "seq", "seq_since_s", "hb_step", "phase", "pid", "done_seq", "last_step",
-                 "_phases", "num_heartbeats", "last_step_s")
+                 "_phases", "num_heartbeats", "last_step_s", "interval_s")
 
     def __init__(self) -> None:
         self.arrival_s = np.full(0, _NAN)
@@ -41,6 +44,7 @@ class Liveness:
         self.done_seq = np.full(0, -1, np.int64)
         self.last_step = np.full(0, -1, np.int64)  # newest step row the rank sent
         self.last_step_s = np.full(0, _NAN)  # when that row arrived
+        self.interval_s = np.full(0, _NAN)  # the heartbeat interval its agent declared
         self._phases = Interner()  # phase name <-> code
         self.num_heartbeats = 0
 
@@ -57,6 +61,7 @@ class Liveness:
         self.done_seq = _grow(self.done_seq, n, -1)
         self.last_step = _grow(self.last_step, n, -1)
         self.last_step_s = _grow(self.last_step_s, n, _NAN)
+        self.interval_s = _grow(self.interval_s, n, _NAN)
 
     @property
     def known(self) -> np.ndarray:
@@ -67,6 +72,14 @@ class Liveness:
     def started(self) -> np.ndarray:
         """Ranks that have begun a step (a step row, or a step in a heartbeat): past start-up."""
         return (self.last_step >= 0) | (self.hb_step >= 0)
+
+    def quiet_after(self, floor_s: float, beats: float) -> np.ndarray:
+        """Per rank: how long without a heartbeat is silence. `floor_s`, or `beats` of the
+        rank's declared heartbeat intervals when that is longer (a rank that never said
+        its interval: `floor_s`). An agent's beats drift from its grid by a flush held up
+        in a slow POST; `beats` of them leaves room for that, as `floor_s` does for the
+        default 1 s beat."""
+        return np.fmax(floor_s, beats * self.interval_s)
 
     def phase_name(self, rank: int) -> str | None:
         code = int(self.phase[rank]) if 0 <= rank < len(self.phase) else -1
@@ -104,6 +117,10 @@ class Liveness:
         self.hb_step[r] = ints(hb["step"], -1)[latest]
         self.pid[r] = ints(hb["pid"], -1)[latest]
         self.phase[r] = self._phases.codes(hb["phase"])[latest]
+        if has(hb, "interval_s"):
+            interval = floats(hb["interval_s"])[latest]
+            given = np.isfinite(interval) & (interval > 0)  # a NULL (an older agent) keeps what was said
+            self.interval_s[r[given]] = interval[given]
         return r
 
     def update_steps(self, steps: pl.DataFrame | None, now: float) -> None:

@@ -24,6 +24,11 @@ Three sources, most certain first:
   job died (or the collector lost all of it); a rank is named only when it went
   silent clearly (`cascade_s`) before the others.
 
+Each of these times is the rules' or `silence_beats` of the rank's own heartbeat
+interval, whichever is longer (`Liveness.quiet_after`): an agent that beats every
+30 s (a 100,000-rank job's, flushing as rarely) is not silent after 3 s, and ranks
+that die together went quiet up to an interval apart (`cascade_s` likewise).
+
 Never a crash: a rank whose agent closed cleanly (`agent_closed`), any rank of
 a run that ended normally (`run_finished`): an incident opened on silence is
 closed again if the run turns out to have finished. One incident per cause:
@@ -84,7 +89,9 @@ class CrashDetector:
         closed[:min(n, len(marks.closed))] = marks.closed[:n]
         known = live.known & ~closed
         age = p.now - live.arrival_s
-        silent = known & (age >= np.where(live.started, self.cfg.silence_s, self.cfg.startup_silence_s))
+        beats = self.cfg.silence_beats
+        quiet = live.quiet_after(self.cfg.silence_s, beats)
+        silent = known & (age >= np.where(live.started, quiet, live.quiet_after(self.cfg.startup_silence_s, beats)))
         alive = known & ~silent
         if st.key is not None:
             self._follow(p, st, failed, silent, age)
@@ -97,16 +104,16 @@ class CrashDetector:
             return
         if not silent.any():
             return
-        if not (silent & ~live.vouched_for(silent, alive, p.now, self.cfg.silence_s)).any():
+        if not (silent & ~live.vouched_for(silent, alive, p.now, quiet)).any():
             return  # the silent ranks' peers went on two steps past them since: alive, their telemetry late
         order = np.flatnonzero(silent)
         order = order[np.argsort(live.arrival_s[order], kind="stable")]
         candidates = [int(r) for r in order if int(r) not in st.stopped] or [int(r) for r in order]
         if alive.any():
             self._open(p, st, candidates[0], source="silence", silent=silent, age=age)
-        elif np.nanmin(age[known]) >= self.cfg.run_silence_s:
+        elif (age[known] >= live.quiet_after(self.cfg.run_silence_s, beats)[known]).all():
             first = live.arrival_s[order]
-            clear = len(first) == 1 or first[1] - first[0] >= self.cfg.cascade_s
+            clear = len(first) == 1 or first[1] - first[0] >= self._cascade_s(live, order[:2])
             self._open(p, st, candidates[0] if clear else None, source="run", silent=silent, age=age)
 
     def _open(self, p, st: _State, culprit: int | None, *, source: str, silent, age, exit_info=None) -> None:
@@ -156,11 +163,19 @@ class CrashDetector:
             return
         self._report(p, st, age)
 
+    def _cascade_s(self, live, ranks: np.ndarray) -> float:
+        """How close together ranks went quiet to have gone together: `cascade_s`, or the
+        longest heartbeat interval among `ranks` (their last beats were that far apart)."""
+        said = live.interval_s[ranks] if len(ranks) else np.zeros(0)
+        said = said[np.isfinite(said)]
+        return max(self.cfg.cascade_s, float(said.max())) if len(said) else self.cfg.cascade_s
+
     def _report(self, p, st: _State, age) -> None:
         live, topo = p.run.live, p.topo
         c = st.culprit
         members = st.members
-        cascade = members[(members != c) & (live.arrival_s[members] - st.first_silent_s <= self.cfg.cascade_s)]
+        together_s = self._cascade_s(live, members if c is None else np.array([c]))
+        cascade = members[(members != c) & (live.arrival_s[members] - st.first_silent_s <= together_s)]
         if st.source == "launcher":
             confidence = 1.0
         elif st.source == "silence":
@@ -172,7 +187,9 @@ class CrashDetector:
         # the step the job stalled in: synchronous training finishes no step without every rank
         stalled = int(live.last_step.max()) + 1 if len(live.last_step) and live.last_step.max() >= 0 else step
         step_to = max(step, stalled) if step is not None and stalled is not None else (step or stalled)
-        evidence = {"source": st.source, "silence_s": self.cfg.silence_s,
+        silence_s = self.cfg.silence_s if c is None else float(
+            live.quiet_after(self.cfg.silence_s, self.cfg.silence_beats)[c])
+        evidence = {"source": st.source, "silence_s": silence_s,
                     "silent_ranks": members[:32].tolist(), "num_silent": len(members),
                     "went_silent_together": cascade[:32].tolist(),
                     "exit": st.exit}
@@ -180,6 +197,8 @@ class CrashDetector:
             evidence["culprit"] = {"rank": c, "node": node, "silent_for_s": json_number(st.silent_for_s, 3),
                                    "step": step, "last_step_reported": int(live.last_step[c]),
                                    "phase": live.phase_name(c), "pid": int(live.pid[c]),
+                                   "heartbeat_interval_s": (json_number(float(live.interval_s[c]), 3)
+                                                            if np.isfinite(live.interval_s[c]) else None),
                                    **topo.coords(c)}
         if st.source == "launcher":
             how = f"signal {st.exit['signal']}" if st.exit and st.exit.get("signal") else \

@@ -14,6 +14,10 @@ the timeout, and a rank ahead of it has been stuck for half the timeout (they
 wait for it). The timeout is learned: `timeout_intervals` x the run's step
 interval, at least `timeout_floor_s`; `startup_timeout_s` until the interval is
 known, `long_phase_timeout_s` for a rank whose heartbeat says checkpoint/eval.
+A rank whose agent says its heartbeat interval is judged over `[crash]
+silence_beats` of them at least (and its waiting peers over one): its `last_seq`
+can only be seen to stand still from one heartbeat to the next. Alive is the crash
+detector's: a heartbeat within `silence_s`, or within `silence_beats` intervals.
 
 The collective the group waits in is the culprit's next op: with the
 heartbeats' optional `last_op/last_axis/last_group_id/last_group_seq` it is
@@ -128,6 +132,7 @@ class HangDetector:
     def __init__(self, rules) -> None:
         self.cfg = rules.hang
         self.silence_s = rules.crash.silence_s
+        self.beats = rules.crash.silence_beats
 
     def new_state(self) -> _State:
         return _State()
@@ -151,7 +156,7 @@ class HangDetector:
         closed[:min(n, len(marks.closed))] = marks.closed[:n]
         known = live.known & ~closed
         age = p.now - live.arrival_s
-        alive = known & (age < self.silence_s)
+        alive = known & (age < live.quiet_after(self.silence_s, self.beats))
         silent = known & ~alive
         if st.key is not None:
             self._follow(p, st, alive)
@@ -161,7 +166,10 @@ class HangDetector:
         interval = p.run.clock.interval_s
         timeout = self.timeout_s(interval)
         long = np.isin(live.phase, live.phase_codes(self.cfg.long_phases))
-        tmo = np.where(long, self.cfg.long_phase_timeout_s, timeout)
+        # a rank's `last_seq` is seen to stand still only from one of its heartbeats to the next: an
+        # agent that beats every 30 s is judged over `beats` of them (np.fmax: NaN, not said, is no floor)
+        beat_s = live.interval_s
+        tmo = np.fmax(np.where(long, self.cfg.long_phase_timeout_s, timeout), self.beats * beat_s)
         since = live.seq_since_s
         if marks.closed_s is not None:  # a rank closed: the others' stagnation counts from then, not before
             since = np.maximum(since, marks.closed_s)
@@ -177,7 +185,7 @@ class HangDetector:
         ahead = alive & (progress > least)
         if not ahead.any() or not stagnant[culprits].all():
             return
-        waiting = np.flatnonzero(ahead & (stuck_s >= 0.5 * timeout))
+        waiting = np.flatnonzero(ahead & (stuck_s >= np.fmax(0.5 * timeout, beat_s)))
         if not len(waiting):
             return
         self._open(p, st, culprits, waiting, timeout=timeout, interval=interval, stuck_s=stuck_s, pending=pending)

@@ -112,6 +112,8 @@ def test_heartbeats_name_the_collective_last_entered(nan_run):
     assert all(r[1:] == (None, None, None, None) for r in rows if r[0] < 0)
     ops = {op for _, op, _, _, _ in named}
     assert ops <= {"all_reduce", "broadcast", "send", "recv", "barrier", "all_gather", "reduce_scatter"}
+    # and say their agent's heartbeat interval (the trainer's default), which silence is read against
+    assert q(con, "SELECT DISTINCT interval_s FROM heartbeats") == [(1.0,)]
 
 
 def test_every_agent_closed_and_the_launcher_reported_every_clean_exit(nan_run):

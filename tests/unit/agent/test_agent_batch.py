@@ -89,6 +89,7 @@ def test_batch_decodes_to_exactly_the_recorded_values(spooled):
         11, 1, "eval/code_loss", 3.25)
     (hb,) = _rows(batch, "heartbeat")
     assert (hb["step"], dicts["phase"][hb["phase"]], hb["last_seq"]) == (11, "backward", 77)
+    assert hb["interval_s"] == agent.config.heartbeat_interval_s  # the collector reads silence against it
     (ev,) = h["events"]
     assert ev["kind"] == "checkpoint_saved" and ev["step"] == 11 and ev["attempt"] == 1
     assert ev["data"] == {"path": "/ckpt/11", "num_shards": 4, "loss": "nan"}

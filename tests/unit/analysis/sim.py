@@ -176,6 +176,7 @@ class Sim:
     ckpt_slow_rank: int | None = 0  # this rank computes 1.6x slower on the 2 steps after a checkpoint
     finish: bool = True  # the run ends normally: run_finished, agent_closed
     hb_ops: bool = False  # heartbeats carry last_op/last_axis/last_group_id/last_group_seq (optional columns)
+    hb_interval: bool = False  # heartbeats say their interval (`interval_s`: flush_s, one a flush), as the agent's do
     ckpt_slow_steps: int = 2
     faults: tuple = ()
     start_ts: float = 1000.0
@@ -435,7 +436,7 @@ class Sim:
             if hang.launcher or hang.cascade:
                 return float(self._ends[hang.step - 2]) + 0.15
         if hang is not None:
-            return end + 60.0  # hung: the run would sit there; tests stop earlier
+            return end + max(60.0, 8 * self.flush_s)  # hung: the run would sit there; tests stop earlier
         return end + 0.1
 
     def _heartbeats(self, last_step: int, hang) -> pl.DataFrame:
@@ -479,6 +480,8 @@ class Sim:
                 cols["last_axis"] = [ops[i][1] for i in pos]
                 cols["last_group_id"] = np.array([ops[i][2] for i in pos], np.int32)
                 cols["last_group_seq"] = k * gidx["per_step"][pos] + gidx["index"][pos]
+            if self.hb_interval:
+                cols["interval_s"] = np.full(len(t), self.flush_s)
             parts.append(pl.DataFrame(cols))
         return pl.concat(parts).with_columns(pl.lit(self.run_id).alias("run_id"))
 

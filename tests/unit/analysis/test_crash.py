@@ -175,3 +175,34 @@ def test_the_culprit_failing_again_before_it_beat_is_a_new_crash():
     first = last_of(out)[crashes[0].key]
     assert first.status == "resolved" and first.evidence["resolved_because"] == "the job restarted, and the rank failed again"
     assert crashes[1].evidence["exit"]["ts"] == t
+
+
+# A 100,000-rank job's shape at a small size: 0.2 steps/s, each agent flushing and beating every 30 s.
+SLOW_BEATS = dict(layout=Layout(dp=4, tp=2, nodes=2), steps=40, seed=3, base_s=5.0, flush_s=30.0)
+
+
+def test_ranks_that_beat_every_30_s_and_say_so_are_not_silent_between_beats():
+    """Each agent says its heartbeat interval: silence is 3 of them, not `silence_s`. The same
+    heartbeats without it read as one crash after another (every rank is quiet for 30 s at a time)."""
+    said = Sim(**SLOW_BEATS, hb_interval=True).build()
+    assert feed(Analyzer(), said, tick_to=said[-1][0] + 60.0, tick_s=1.0) == []
+    unsaid = Sim(**SLOW_BEATS).build()
+    crashes = opened(feed(Analyzer(), unsaid, tick_to=unsaid[-1][0] + 60.0, tick_s=1.0), "crash")
+    assert len(crashes) >= 3, [f.summary() for f in crashes.values()]
+
+
+def test_a_rank_that_beats_every_30_s_is_named_when_three_of_its_beats_are_missed():
+    sim = Sim(**SLOW_BEATS, hb_interval=True, finish=False, faults=(Crash(rank=2, step=20),))
+    commits = sim.build()
+    findings = feed(Analyzer(), commits, tick_to=commits[-1][0] + 300.0, tick_s=1.0)
+    (f,) = opened(findings).values()
+    assert (f.kind, f.rank, f.node) == ("crash", 2, LAYOUT_SLOW_NODE), f.summary()
+    assert f.evidence["silence_s"] == 90.0 and f.evidence["culprit"]["heartbeat_interval_s"] == 30.0
+    died = sim.truth[-1]["ts"]
+    # never before 3 beats of silence (its last beat came at most one interval before it died), and
+    # within two more beats' time of them: its peers' steps past it vouch for it until they stop
+    assert 90.0 - 30.0 <= f.ts - died <= 90.0 + 2 * 30.0, f.ts - died
+    assert f.evidence["culprit"]["silent_for_s"] >= 90.0
+
+
+LAYOUT_SLOW_NODE = SLOW_BEATS["layout"].node(2)

@@ -115,3 +115,19 @@ def test_the_heartbeats_ops_are_each_rank_s_latest_however_they_were_folded():
         assert got["rank"].to_list() == want["rank"].to_list()
         assert got["last_group_seq"].to_list() == want["last_group_seq"].to_list()
         assert got["last_axis"].to_list() == want["last_axis"].cast(pl.String).to_list()
+
+
+def test_a_hang_among_ranks_that_beat_every_30_s_is_found_over_three_of_their_beats():
+    """0.2 steps/s, heartbeats every 30 s that say so: the learned timeout (2 step intervals, ~11 s)
+    is shorter than a beat, so a healthy rank's `last_seq` would look stuck between beats; the
+    culprit is judged over 3 beats instead, and named with its step."""
+    layout = Layout(dp=4, tp=2, nodes=2)
+    sim = Sim(layout=layout, steps=60, seed=3, base_s=5.0, flush_s=30.0, hb_interval=True, finish=False,
+              faults=(Hang(rank=2, step=20),))
+    commits = sim.build()
+    last_progress = sim.step_end_ts(19)
+    assert opened(feed(Analyzer(), commits, until=last_progress, tick_s=1.0)) == {}  # healthy until then
+    findings = feed(Analyzer(), commits, tick_s=1.0)
+    (f,) = opened(findings).values()
+    assert (f.kind, f.rank, f.step_from) == ("hang", 2, 20), f.summary()
+    assert 3 * 30.0 <= f.ts - last_progress <= 3 * 30.0 + 2 * 30.0, f.ts - last_progress

@@ -10,11 +10,13 @@ import pytest
 from analysis.liveness import Liveness
 
 
-def by_the_rule(live: Liveness, silent: np.ndarray, alive: np.ndarray, now: float, within_s: float) -> np.ndarray:
+def by_the_rule(live: Liveness, silent: np.ndarray, alive: np.ndarray, now: float, within_s) -> np.ndarray:
+    """`within_s`: one time, or each vouching rank's own (its heartbeat cadence's)."""
     out = np.zeros(len(live.arrival_s), bool)
+    within = np.broadcast_to(within_s, out.shape)
     for i in np.flatnonzero(silent):
         known = max(live.last_step[i], live.hb_step[i])
-        out[i] = any(alive[j] and now - live.last_step_s[j] < within_s and live.last_step[j] >= known + 2
+        out[i] = any(alive[j] and now - live.last_step_s[j] < within[j] and live.last_step[j] >= known + 2
                      and live.last_step_s[j] > live.arrival_s[i] for j in range(len(out)))
     return out
 
@@ -33,6 +35,27 @@ def test_vouched_for_is_the_rule_on_random_states(seed):
     silent, alive = rng.random(n) < 0.5, rng.random(n) < 0.6
     got = live.vouched_for(silent, alive, 12.0, 6.0)
     assert got.tolist() == by_the_rule(live, silent, alive, 12.0, 6.0).tolist()
+    # each rank's own time (the crash detector's: silence_beats of the rank's declared heartbeat interval)
+    live.interval_s[:] = np.where(rng.random(n) < 0.5, rng.choice([1.0, 2.0, 4.0], n), np.nan)
+    within = live.quiet_after(3.0, 3.0)
+    assert within.tolist() == [max(3.0, 3.0 * i) if np.isfinite(i) else 3.0 for i in live.interval_s]
+    got = live.vouched_for(silent, alive, 12.0, within)
+    assert got.tolist() == by_the_rule(live, silent, alive, 12.0, within).tolist()
+
+
+def test_a_heartbeat_says_its_interval_and_one_that_does_not_keeps_what_was_said():
+    from analysis.frames import heartbeats_frame
+
+    def beat(rank, ts, interval):
+        return {"run_id": "r", "rank": rank, "ts": ts, "node": "n", "pid": 1, "phase": "train", "step": 1,
+                "last_seq": int(ts), "interval_s": interval}
+    live = Liveness()
+    live.update_heartbeats(heartbeats_frame([beat(0, 1.0, 30.0), beat(1, 1.0, None), beat(2, 1.0, 0.5)]), now=1.0)
+    assert np.isnan(live.interval_s[1]) and live.interval_s[[0, 2]].tolist() == [30.0, 0.5]
+    assert live.quiet_after(3.0, 3.0).tolist() == [90.0, 3.0, 3.0]  # a short beat: the rules' time
+    # an older agent's heartbeat (NULL) after a newer one's: the interval stays; a new one replaces it
+    live.update_heartbeats(heartbeats_frame([beat(0, 2.0, None), beat(2, 2.0, 10.0)]), now=2.0)
+    assert live.interval_s[[0, 2]].tolist() == [30.0, 10.0]
 
 
 def test_a_peer_two_steps_ahead_after_the_silence_vouches_and_one_before_it_does_not():
