@@ -200,7 +200,8 @@ def mesh(cur: Cursor, run_id: str) -> Rows:
     """Every rank with its place in the mesh and what its health is made of: its node's
     status, the open incidents that name it or its node, and its last heartbeat."""
     return records(cur, """
-        WITH hb AS (SELECT rank, max(ts) AS heartbeat_ts, arg_max(phase, ts) AS phase FROM heartbeats
+        WITH hb AS (SELECT rank, max(ts) AS heartbeat_ts, arg_max(phase, ts) AS phase,
+                           max(interval_s) AS heartbeat_interval_s FROM heartbeats
                     WHERE run_id = $r GROUP BY rank),
              inc AS (SELECT k.rank, count(*) AS num_open, string_agg(DISTINCT i.kind, ', ') AS kinds
                      FROM ranks k JOIN incidents i ON i.run_id = k.run_id AND i.status = 'open'
@@ -208,7 +209,7 @@ def mesh(cur: Cursor, run_id: str) -> Rows:
                      WHERE k.run_id = $r GROUP BY k.rank)
         SELECT k.rank, k.node, k.dp, k.tp, k.pp, coalesce(n.status, 'healthy') AS node_status, n.reason,
                coalesce(inc.num_open, 0) AS open_incidents, inc.kinds AS incident_kinds,
-               hb.heartbeat_ts, hb.phase
+               hb.heartbeat_ts, hb.phase, hb.heartbeat_interval_s
         FROM ranks k LEFT JOIN nodes n ON n.run_id = k.run_id AND n.node = k.node
              LEFT JOIN inc USING (rank) LEFT JOIN hb USING (rank)
         WHERE k.run_id = $r ORDER BY k.rank""", {"r": run_id})

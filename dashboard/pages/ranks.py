@@ -66,7 +66,8 @@ from dashboard.source import Source, SourceError
 PAGE = {"path": "/ranks", "name": "Ranks", "order": 1, "title": "llmwatch · ranks"}  # registered by dashboard/app.py
 # heatmap columns (64 ranks x 240: ~1.9 MB of JSON from the collector); a zoom refetches at full resolution
 MAX_STEPS = 240
-SILENT_AFTER_S = 30.0  # a running rank whose last heartbeat is older than this is drawn silent
+SILENT_AFTER_S = 30.0  # a running rank whose last heartbeat is older than this is drawn silent...
+SILENT_AFTER_BEATS = 3.0  # ...or than this many of its agent's heartbeat intervals, when longer
 TOP_SLOWEST = 8
 PARTS = (("compute_s", "compute (fwd+bwd+opt)", "#4e79a7"), ("data_s", "data loading", "#59a14f"),
          ("comm_exposed_s", "exposed comm", "#e15759"), ("other_s", "other", "#bab0ac"))
@@ -337,14 +338,17 @@ def _coords(r: dict) -> str:
 # -- the mesh ------------------------------------------------------------------------------
 def health_of(r: dict, run_status: str | None, now: float) -> tuple[str, str]:
     """(health, why) of one mesh row: an isolated node, an open incident, a heartbeat gone
-    quiet while the run is running, else healthy."""
+    quiet while the run is running (for `SILENT_AFTER_S`, or `SILENT_AFTER_BEATS` of the
+    rank's heartbeat interval when its agent beats more rarely), else healthy."""
     if r.get("node_status") == "isolated":
         return "isolated", f"{r.get('node')} isolated" + (f": {r['reason']}" if r.get("reason") else "")
     if r.get("open_incidents"):
         return "incident", f"open incident: {r.get('incident_kinds') or '?'}"
     hb = finite(r.get("heartbeat_ts"))
     age = None if hb is None else now - hb
-    if run_status == "running" and (age is None or age > SILENT_AFTER_S):
+    beat_s = finite(r.get("heartbeat_interval_s"))
+    quiet_s = SILENT_AFTER_S if beat_s is None else max(SILENT_AFTER_S, SILENT_AFTER_BEATS * beat_s)
+    if run_status == "running" and (age is None or age > quiet_s):
         return "silent", "no heartbeat yet" if age is None else f"no heartbeat for {age:.0f} s"
     return "healthy", "healthy" + ("" if age is None else f", last heartbeat {max(0.0, age):.0f} s ago") + (
         f" ({r['phase']})" if r.get("phase") else "")

@@ -97,6 +97,10 @@ def test_health_prefers_isolation_then_an_incident_then_silence():
     assert ranks.health_of({**row, "node_status": "isolated"}, "running", 100.0)[0] == "isolated"
     assert ranks.health_of({**row, "open_incidents": 0}, "running", 100.0) == ("silent", "no heartbeat for 100 s")
     assert ranks.health_of({**row, "open_incidents": 0}, "completed", 100.0)[0] == "healthy"
+    # an agent that beats every 60 s: silent after 3 of its beats, not after 30 s
+    slow = {**row, "open_incidents": 0, "heartbeat_interval_s": 60.0}
+    assert ranks.health_of(slow, "running", 100.0)[0] == "healthy"
+    assert ranks.health_of(slow, "running", 181.0) == ("silent", "no heartbeat for 181 s")
 
 
 def test_the_rank_filter_narrows_the_heatmap_and_bars_but_not_the_table(db_source):
