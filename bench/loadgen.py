@@ -92,6 +92,9 @@ class BatchMaker:
     steps: int
     collectives: int
     heartbeat: bool = False
+    # the heartbeat interval the batches' heartbeats say (one a batch: the flush period), as the
+    # agent's do; the collector reads a rank as silent after a few of them
+    heartbeat_s: float = 1.0
     attempt: int = 0
     incarnation: str = "inc-0"
     seed: int = 0
@@ -121,6 +124,8 @@ class BatchMaker:
             else:
                 self._coll["seq"][:] = np.arange(n_coll)
         self._hb = _template(wire.HEARTBEAT, 1, rng) if self.heartbeat else {}
+        if self._hb:
+            self._hb["interval_s"][:] = self.heartbeat_s
 
     @property
     def rows(self) -> int:
@@ -396,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         steps = max(1, round(args.step_hz * args.flush_s))
         maker = BatchMaker(args.run_id, steps, args.collectives, args.heartbeat, incarnation=args.incarnation,
-                           summaries=args.summaries)
+                           summaries=args.summaries, heartbeat_s=args.flush_s)
         summary = asyncio.run(run_ranks(args, maker))
     print(json.dumps(summary) if args.json else "\n".join(f"{k:>22}: {v}" for k, v in summary.items()))
     return 0
