@@ -27,6 +27,9 @@ from analysis.frames import Interner, floats, has, ints
 from analysis.topology import _grow
 
 _NAN = float("nan")
+# The longest heartbeat interval taken from an agent (s): beyond it a rank's silence would count
+# for nothing for most of an hour, which no cadence needs (a 100,000-rank job's is 30-60 s).
+MAX_INTERVAL_S = 300.0
 
 
 class Liveness:
@@ -120,7 +123,7 @@ class Liveness:
         if has(hb, "interval_s"):
             interval = floats(hb["interval_s"])[latest]
             given = np.isfinite(interval) & (interval > 0)  # a NULL (an older agent) keeps what was said
-            self.interval_s[r[given]] = interval[given]
+            self.interval_s[r[given]] = np.minimum(interval[given], MAX_INTERVAL_S)
         return r
 
     def update_steps(self, steps: pl.DataFrame | None, now: float) -> None:

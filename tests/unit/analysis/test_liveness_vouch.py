@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from analysis.liveness import Liveness
+from analysis.liveness import MAX_INTERVAL_S, Liveness
 
 
 def by_the_rule(live: Liveness, silent: np.ndarray, alive: np.ndarray, now: float, within_s) -> np.ndarray:
@@ -56,6 +56,9 @@ def test_a_heartbeat_says_its_interval_and_one_that_does_not_keeps_what_was_said
     # an older agent's heartbeat (NULL) after a newer one's: the interval stays; a new one replaces it
     live.update_heartbeats(heartbeats_frame([beat(0, 2.0, None), beat(2, 2.0, 10.0)]), now=2.0)
     assert live.interval_s[[0, 2]].tolist() == [30.0, 10.0]
+    # an interval past any real cadence (a broken or hostile agent) cannot hide a rank's silence for days
+    live.update_heartbeats(heartbeats_frame([beat(1, 3.0, 1e9), beat(2, 3.0, float("inf"))]), now=3.0)
+    assert live.interval_s[[1, 2]].tolist() == [MAX_INTERVAL_S, 10.0]
 
 
 def test_a_peer_two_steps_ahead_after_the_silence_vouches_and_one_before_it_does_not():
