@@ -83,3 +83,33 @@ def test_the_pairs_decay_lazily_across_many_steps_and_stay_exact():
         expect_1 = alpha * (0.0 if waited else 0.2) + (1 - alpha) * expect_1
         assert book.waited_for(0, 2) == pytest.approx(expect, rel=1e-9)
         assert book.waited_for(1, 2) == pytest.approx(expect_1, rel=1e-9)
+
+
+@pytest.mark.parametrize("cells", [1, 7, 1 << 20])  # a step a block (or fewer ranks than a block holds), or all
+def test_many_steps_finalized_at_once_are_each_step_in_turn(monkeypatch, cells):
+    """A pass behind a fast job finalizes many steps at once: their per-rank sums are taken in
+    blocks of (step, rank) cells, and the averages are those of finalizing each step in turn."""
+    import numpy as np
+
+    from analysis import attribution
+
+    rng = np.random.default_rng(5)
+    rows = []
+    for step in range(1, 41):
+        for g, members in enumerate(([0, 1, 2], [3, 4])):
+            starts = 10.0 * step + rng.uniform(0, 0.3, len(members))
+            rows += [_op(step, r, s, float(rng.uniform(0, 0.4)), gseq=step, group=members[0])
+                     for r, s in zip(members, starts)]
+        rows.append(_op(step, 5, 10.0 * step, float(rng.uniform(0, 0.2)), gseq=step, group=5, peer=int(step % 5)))
+    one = WaitBook(alpha=0.3)
+    for step in range(1, 41):
+        one.add(collectives_frame([r for r in rows if r["step"] == step]))
+        one.finalize(0, step)
+    monkeypatch.setattr(attribution, "_CELLS", cells)
+    many = WaitBook(alpha=0.3)
+    many.add(collectives_frame(rows))
+    many.finalize(0, 40)
+    assert many.num_final == one.num_final == 40
+    for name in ("caused_wait_s", "last_ops", "all_ops"):
+        assert np.allclose(getattr(many, name), getattr(one, name), rtol=1e-12, atol=0), name
+    assert all(many.waited_for(a, b) == pytest.approx(one.waited_for(a, b), rel=1e-9) for a in range(6) for b in range(6))
