@@ -76,6 +76,24 @@ FLUSH_SLOT_RANKS = 64  # about this many ranks flush in the same instant in a la
 FLUSH_SLOTS_MAX = 64
 _HB_EARLY = 0.25  # a heartbeat due this fraction of its interval later rides with the flush now
 HW_ID_ENV = "LLMWATCH_HW_ID"  # this rank's hardware id, when NVML has none to give (a CPU host, a test)
+# The flush and heartbeat periods of an agent made without them (`watch()`, llmwatch-instrument, the
+# integrations): a job too large to post every second (docs/scale.md) sets both, with no code change
+FLUSH_ENV, HEARTBEAT_ENV = "LLMWATCH_FLUSH_S", "LLMWATCH_HEARTBEAT_S"
+
+
+def env_seconds(name: str, default: float) -> float:
+    """$name as a number of seconds > 0, or `default` when unset or empty; anything else is
+    a ValueError that names the variable (at the agent's start, not a silent default)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"${name} must be a number of seconds > 0, not {raw[:40]!r}")
+    return value
 _UNKNOWN = object()
 
 
@@ -101,14 +119,17 @@ class AgentConfig:
     ca_file: str | None = None  # https: PEM bundle that verifies the collector; None: the system's trust store
     # The flusher's period. A step a detector must see now (agent/urgent.py) is flushed
     # at once instead, at most one such urgent flush per urgent_min_interval_s.
-    flush_interval_s: float = 1.0
+    # ($LLMWATCH_FLUSH_S when not given)
+    flush_interval_s: float = field(default_factory=lambda: env_seconds(FLUSH_ENV, 1.0))
     urgent_min_interval_s: float = 0.1
     # After an urgent flush the collector is likely to answer with a command (a rollback
     # for that NaN): for this long the flusher ships every urgent_followup_interval_s, so
     # the command rides back on an ingest answer within a fraction of a second.
     urgent_followup_s: float = 3.0
     urgent_followup_interval_s: float = 0.2
-    heartbeat_interval_s: float = 1.0
+    # Each heartbeat ships a batch, and says this interval: the collector reads a rank as silent
+    # after 3 of them at least ([crash] silence_beats). $LLMWATCH_HEARTBEAT_S when not given.
+    heartbeat_interval_s: float = field(default_factory=lambda: env_seconds(HEARTBEAT_ENV, 1.0))
     # A device-health sample (agent/device_health.py) rides with every heartbeat: NVML
     # when `pynvml` and a GPU are there, host memory and CPU time always. gpu_index None:
     # the rank's LOCAL_RANK through CUDA_VISIBLE_DEVICES.

@@ -101,6 +101,13 @@ ENV_VARS: dict[str, tuple[str, str]] = {
                                     "instead, with op rows for every 100th step and while an incident asks "
                                     "(agent/summary.py); `auto` (the default) summarizes in a job of 256 ranks "
                                     "or more."),
+    "LLMWATCH_FLUSH_S": ("you", "An agent made without a flush period (`watch()`, `llmwatch-instrument`, the "
+                                "`agent.integrations` callbacks): how often it ships a batch, in seconds "
+                                "(default 1). With `LLMWATCH_HEARTBEAT_S` for jobs too large to post every "
+                                "second (docs/scale.md)."),
+    "LLMWATCH_HEARTBEAT_S": ("you", "The same agents' heartbeat period in seconds (default 1): each heartbeat "
+                                    "ships a batch and says its interval, and the collector reads a rank as "
+                                    "silent after 3 of them at least (`[crash] silence_beats`)."),
     "CUDA_VISIBLE_DEVICES": ("you", "The agent's device-health sampler maps `LOCAL_RANK` through it to the GPU "
                                     "NVML reads (an index or a UUID entry)."),
     "LLMWATCH_URL": ("you", "`agent.watch.watch()`, `llmwatch-instrument` and the `agent.integrations` "

@@ -190,3 +190,22 @@ def test_the_collectors_watermark_counts_for_the_attempt_it_was_about():
         assert agent.clean_through() == 24
     finally:
         agent.close()
+
+
+def test_the_flush_and_heartbeat_periods_come_from_the_environment_when_not_given(monkeypatch):
+    """$LLMWATCH_FLUSH_S / $LLMWATCH_HEARTBEAT_S: a job too large to post every second sets both
+    without code (an agent made by watch(), llmwatch-instrument or an integration); a value given
+    in code wins, and one that is not a period is refused naming the variable."""
+    from agent.agent import AgentConfig
+
+    assert (AgentConfig().flush_interval_s, AgentConfig().heartbeat_interval_s) == (1.0, 1.0)
+    monkeypatch.setenv("LLMWATCH_FLUSH_S", "30")
+    monkeypatch.setenv("LLMWATCH_HEARTBEAT_S", " 30.0 ")
+    assert (AgentConfig().flush_interval_s, AgentConfig().heartbeat_interval_s) == (30.0, 30.0)
+    assert AgentConfig(heartbeat_interval_s=2.0).heartbeat_interval_s == 2.0
+    for bad in ("0", "-1", "nan", "inf", "30s"):
+        monkeypatch.setenv("LLMWATCH_HEARTBEAT_S", bad)
+        with pytest.raises(ValueError, match=r"\$LLMWATCH_HEARTBEAT_S must be a number of seconds > 0"):
+            AgentConfig()
+    monkeypatch.setenv("LLMWATCH_HEARTBEAT_S", "")
+    assert AgentConfig().heartbeat_interval_s == 1.0
