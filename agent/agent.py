@@ -94,6 +94,8 @@ def env_seconds(name: str, default: float) -> float:
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"${name} must be a number of seconds > 0, not {raw[:40]!r}")
     return value
+
+
 _UNKNOWN = object()
 
 

@@ -29,6 +29,7 @@ STRAGGLER_FROM, HANG_AT, NOISE_AT, NAN_AT = 40, 30, 30, 45
 # a straggler verdict on inferred waits waits for the ranks' drift to be measured (~64 steps on
 # two ranks): a clean run long past that, a straggler run long enough to be caught after it
 CLEAN_STEPS, STRAGGLER_STEPS = 160, 120
+BEAT_STEPS = 1000  # ~20 ms a step on two idle cores: a run of ~20 s, past a 12 s heartbeat and a 4 s flush
 
 
 def scenario(loop: str, name: str) -> dict:
@@ -147,3 +148,20 @@ def test_one_watch_call_in_the_loop_gets_the_same_diagnosis(tmp_path, collectors
     assert run.config.get("source") == "watch", run.config
     assert sorted((i["kind"], i["rank"], i["step_from"]) for i in run.incidents) == [
         ("loss_spike", 0, NOISE_AT), ("nan", 1, NAN_AT)], run.summary()
+
+
+def test_agents_set_to_beat_every_12_s_say_so_and_their_quiet_is_no_crash(tmp_path, collectors):
+    """$LLMWATCH_FLUSH_S / $LLMWATCH_HEARTBEAT_S (a job too large to beat every second, at a size
+    that runs here): the DDP loop's agents flush every 4 s and beat every 12 s, each heartbeat says
+    so, and the crash detector waits 3 beats. By its fixed times alone, both ranks quiet for 10 s
+    (`run_silence_s`) between beats read as a job that died."""
+    run = run_loop(tmp_path / "ddp", "ddp", collectors=collectors, steps=BEAT_STEPS,
+                   env={"LLMWATCH_FLUSH_S": "4", "LLMWATCH_HEARTBEAT_S": "12"})
+    _finished(run, BEAT_STEPS)
+    span_s = max(run.steps.values()) - min(run.steps.values())
+    assert span_s > 12.0 + 4.0, f"the run took {span_s:.1f} s: it must outlast a beat and a flush"
+    assert run.incidents == [], run.summary()
+    col = collectors.get(("--policy", "off"))
+    beats = col.sql(f"SELECT rank, min(interval_s), max(interval_s) FROM heartbeats "
+                    f"WHERE run_id = '{run.run_id}' GROUP BY rank ORDER BY rank")
+    assert beats == [[0, 12.0, 12.0], [1, 12.0, 12.0]], beats
