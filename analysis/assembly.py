@@ -86,7 +86,11 @@ class StepAssembler:
         sights: list[StepSight] = []
         late: list[int] = []
         cols: dict[str, np.ndarray] | None = None
-        for key, n in zip(uniq.tolist(), counts.tolist()):
+        # each step's rows, in their order: one stable sort, not a mask over every row per step (a
+        # commit of a collector behind its job holds tens of steps)
+        by_step = np.argsort(keys, kind="stable") if len(uniq) > 1 else None
+        ends = np.cumsum(counts)
+        for i, (key, n) in enumerate(zip(uniq.tolist(), counts.tolist())):
             k = split_key(key)
             if k in self._released:
                 late.append(key)
@@ -97,7 +101,8 @@ class StepAssembler:
                 self._first_seen[k] = now
                 if cols is None:
                     cols = self._sight_columns(rows)
-                sights.append(self._sight(cols, keys, key, k, n, single=len(uniq) == 1))
+                rows_of = slice(None) if by_step is None else by_step[ends[i] - n:ends[i]]
+                sights.append(self._sight(cols, rows_of, k, n))
             self._count[k] += n
             if self.newest is None or k > self.newest:
                 self.newest = k
@@ -117,9 +122,8 @@ class StepAssembler:
         return cols
 
     @staticmethod
-    def _sight(cols: dict[str, np.ndarray], keys: np.ndarray, key: int, k: tuple[int, int], n: int, *,
-               single: bool) -> StepSight:
-        m = slice(None) if single else keys == key
+    def _sight(cols: dict[str, np.ndarray], m: slice | np.ndarray, k: tuple[int, int], n: int) -> StepSight:
+        """The step's first sight from its rows `m` (indices into `cols`, or all of them)."""
 
         def med(col: str) -> float | None:
             v = cols[col][m]

@@ -36,3 +36,18 @@ def test_too_many_open_steps_release_the_oldest():
         a.add(rows(s, [0]), now=0.0)
     out = a.release(0.0, expected_ranks=2)
     assert sorted(set(out["step"].to_list())) == [1, 2] and a.num_open_steps == 2
+
+
+def test_first_sights_of_a_commit_of_many_interleaved_steps_are_each_of_its_own_rows():
+    """A collector behind its job gets tens of steps in one commit, its rows in any order: each
+    step's first sight (loss median, last ts, rows) is of that step's rows alone."""
+    import numpy as np
+    import polars as pl
+
+    rng = np.random.default_rng(2)
+    parts = [rows(s, [0, 1, 2], loss=float(s)) for s in range(1, 31)]
+    frame = pl.concat(parts)
+    frame = frame[rng.permutation(frame.height).tolist()]
+    a = StepAssembler(complete_timeout_s=3.0, max_open_steps=64)
+    got = {s.step: (s.loss, s.ts, s.num_rows) for s in a.add(frame, now=0.0)}
+    assert got == {s: (float(s), float(s), 3) for s in range(1, 31)}
