@@ -153,6 +153,11 @@ class BatchMaker:
             hb = dict(self._hb)
             hb["ts"] = np.full(1, now)
             hb["step"] = np.full(1, step0 + self.steps - 1, dtype=np.int64)
+            # the collective entered last moves on with the steps, as a healthy rank's does (a constant
+            # one read as a rank stuck in its collective once the collector saw the ranks alive)
+            per_step = max(1, self.collectives)
+            hb["last_seq"] = np.full(1, (step0 + self.steps) * per_step - 1, dtype=np.int64)
+            hb["last_group_seq"] = np.full(1, step0 + self.steps - 1, dtype=np.int64)
             sections[wire.HEARTBEAT] = (1, {k: v.tobytes() for k, v in hb.items()})
         header = {"run_id": self.run_id, "rank": rank, "incarnation": self.incarnation, "batch_seq": batch_seq,
                   "node": f"node{rank // 8}", "pid": 1000 + rank, "sent_ts": now,
