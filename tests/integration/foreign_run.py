@@ -127,6 +127,10 @@ def run_loop(tmp: Path, loop: str, *, faults: str = "", steps: int = 60, nproc: 
     own = collectors is None
     col = CollectorProcess(tmp / "tel.duckdb", args=collector_args).start() if own \
         else collectors.get(collector_args)
+    # a shared collector: the run id is the loop and the directory's name, and a second run under
+    # the same one would add its rows to the first's (a test whose counts then fail for no reason)
+    assert own or not col.sql(f"SELECT count(*) FROM runs WHERE run_id = '{run_id}'")[0][0], \
+        f"run id {run_id} is taken on this collector: give the run a directory name of its own"
     try:
         cmd, job_env = _command(loop, nproc, run_id, col)
         job_env.update(LOOP_FAULTS=faults, LOOP_STEPS=str(steps), LOOP_TRUTH=str(tmp / "truth"), LOOP_OUT=str(tmp / "out"),

@@ -155,7 +155,7 @@ def test_agents_set_to_beat_every_12_s_say_so_and_their_quiet_is_no_crash(tmp_pa
     that runs here): the DDP loop's agents flush every 4 s and beat every 12 s, each heartbeat says
     so, and the crash detector waits 3 beats. By its fixed times alone, both ranks quiet for 10 s
     (`run_silence_s`) between beats read as a job that died."""
-    run = run_loop(tmp_path / "ddp", "ddp", collectors=collectors, steps=BEAT_STEPS,
+    run = run_loop(tmp_path / "beats", "ddp", collectors=collectors, steps=BEAT_STEPS,
                    env={"LLMWATCH_FLUSH_S": "4", "LLMWATCH_HEARTBEAT_S": "12"})
     _finished(run, BEAT_STEPS)
     span_s = max(run.steps.values()) - min(run.steps.values())
