@@ -188,6 +188,8 @@ class HangDetector:
         waiting = np.flatnonzero(ahead & (stuck_s >= np.fmax(0.5 * timeout, beat_s)))
         if not len(waiting):
             return
+        # the timeout the evidence names: the learned one, or the culprits' beats when longer
+        timeout = max(timeout, self.beats * float(np.fmax.reduce(beat_s[culprits], initial=0.0)))
         self._open(p, st, culprits, waiting, timeout=timeout, interval=interval, stuck_s=stuck_s, pending=pending)
 
     # -- an open hang ----------------------------------------------------------------

@@ -131,3 +131,4 @@ def test_a_hang_among_ranks_that_beat_every_30_s_is_found_over_three_of_their_be
     (f,) = opened(findings).values()
     assert (f.kind, f.rank, f.step_from) == ("hang", 2, 20), f.summary()
     assert 3 * 30.0 <= f.ts - last_progress <= 3 * 30.0 + 2 * 30.0, f.ts - last_progress
+    assert f.evidence["timeout_s"] == 90.0 and "(timeout 90.0 s)" in f.root_cause  # 3 beats, not the learned ~11 s
