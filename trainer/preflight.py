@@ -6,8 +6,11 @@ first minutes of a run. Before training (`trainer --preflight`, or for any job
 
 1. **compute**: each rank times `reps` square matmuls (after one warm-up); a node's
    time is its slowest rank's. Simulated nodes that share one host take turns (timed
-   at once they would time each other's contention), and so do their link pairs. A node `ratio` times the median node's or slower is
-   `slow_compute`.
+   at once they would time each other's contention), and so do their link pairs; each
+   takes two turns, the second pass in reverse order, and keeps its faster reading, so
+   a burst of the host's load during one turn (a neighbour starting up) cannot make
+   that node or pair look slow, or make it the fast one the others are judged by. A
+   node `ratio` times the median node's or slower is `slow_compute`.
 2. **links, in rounds** (DLRover's network check): one rank a node (its lowest)
    stands for it. Round 1 pairs the nodes (0-1, 2-3, ...; an odd one out pairs with
    node 0 after the others); each pair times `reps` all-reduces and all-gathers of
@@ -278,12 +281,18 @@ def _stop_answering() -> None:
 def _round(pairs: list[tuple[str, str]], leader: dict[str, int], ex: Exchange, tag: str, checks: Checks,
            device: torch.device, link_factor: float, shared: bool = False,
            ) -> tuple[dict[tuple[str, str], float], dict[tuple[str, str], str]]:
-    """Time every pair's link at once (disjoint pairs; one after the other when the nodes
-    share a host). Returns every pair's time, and the pairs whose partner did not come
+    """Time every pair's link at once (disjoint pairs). When the nodes share a host, one
+    pair after the other, twice (the second pass in reverse order), each pair's faster
+    time kept. Returns every pair's time, and the pairs whose partner did not come
     (pair -> the node that did not). Every alive rank calls it with the same pairs."""
     times: dict[tuple[str, str], float] = {}
     unanswered: dict[tuple[str, str], str] = {}
-    for i, group in enumerate([[p] for p in pairs] if shared else [pairs]):
+    turns = [[p] for p in pairs + pairs[::-1]] if shared else [pairs]
+    for i, group in enumerate(turns):
+        # a pair whose partner did not come is not waited for again (every rank read the same gather)
+        group = [p for p in group if p not in unanswered]
+        if not group:
+            continue
         mine = None
         for a, b in group:
             if ex.rank not in (leader[a], leader[b]):
@@ -307,7 +316,7 @@ def _round(pairs: list[tuple[str, str]], leader: dict[str, int], ex: Exchange, t
                 continue
             a, b, t, missing = v
             if t is not None:
-                times[(a, b)] = float(t)
+                times[(a, b)] = min(float(t), times.get((a, b), float("inf")))
             else:  # the side that came says who did not (or that it came late itself)
                 unanswered.setdefault((a, b), missing)
         for a, b in group:  # neither leader posted: the first silent one is named
@@ -342,11 +351,12 @@ def run_checks(*, node: str, store, rank: int, world: int, checks: Checks = Chec
     # time each other's contention for the host's cores, not themselves
     shared = len({h for _, h, _ in seen.values()}) < len(ranks)
     turns = sorted(ranks, key=lambda n: ranks[n][0])
-    matmul_s = 0.0
-    for i, turn in enumerate(turns if shared else [None]):
+    matmul_s = float("inf")
+    passes = turns + turns[::-1] if shared else [None]  # two turns each: a burst of load spoils one
+    for i, turn in enumerate(passes):
         if turn is None or turn == node:
-            matmul_s = _time_matmul(checks, device, compute_factor)
-        if shared and i < len(turns) - 1:
+            matmul_s = min(matmul_s, _time_matmul(checks, device, compute_factor))
+        if shared and i < len(passes) - 1:
             ex.gather(f"turn/{i}", None)
     times = ex.gather("compute", matmul_s)
     if hang:

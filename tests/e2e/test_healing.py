@@ -219,9 +219,10 @@ def lemon(tmp_path_factory):
 @pytest.fixture(scope="module")
 def preflight(tmp_path_factory):
     # four nodes and a spare; node2's link is 16x slow from the start: the pre-flight checks find it.
-    # Simulated nodes on one host time their pairs in turns, and the first turn can fall in the
-    # embedded dashboard's start-up: in one CI run node0-node1 read 33.6 ms and the 8x pair 62.2 ms
-    # (1.85x, under the 2x bar), so the fault is made twice as large, not the bar lower
+    # Simulated nodes on one host time their pairs in turns, and a turn can fall in the embedded
+    # dashboard's start-up: in one CI run node0-node1 read 33.6 ms and the 8x pair 62.2 ms (1.85x,
+    # under the 2x bar). Each pair now takes two turns and keeps the faster (the burst is the unit
+    # test's); the fault stays twice as large, so a burst over both turns fails nothing either
     d = tmp_path_factory.mktemp("preflight") / "run"
     return run_healing(d, "--dp", "4", "--nodes", "4", "--micro-batches", "1", *rules(d.parent / "rules.toml"),
                        "--steps", "40", *ckpt(d, every=10), "--spare-nodes", "1", "--preflight",
