@@ -7,8 +7,9 @@ takes everything queued (up to a row and byte budget; a small group, under
 `group_linger_s` for the rest of its flush; and while a larger group is under
 `group_min_rows` and requests keep arriving (no pause longer than `group_gap_s`)
 it waits up to `group_linger_s` for more, because DuckDB's
-cost per row halves when one transaction appends a whole row group, 122,880
-rows, which it then writes straight to the file instead of through the WAL).
+cost per row falls when one transaction appends whole row groups, which it then
+writes straight to the file instead of through the WAL (our tables' row groups
+are `storage.ROW_GROUP_ROWS`, 32,768 rows: `group_min_rows` is four).
 
 One group commit (see collector/store/projection.py for the parts):
 1. the admission sorts out batches whose key is taken (the same bytes again are

@@ -111,6 +111,16 @@ def test_the_database_itself_refuses_files_and_settings(con):
         con.execute("COPY steps TO '/tmp/llmwatch-guard-test.csv'")
 
 
+def test_the_file_is_the_only_database_every_cursor_sees(con):
+    """A writable file is attached (for its row group size) to an in-memory database that is
+    then detached: no scratch database is left that SQL could write to, and a cursor's
+    default is the file, named as a plain `duckdb.connect(path)` names it."""
+    names = [n for (n,) in con.execute("SELECT database_name FROM duckdb_databases() WHERE NOT internal").fetchall()]
+    assert names == ["g"]
+    cur = con.cursor()
+    assert cur.execute("SELECT current_database(), count(*) FROM steps").fetchall() == [("g", 40)]
+
+
 def test_row_limit_and_truncation(con):
     result = run(con, "SELECT * FROM steps ORDER BY step, rank", max_rows=5)
     assert len(result.rows) == 5 and result.truncated
