@@ -130,7 +130,8 @@ def connect(path: str | Path, *, read_only: bool = False, threads: int = 2, memo
     if not row_group_rows or name.lower() in ("", "memory", "system", "temp"):  # names taken
         return duckdb.connect(str(path), config=config)
     late = {k: config.pop(k) for k in ("enable_external_access", "lock_configuration")}
-    con = duckdb.connect(":memory:", config=config)
+    # where queries spill: beside the file, as for a file opened directly (in memory: ./.tmp)
+    con = duckdb.connect(":memory:", config={**config, "temp_directory": f"{path}.tmp"})
     try:
         literal = str(path).replace("'", "''")
         con.execute(f"ATTACH '{literal}' AS {_ident(name)} (ROW_GROUP_SIZE {int(row_group_rows)})")

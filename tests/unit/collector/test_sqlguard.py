@@ -119,6 +119,9 @@ def test_the_file_is_the_only_database_every_cursor_sees(con):
     assert names == ["g"]
     cur = con.cursor()
     assert cur.execute("SELECT current_database(), count(*) FROM steps").fetchall() == [("g", 40)]
+    (path, spill), = cur.execute("SELECT path, current_setting('temp_directory') FROM duckdb_databases() "
+                                 "WHERE database_name = 'g'").fetchall()
+    assert spill == f"{path}.tmp"  # queries spill beside the file, as when it is opened directly
 
 
 def test_row_limit_and_truncation(con):
