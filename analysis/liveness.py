@@ -76,13 +76,14 @@ class Liveness:
         """Ranks that have begun a step (a step row, or a step in a heartbeat): past start-up."""
         return (self.last_step >= 0) | (self.hb_step >= 0)
 
-    def quiet_after(self, floor_s: float, beats: float) -> np.ndarray:
-        """Per rank: how long without a heartbeat is silence. `floor_s`, or `beats` of the
-        rank's declared heartbeat intervals when that is longer (a rank that never said
-        its interval: `floor_s`). An agent's beats drift from its grid by a flush held up
-        in a slow POST; `beats` of them leaves room for that, as `floor_s` does for the
-        default 1 s beat."""
-        return np.fmax(floor_s, beats * self.interval_s)
+    def quiet_after(self, floor_s: float | np.ndarray, beats: float, ranks=None) -> np.ndarray:
+        """Per rank (of `ranks`, default all): how long without a heartbeat is silence.
+        `floor_s` (a number, or one per rank), or `beats` of the rank's declared heartbeat
+        intervals when that is longer (a rank that never said its interval: `floor_s`).
+        An agent's beats drift from its grid by a flush held up in a slow POST; `beats` of
+        them leaves room for that, as `floor_s` does for the default 1 s beat."""
+        interval = self.interval_s if ranks is None else self.interval_s[ranks]
+        return np.fmax(floor_s, beats * interval)
 
     def phase_name(self, rank: int) -> str | None:
         code = int(self.phase[rank]) if 0 <= rank < len(self.phase) else -1

@@ -187,9 +187,9 @@ class CrashDetector:
         # the step the job stalled in: synchronous training finishes no step without every rank
         stalled = int(live.last_step.max()) + 1 if len(live.last_step) and live.last_step.max() >= 0 else step
         step_to = max(step, stalled) if step is not None and stalled is not None else (step or stalled)
-        # the culprit's own threshold (Liveness.quiet_after's, for one rank)
+        # the culprit's own threshold
         silence_s = self.cfg.silence_s if c is None else float(
-            np.fmax(self.cfg.silence_s, self.cfg.silence_beats * live.interval_s[c]))
+            live.quiet_after(self.cfg.silence_s, self.cfg.silence_beats, c))
         evidence = {"source": st.source, "silence_s": silence_s,
                     "silent_ranks": members[:32].tolist(), "num_silent": len(members),
                     "went_silent_together": cascade[:32].tolist(),

@@ -167,9 +167,8 @@ class HangDetector:
         timeout = self.timeout_s(interval)
         long = np.isin(live.phase, live.phase_codes(self.cfg.long_phases))
         # a rank's `last_seq` is seen to stand still only from one of its heartbeats to the next: an
-        # agent that beats every 30 s is judged over `beats` of them (np.fmax: NaN, not said, is no floor)
-        beat_s = live.interval_s
-        tmo = np.fmax(np.where(long, self.cfg.long_phase_timeout_s, timeout), self.beats * beat_s)
+        # agent that beats every 30 s is judged over `beats` of them (an interval not said: the timeout alone)
+        tmo = live.quiet_after(np.where(long, self.cfg.long_phase_timeout_s, timeout), self.beats)
         since = live.seq_since_s
         if marks.closed_s is not None:  # a rank closed: the others' stagnation counts from then, not before
             since = np.maximum(since, marks.closed_s)
@@ -185,11 +184,11 @@ class HangDetector:
         ahead = alive & (progress > least)
         if not ahead.any() or not stagnant[culprits].all():
             return
-        waiting = np.flatnonzero(ahead & (stuck_s >= np.fmax(0.5 * timeout, beat_s)))
+        waiting = np.flatnonzero(ahead & (stuck_s >= live.quiet_after(0.5 * timeout, 1)))
         if not len(waiting):
             return
         # the timeout the evidence names: the learned one, or the culprits' beats when longer
-        timeout = max(timeout, self.beats * float(np.fmax.reduce(beat_s[culprits], initial=0.0)))
+        timeout = float(live.quiet_after(timeout, self.beats, culprits).max())
         self._open(p, st, culprits, waiting, timeout=timeout, interval=interval, stuck_s=stuck_s, pending=pending)
 
     # -- an open hang ----------------------------------------------------------------
