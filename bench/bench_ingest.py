@@ -300,7 +300,7 @@ def main() -> int:
                   f"{h['stored_rows']:,} rows stored)")
             if ceil:
                 print(f"    ratio to the ceiling     : {h['rows_per_s'] / ceil['bulk_rows_per_s']:12.2f}   "
-                      f"(to the storage layer with as many in flight: "
+                      f"(to the writer alone with as many in flight: "
                       f"{h['rows_per_s'] / ceil['closed_rows_per_s']:.2f})")
             print(f"    ack latency p50 / p99    : {h['latency_p50_ms']:.0f} / {h['latency_p99_ms']:.0f} ms")
             print(f"    CPU per row              : collector {h['server_cpu_us_per_row']:.2f} us, "
